@@ -24,7 +24,7 @@ import torch
 
 from enginehooks.checksums import check_name
 from enginehooks.dtypes import torch_dtype
-from enginehooks.errors import EngineHooksError, PushTimeout, ReplicaError
+from enginehooks.errors import EngineHooksError, PushTimeout, ReplicaError, TransportError
 from enginehooks.futures import spawn
 from enginehooks.handles import EngineHandle
 from enginehooks.manifest import Manifest, plan
@@ -237,14 +237,17 @@ class WeightSync:
             raise
         self._sender, self._members = sender, list(self._replicas)
 
-    def _close_group(self) -> None:
+    def _close_group(self, wait_for_leaves: bool = True) -> None:
+        """Leave on every member and close the sender. Best effort and bounded: a dead
+        replica must not keep the group from closing; after a failure the leaves are
+        not waited for at all (the push must fail within its timeout)."""
         sender, members = self._sender, self._members
         self._sender, self._members = None, []
         if sender is None:
             return
-        # Best effort, bounded: a dead replica must not keep the group from closing.
         futs = [spawn(r.leave, self.timeout_s) for r in members]
-        wait(futs, timeout=self.timeout_s)
+        if wait_for_leaves:
+            wait(futs, timeout=self.timeout_s)
         self._pm.hook.update_group(
             transport=self.transport_name, action="leave", side="sender", endpoint=None,
             member=sender, options={},
@@ -275,31 +278,36 @@ class WeightSync:
                 stream=adapter.stream(), abort=abort,
             )
         except BaseException as e:
-            self._drop_group_if_broken()
+            # A replica's own error says more than the sender's "aborted": prefer it. The
+            # receivers learn of a sender-side failure through the abort notice, so give
+            # them a moment to report before the group is torn down under them.
+            cause: BaseException | None = None
             if futs:
-                # A replica's own error says more than the sender's "aborted": prefer it.
                 done, _ = wait(futs, timeout=min(5.0, self.timeout_s), return_when=FIRST_EXCEPTION)
                 for r, f in zip(reps, futs):
                     if f in done and f.exception() is not None:
                         self._mark(report, r, str(f.exception()))
-                        raise ReplicaError(r.name, f"receive failed: {f.exception()}") from e
+                        # The sender's own error (the trainer's stream broke) is the
+                        # cause; a data-plane error is better told by the replica.
+                        if cause is None and isinstance(e, TransportError):
+                            cause = ReplicaError(r.name, f"receive failed: {f.exception()}")
+            # Whatever failed, the group's state is unknown now: rebuild it next time.
+            self._close_group(wait_for_leaves=False)
+            if cause is not None:
+                raise cause from e
             raise
         if not self.transport.streaming:
             futs = start_receivers(stats.manifest or manifest)
         try:
             results = self._collect(report, "receive", reps, futs, self.timeout_s)
         except BaseException:
-            self._drop_group_if_broken(force=True)
+            self._close_group(wait_for_leaves=False)
             raise
         for res, r, out in zip(report.replicas, reps, results):
             res.ok = True
             res.seconds = max((w.get("seconds", 0.0) for w in out), default=0.0)
             res.stats = {"workers": out}
             del r
-
-    def _drop_group_if_broken(self, force: bool = False) -> None:
-        if self._sender is not None and (force or getattr(self._sender, "broken", False)):
-            self._close_group()
 
     def close(self) -> None:
         """Leave the group on every replica and close the sender (bounded by timeouts)."""

@@ -6,14 +6,34 @@ bucket k+1 while bucket k is on the wire, and a receiver posts the receive of bu
 k+1 before it applies bucket k. A buffer is reused only after the collective that used
 it has completed (`Work.wait`, which on NCCL also orders the current stream after the
 communication stream), so packing can never tear bytes still being sent.
+
+NCCL specifics (what each guards against):
+- `Work.wait()` on NCCL does not block the host; it only makes the current stream wait.
+  A host that then syncs (a digest, the trailer read) would block inside CUDA where
+  neither the coordinator's `Abort` nor our timeout can reach it. So after each
+  `Work.wait()` we record an event and wait for it on a helper thread, while this
+  thread waits on the `Abort` condition with `timeout_s`: a dead peer becomes a
+  `TransportError` and `pg.abort()`, which also releases the helper.
+- NCCL's own watchdog kills the whole process when a collective outlives the group's
+  timeout. The group is therefore built with a longer timeout than ours
+  (`_nccl_timeout`), so our error path, not a process teardown, ends a stuck update.
+- NCCL creates its communicator lazily, in the first collective, which can block the
+  host without a deadline. `connect()` runs a one-element broadcast on a helper
+  thread, bounded by `timeout_s`, so the group is live (or a clear error) before the
+  first push, and the first push's timing excludes communicator setup.
+- The receiver posts bucket k+1's receive before it yields bucket k; NCCL orders its
+  stream after the current stream at launch, so the target's copies out of a buffer
+  (made on the current stream) finish before the next receive overwrites it.
 """
 
 from __future__ import annotations
 
+import contextlib
 import datetime as _dt
+import threading
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -23,7 +43,15 @@ from enginehooks.buckets import TRAILER_BYTES, Unpacker, pack, write_abort
 from enginehooks.errors import TransportError
 from enginehooks.manifest import ALIGN, Manifest
 from enginehooks.rendezvous import client_store, master_store, new_group
-from enginehooks.transports.base import Abort, Receiver, Sender, SendStats, Stream, Target, Transport
+from enginehooks.transports.base import (
+    Abort,
+    Receiver,
+    Sender,
+    SendStats,
+    Stream,
+    Target,
+    Transport,
+)
 
 
 def message_bytes(payload: int) -> int:
@@ -51,15 +79,68 @@ class _Buffers:
         return self.bufs
 
 
+def _nccl_timeout(timeout_s: float) -> float:
+    """The NCCL group's own timeout: past ours, so its watchdog never fires first."""
+    return 2 * timeout_s + 60
+
+
+# Collectives still in flight when an update fails. Destroying a gloo/NCCL `Work` that
+# has not completed blocks until the collective times out, which would stall the
+# thread reporting the failure; parking them here lets the error travel at once while
+# the dead collective times out in the background.
+_GRAVEYARD: list[Any] = []
+
+
+def _bury(*items: Any) -> None:
+    _GRAVEYARD.extend(x for x in items if x is not None)
+    del _GRAVEYARD[:-64]  # the oldest have long timed out
+
+
 def _bcast(pg: Any, buf: torch.Tensor, timeout_s: float) -> Any:
     opts = dist.BroadcastOptions()
     opts.rootRank = 0
+    if buf.device.type == "cuda":
+        timeout_s = _nccl_timeout(timeout_s)
     opts.timeout = _dt.timedelta(seconds=timeout_s)
     return pg.broadcast([buf], opts)
 
 
-def _wait(work: Any, abort: Abort | None, timeout_s: float, what: str) -> None:
-    """Wait for a collective, waking early if the coordinator aborts the update."""
+def _host_wait(ev: torch.cuda.Event, abort: Abort | None, timeout_s: float, what: str) -> None:
+    """Block this thread until `ev` completed on the GPU, `abort` fires, or `timeout_s`.
+
+    CUDA offers no wait that a condition variable can interrupt, so a short-lived
+    helper thread does the `cudaEventSynchronize` and pokes the condition.
+    """
+    if ev.query():
+        return
+    cv = abort if abort is not None else Abort()
+    done = threading.Event()
+
+    def sync() -> None:
+        try:
+            ev.synchronize()
+        finally:
+            done.set()
+            cv.poke()
+
+    threading.Thread(target=sync, name="enginehooks-cuda-wait", daemon=True).start()
+    if not cv.wait_for(done.is_set, timeout_s):
+        raise TransportError(f"{what} did not complete within {timeout_s}s")
+
+
+def _wait(work: Any, abort: Abort | None, timeout_s: float, what: str,
+          device: torch.device | None = None) -> None:
+    """Wait for a collective, waking early if the coordinator aborts the update.
+
+    On CUDA, also block the host (abortably) until the collective finished on the GPU,
+    so that no later host sync can hang outside our timeout.
+    """
+    if device is not None and device.type == "cuda":
+        work.wait()  # the current stream now waits for NCCL's stream
+        ev = torch.cuda.Event()
+        ev.record(torch.cuda.current_stream(device))
+        _host_wait(ev, abort, timeout_s, what)
+        return
     if abort is None:
         work.wait()
         return
@@ -67,7 +148,34 @@ def _wait(work: Any, abort: Abort | None, timeout_s: float, what: str) -> None:
     fut.add_done_callback(lambda _f: abort.poke())
     if not abort.wait_for(fut.done, timeout_s):
         raise TransportError(f"{what} did not complete within {timeout_s}s")
-    work.wait()  # re-raises the collective's own error, and orders streams on NCCL
+    work.wait()  # re-raises the collective's own error
+
+
+def _warmup(pg: Any, device: torch.device, timeout_s: float, what: str) -> None:
+    """Create the NCCL communicator now, bounded by `timeout_s` (see module docstring)."""
+    box: dict[str, BaseException] = {}
+    done = threading.Event()
+
+    def run() -> None:
+        try:
+            with torch.cuda.device(device):
+                t = torch.zeros(1, dtype=torch.uint8, device=device)
+                _bcast(pg, t, timeout_s).wait()
+                torch.cuda.current_stream(device).synchronize()
+        except BaseException as e:
+            box["error"] = e
+        finally:
+            done.set()
+
+    threading.Thread(target=run, name="enginehooks-nccl-init", daemon=True).start()
+    if not done.wait(timeout_s):
+        with contextlib.suppress(Exception):
+            pg.abort()
+        raise TransportError(f"{what}: the NCCL communicator did not form within {timeout_s}s")
+    if "error" in box:
+        raise TransportError(f"{what}: NCCL communicator setup failed: {box['error']}") from box[
+            "error"
+        ]
 
 
 class BroadcastSender(Sender):
@@ -101,13 +209,20 @@ class BroadcastSender(Sender):
         }
 
     def connect(self, world_size: int) -> None:
-        if self.backend == "nccl" and self.device.type == "cuda":
+        nccl = self.backend == "nccl" and self.device.type == "cuda"
+        if nccl:
             torch.cuda.set_device(self.device)
         self.world_size = world_size
         self.pg = new_group(
             self.backend, self.store, f"enginehooks/{self.group_id}/", 0, world_size,
-            self.timeout_s, self.host,
+            _nccl_timeout(self.timeout_s) if nccl else self.timeout_s, self.host,
         )
+        if nccl:
+            try:
+                _warmup(self.pg, self.device, self.timeout_s, f"group {self.group_id} rank 0")
+            except BaseException:
+                self._break()
+                raise
 
     def send(self, manifest: Manifest, stream: Stream, abort: Abort) -> SendStats:
         if self.pg is None:
@@ -120,7 +235,8 @@ class BroadcastSender(Sender):
         def next_buffer(index: int) -> torch.Tensor:
             slot = index % 2
             if pending[slot] is not None:
-                _wait(pending[slot], abort, self.timeout_s, f"broadcast of bucket {index - 2}")
+                _wait(pending[slot], abort, self.timeout_s, f"broadcast of bucket {index - 2}",
+                      self.device)
                 pending[slot] = None
             return bufs[slot][: sizes[index]]
 
@@ -133,9 +249,11 @@ class BroadcastSender(Sender):
                 stats.buckets += 1
             for slot in (0, 1):
                 if pending[slot] is not None:
-                    _wait(pending[slot], abort, self.timeout_s, "the last broadcasts")
+                    _wait(pending[slot], abort, self.timeout_s, "the last broadcasts",
+                          self.device)
                     pending[slot] = None
         except TransportError:
+            _bury(*pending, bufs)
             self._break()
             raise
         except BaseException as e:
@@ -159,17 +277,15 @@ class BroadcastSender(Sender):
             buf = self._buffers.bufs[index % 2][: message_bytes(manifest.buckets[index].nbytes)]
             write_abort(buf, Unpacker(manifest).mid, index, reason)
             _bcast(self.pg, buf, self.timeout_s).wait()
-        except Exception:  # noqa: BLE001 - best effort; the receivers time out otherwise
+        except Exception:
             self._break()
 
     def _break(self) -> None:
         """After a failed collective the group's state is unknown: drop it for good."""
         pg, self.pg = self.pg, None
         if pg is not None:
-            try:
+            with contextlib.suppress(Exception):
                 pg.abort()
-            except Exception:  # noqa: BLE001
-                pass
 
     @property
     def broken(self) -> bool:
@@ -199,21 +315,34 @@ class BroadcastReceiver(Receiver):
         self._buffers = _Buffers(device, pin=False)
 
     def connect(self) -> None:
-        if self.backend == "nccl" and self.device.type == "cuda":
+        nccl = self.backend == "nccl" and self.device.type == "cuda"
+        if nccl:
             torch.cuda.set_device(self.device)
         store = client_store(self.host, self.port, self.timeout_s)
         self.pg = new_group(
             self.backend, store, f"enginehooks/{self.group_id}/", self.rank, self.world_size,
-            self.timeout_s, self.host,
+            _nccl_timeout(self.timeout_s) if nccl else self.timeout_s, self.host,
         )
+        if nccl:
+            try:
+                _warmup(self.pg, self.device, self.timeout_s,
+                        f"group {self.group_id} rank {self.rank}")
+            except BaseException:
+                self.close()
+                raise
 
-    def stream(self, manifest: Manifest) -> Iterator[tuple[str, torch.Tensor]]:
+    def stream(
+        self, manifest: Manifest, into: Callable[[str], torch.Tensor | None] | None = None
+    ) -> Iterator[tuple[str, torch.Tensor]]:
         """Yield the update's tensors as buckets arrive; bucket k+1 is already in flight
         while the caller consumes bucket k, so views of bucket k stay valid until the
-        caller asks for the first tensor of bucket k+1."""
-        if self.pg is None:
+        caller asks for the first tensor of bucket k+1. The caller must consume them on
+        the current stream (or sync its own stream before asking for the next one).
+        `into` is the target's optional `destination(name)` (see `Unpacker`)."""
+        pg = self.pg  # a concurrent leave() must not pull the group from under us
+        if pg is None:
             raise TransportError("receive before connect(): the group has not formed")
-        unpacker = Unpacker(manifest, self.device)
+        unpacker = Unpacker(manifest, self.device, into)
         n = len(manifest.buckets)
         if n == 0:
             yield from unpacker.empties()
@@ -224,9 +353,9 @@ class BroadcastReceiver(Receiver):
         try:
             for index in range(n):
                 buf = bufs[index % 2][: sizes[index]]
-                work.wait()
+                _wait(work, None, self.timeout_s, f"receive of bucket {index}", self.device)
                 if index + 1 < n:
-                    work = _bcast(self.pg, bufs[(index + 1) % 2][: sizes[index + 1]],
+                    work = _bcast(pg, bufs[(index + 1) % 2][: sizes[index + 1]],
                                   self.timeout_s)
                 yield from unpacker.unpack(index, buf)
         except BaseException:
@@ -236,16 +365,14 @@ class BroadcastReceiver(Receiver):
 
     def deliver(self, manifest: Manifest, target: Target) -> dict[str, Any]:
         t0 = time.perf_counter()
-        target.apply(self.stream(manifest))
+        target.apply(self.stream(manifest, getattr(target, "destination", None)))
         return {"bytes": manifest.total_bytes, "seconds": time.perf_counter() - t0}
 
     def close(self) -> None:
         pg, self.pg = self.pg, None
         if pg is not None:
-            try:
+            with contextlib.suppress(Exception):
                 pg.abort()
-            except Exception:  # noqa: BLE001
-                pass
 
 
 class GlooTransport(Transport):

@@ -39,7 +39,34 @@ class _VLLMTarget:
         # arrived, and the transport reuses bucket buffers: hand it copies, so at most
         # one layer's worth is held, never views into a buffer being overwritten.
         copies = ((name, t.clone()) for name, t in tensors)
-        self.worker.reload_weights(weights_iterator=copies, is_checkpoint_format=True)
+        try:
+            self.worker.reload_weights(weights_iterator=copies, is_checkpoint_format=True)
+        except BaseException:
+            self._unwind_reload()
+            raise
+
+    def _unwind_reload(self) -> None:
+        """After a reload died mid-stream, finish vLLM's layerwise reload anyway.
+
+        Without this the model keeps the reload's wrapped loaders and meta tensors, and
+        every later reload fails. Finalising places the old kernel tensors back for
+        layers that received nothing and processes the others: the model is consistent
+        again (though torn between versions, which `EngineSide` reports) and the next
+        update repairs it.
+        """
+        try:
+            from vllm.config import set_current_vllm_config
+            from vllm.model_executor.model_loader.reload.layerwise import (
+                finalize_layerwise_reload,
+            )
+
+            cfg = self.worker.vllm_config
+            with set_current_vllm_config(cfg):
+                finalize_layerwise_reload(self.worker.model_runner.get_model(), cfg.model_config)
+        except Exception:  # noqa: BLE001 - never mask the error that got us here
+            import logging
+
+            logging.getLogger(__name__).exception("could not unwind vLLM's layerwise reload")
 
     def load_path(self, path: str) -> bool:
         self.worker.reload_weights(weights_path=path, is_checkpoint_format=True)

@@ -1,0 +1,441 @@
+"""Colocated transports: trainer and engine on one host (`shm`) or one GPU (`cuda_ipc`).
+
+No bytes travel through a collective: the sender owns two bucket buffers that every
+receiver maps once, and the trainer-side process and the engine workers take turns on
+them. What differs between `shm` and `cuda_ipc` is only how a buffer is allocated,
+described (a JSON-able descriptor, never a pickle) and mapped; everything else lives
+here, in `ColocatedSender` / `ColocatedReceiver`.
+
+Signalling goes through the TCPStore rendezvous (the same one the broadcast transports
+use), under the group's prefix `enginehooks/<group>/`:
+
+- `join/<rank>`            a receiver connected (the sender waits for all of them)
+- `buffers/<gen>`          descriptor of buffer generation `gen` (JSON)
+- `u<seq>/ready/<k>`       bucket k of update `seq` is sealed in a slot:
+                           `{"gen", "slot", "mid"}`, or `{"abort": reason}`
+- `u<seq>/ack/<k>/<rank>`  rank copied bucket k out: `ok`, or `error: ...`
+
+Update `seq` counts the sender's `send()` calls and each receiver's `deliver()` calls;
+both sides start from zero in a fresh group, and a failed update marks both halves
+`broken`, so the coordinator rebuilds the group (fresh prefix, fresh counters) before
+the next push and the counters can never drift apart.
+
+Ordering, which is what keeps the bytes whole:
+1. the sender packs bucket k into slot k % 2 (two buffers bound the memory), seals it
+   (trailer with the digest), syncs its device, then publishes `ready/k`;
+2. a receiver reads `ready/k`, verifies the trailer and digest through the same
+   `Unpacker` the broadcast transports use, hands views of the slot to the target,
+   syncs its device once the target moved on (the copies out are done), then acks;
+3. the sender reuses slot k % 2 for bucket k + 2 only after every receiver acked k.
+
+Failures cross over through the same keys: a receiver that fails writes `error: ...`
+into its remaining acks; a sender that fails (its stream broke, an ack said error, a
+wait timed out, or the coordinator's `Abort` fired) writes `{"abort": ...}` into the
+remaining ready keys. Every store wait carries `timeout_s`. The coordinator's `Abort`
+reaches a sender blocked in a store wait through a watcher thread on a second store
+connection, which writes the abort into the acks the sender waits for.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import json
+import threading
+import time
+import uuid
+from abc import abstractmethod
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from enginehooks.buckets import TRAILER_BYTES, Unpacker, manifest_id, pack
+from enginehooks.errors import SenderAborted, TransportError
+from enginehooks.manifest import ALIGN, Manifest
+from enginehooks.rendezvous import client_store, master_store
+from enginehooks.transports.base import Abort, Receiver, Sender, SendStats, Stream, Target
+
+OK = b"ok"
+
+
+def message_bytes(payload: int) -> int:
+    """Bytes of a slot that bucket of `payload` bytes uses: payload, padding, trailer."""
+    return (payload + ALIGN - 1) // ALIGN * ALIGN + TRAILER_BYTES
+
+
+def slot_bytes(manifest: Manifest) -> int:
+    return max((message_bytes(b.nbytes) for b in manifest.buckets), default=TRAILER_BYTES)
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.current_stream(device).synchronize()
+
+
+class ColocatedSender(Sender):
+    """Trainer side: owns the buffers and the store; see the module docstring.
+
+    Subclasses implement `_allocate` (two buffers and their JSON descriptor),
+    `_all_mapped` (called once every receiver mapped a generation) and `_release`.
+    """
+
+    transport_name = "colocated"
+
+    def __init__(
+        self,
+        *,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        timeout_s: float = 120.0,
+        device: torch.device | str | None = None,
+        **_: Any,
+    ) -> None:
+        self.host = host
+        self.timeout_s = float(timeout_s)
+        self.device = self._default_device(device)
+        self.store = master_store(host, port, self.timeout_s)
+        self.group_id = uuid.uuid4().hex[:12]
+        self.prefix = f"enginehooks/{self.group_id}/"
+        self.world_size = 0
+        self.seq = 0
+        self.gen = 0
+        self.bufs: list[torch.Tensor] = []
+        self.broken = False
+        self._watch_store: dist.TCPStore | None = None
+        self._mapped_gens: set[int] = set()
+
+    # -- what subclasses provide -----------------------------------------------------
+    def _default_device(self, device: torch.device | str | None) -> torch.device:
+        return torch.device(device or "cpu")
+
+    @abstractmethod
+    def _allocate(self, nbytes: int, gen: int) -> tuple[list[torch.Tensor], dict[str, Any]]:
+        """Two buffers of `nbytes` and the JSON-able descriptor receivers map them from."""
+
+    def _all_mapped(self, gen: int) -> None:
+        """Every receiver has mapped generation `gen` (shm unlinks its files here)."""
+
+    @abstractmethod
+    def _release(self) -> None:
+        """Free the current buffers (after every receiver is done with them)."""
+
+    def _sealed(self, index: int, buf: torch.Tensor) -> None:
+        """Bucket `index` is packed and sealed in `buf`, not yet published. A seam for
+        tests that corrupt a sealed bucket to prove receivers catch it; no-op here."""
+
+    # -- Sender API --------------------------------------------------------------------
+    def endpoint(self) -> dict[str, Any]:
+        return {
+            "transport": self.transport_name,
+            "host": self.host,
+            "port": self.store.port,
+            "group": self.group_id,
+            "timeout_s": self.timeout_s,
+        }
+
+    def _key(self, *parts: object) -> str:
+        return self.prefix + "/".join(str(p) for p in parts)
+
+    def _receivers(self) -> range:
+        return range(1, self.world_size)
+
+    def connect(self, world_size: int) -> None:
+        if world_size < 2:
+            raise TransportError(f"a colocated group needs at least one receiver, got {world_size}")
+        self.world_size = world_size
+        keys = [self._key("join", r) for r in self._receivers()]
+        try:
+            self.store.wait(keys, _dt.timedelta(seconds=self.timeout_s))
+        except Exception as e:
+            missing = [k for k in keys if not self.store.check([k])]
+            raise TransportError(
+                f"{self.transport_name} group {self.group_id}: receivers "
+                f"{[k.rsplit('/', 1)[-1] for k in missing]} did not join within "
+                f"{self.timeout_s}s ({e})"
+            ) from None
+        self._watch_store = client_store(self.host, self.store.port, self.timeout_s)
+
+    def _ensure_buffers(self, nbytes: int) -> None:
+        if self.bufs and self.bufs[0].numel() >= nbytes:
+            return
+        self._release()
+        self.bufs = []
+        self.gen += 1
+        bufs, desc = self._allocate(nbytes, self.gen)
+        self.bufs = bufs
+        self.store.set(self._key("buffers", self.gen), json.dumps(desc))
+
+    def send(self, manifest: Manifest, stream: Stream, abort: Abort) -> SendStats:
+        if self.world_size < 2 or self._watch_store is None:
+            raise TransportError("send() before connect(): the group has not formed")
+        if self.broken:
+            raise TransportError("this group failed an earlier update; rebuild it")
+        t0 = time.perf_counter()
+        self.seq += 1
+        seq, n = self.seq, len(manifest.buckets)
+        sizes = [message_bytes(b.nbytes) for b in manifest.buckets]
+        self._ensure_buffers(slot_bytes(manifest))
+        mid = manifest_id(manifest)
+        pending: list[int | None] = [None, None]
+        finished = threading.Event()
+        watcher = self._watch(abort, seq, n, finished)
+
+        def next_buffer(index: int) -> torch.Tensor:
+            slot = index % 2
+            if pending[slot] is not None:
+                self._wait_acks(seq, pending[slot], abort)
+                pending[slot] = None
+            return self.bufs[slot][: sizes[index]]
+
+        stats = SendStats()
+        index = -1
+        published = 0  # buckets whose ready key is out
+        try:
+            for index, buf in pack(manifest, stream, next_buffer):
+                self._sealed(index, buf)
+                _sync(self.device)  # the slot's bytes are final before anyone may read
+                self.store.set(
+                    self._key(f"u{seq}", "ready", index),
+                    json.dumps({"gen": self.gen, "slot": index % 2, "mid": mid}),
+                )
+                published = index + 1
+                pending[index % 2] = index
+                stats.bytes += manifest.buckets[index].nbytes
+                stats.buckets += 1
+            for slot in sorted((0, 1), key=lambda s: pending[s] if pending[s] is not None else -1):
+                if pending[slot] is not None:
+                    self._wait_acks(seq, pending[slot], abort)
+                    pending[slot] = None
+        except BaseException as e:
+            self.broken = True
+            self._abort_receivers(seq, published, n, f"{type(e).__name__}: {e}")
+            raise
+        finally:
+            finished.set()
+            abort.poke()
+            watcher.join(timeout=self.timeout_s)
+        self._forget(seq, n)
+        stats.seconds = time.perf_counter() - t0
+        stats.extra = {
+            "generation": self.gen,
+            "slot_bytes": self.bufs[0].numel() if self.bufs else 0,
+        }
+        return stats
+
+    def _wait_acks(self, seq: int, index: int, abort: Abort) -> None:
+        keys = [self._key(f"u{seq}", "ack", index, r) for r in self._receivers()]
+        try:
+            self.store.wait(keys, _dt.timedelta(seconds=self.timeout_s))
+        except Exception as e:
+            late = [
+                r for r, k in zip(self._receivers(), keys, strict=True) if not self.store.check([k])
+            ]
+            raise TransportError(
+                f"{self.transport_name}: receivers {late} did not acknowledge bucket {index} "
+                f"within {self.timeout_s}s ({type(e).__name__})"
+            ) from None
+        for r, v in zip(self._receivers(), self.store.multi_get(keys), strict=False):
+            if v != OK:
+                if abort.error is not None:
+                    raise TransportError(f"update aborted: {abort.error}") from abort.error
+                raise TransportError(
+                    f"{self.transport_name}: receiver rank {r} failed on bucket {index}: "
+                    f"{v.decode('utf-8', 'replace')}"
+                )
+        if self.gen not in self._mapped_gens:
+            # An ack means that receiver mapped this generation before reading it.
+            self._mapped_gens.add(self.gen)
+            self._all_mapped(self.gen)
+
+    def _watch(self, abort: Abort, seq: int, n: int, finished: threading.Event) -> threading.Thread:
+        """Turn the coordinator's `Abort` into store writes that end the sender's waits."""
+        store = self._watch_store
+
+        def run() -> None:
+            try:
+                while not finished.is_set():
+                    abort.wait_for(finished.is_set, self.timeout_s)
+            except TransportError as e:
+                if store is None or finished.is_set():
+                    return
+                reason = f"error: update aborted by the coordinator: {e}".encode()
+                keys = [self._key(f"u{seq}", "ack", k, r) for k in range(n)
+                        for r in self._receivers()]
+                try:
+                    for start in range(0, len(keys), 512):
+                        part = keys[start : start + 512]
+                        store.multi_set(part, [reason] * len(part))
+                except Exception:
+                    pass
+
+        t = threading.Thread(target=run, name="enginehooks-colocated-abort", daemon=True)
+        t.start()
+        return t
+
+    def _abort_receivers(self, seq: int, first: int, n: int, reason: str) -> None:
+        """Tell receivers still waiting for buckets `first..n-1` why the update ended."""
+        store = self._watch_store or self.store
+        keys = [self._key(f"u{seq}", "ready", k) for k in range(first, n)]
+        value = json.dumps({"abort": reason}).encode()
+        try:
+            for start in range(0, len(keys), 512):
+                part = keys[start : start + 512]
+                store.multi_set(part, [value] * len(part))
+        except Exception:
+            pass
+
+    def _forget(self, seq: int, n: int) -> None:
+        """Drop the finished update's keys so the store does not grow with every push."""
+        keys = [self._key(f"u{seq}", "ready", k) for k in range(n)]
+        keys += [self._key(f"u{seq}", "ack", k, r) for k in range(n) for r in self._receivers()]
+        try:
+            for k in keys:
+                self.store.delete_key(k)
+        except Exception:
+            pass
+
+    def close(self) -> None:
+        if self.world_size and not self.broken:
+            self.broken = True
+        try:
+            self._release()
+        finally:
+            self.bufs = []
+            self._watch_store = None
+
+
+class ColocatedReceiver(Receiver):
+    """Engine side: maps the sender's buffers once per generation and caches them.
+
+    Subclasses implement `_map` (descriptor -> two tensors on this side) and `_unmap`.
+    """
+
+    def __init__(self, endpoint: dict[str, Any], rank: int, device: torch.device) -> None:
+        try:
+            self.host = str(endpoint["host"])
+            self.port = int(endpoint["port"])
+            self.group_id = str(endpoint["group"])
+            self.timeout_s = float(endpoint["timeout_s"])
+            self.world_size = int(endpoint["world_size"])
+            self.transport_name = str(endpoint["transport"])
+        except (KeyError, TypeError, ValueError) as e:
+            raise TransportError(f"bad colocated endpoint {endpoint!r}: {e}") from None
+        if not 1 <= rank < self.world_size:
+            raise TransportError(f"rank {rank} is outside 1..{self.world_size - 1}")
+        self.rank = rank
+        self.device = device
+        self.prefix = f"enginehooks/{self.group_id}/"
+        self.store: dist.TCPStore | None = None
+        self.seq = 0
+        self.gen = 0
+        self.bufs: list[torch.Tensor] = []
+        self.broken = False
+
+    @abstractmethod
+    def _map(self, desc: dict[str, Any]) -> list[torch.Tensor]:
+        """The two buffers described by `desc`, mapped into this process."""
+
+    def _unmap(self) -> None:
+        """Release the mapping of the current buffers."""
+
+    @property
+    def pg(self) -> object | None:
+        """None once broken: `EngineSide` drops a receiver whose `pg` is None."""
+        return None if self.broken else self
+
+    def _key(self, *parts: object) -> str:
+        return self.prefix + "/".join(str(p) for p in parts)
+
+    def connect(self) -> None:
+        self.store = client_store(self.host, self.port, self.timeout_s)
+        self.store.set(self._key("join", self.rank), b"1")
+
+    def _get(self, key: str, what: str) -> bytes:
+        assert self.store is not None
+        try:
+            return self.store.get(key)  # waits for the key, up to the store's timeout
+        except Exception as e:
+            raise TransportError(
+                f"{self.transport_name} rank {self.rank}: {what} did not arrive within "
+                f"{self.timeout_s}s ({type(e).__name__}: {e})"
+            ) from None
+
+    def _slot(self, seq: int, index: int, mid: int) -> int:
+        raw = self._get(self._key(f"u{seq}", "ready", index), f"bucket {index}")
+        try:
+            msg = json.loads(raw)
+        except ValueError:
+            raise TransportError(f"bucket {index}: unreadable ready message {raw[:80]!r}") from None
+        if "abort" in msg:
+            raise SenderAborted(f"the sender aborted the update: {msg['abort']}")
+        if msg.get("mid") != mid:
+            raise TransportError(
+                f"bucket {index} belongs to another update (manifest id {msg.get('mid')!r}, "
+                f"expected {mid}); the group's update counters drifted"
+            )
+        gen = int(msg["gen"])
+        if gen != self.gen:
+            self._unmap()
+            self.bufs = []
+            desc = json.loads(self._get(self._key("buffers", gen), f"buffer generation {gen}"))
+            self.bufs = self._map(desc)
+            self.gen = gen
+        return int(msg["slot"])
+
+    def stream(
+        self, manifest: Manifest, into: Callable[[str], torch.Tensor | None] | None = None
+    ) -> Iterator[tuple[str, torch.Tensor]]:
+        """Yield the update's tensors; views of bucket k are valid until the caller asks
+        for the first tensor of bucket k+1 (this side then syncs and acks bucket k)."""
+        if self.store is None or self.broken:
+            raise TransportError("receive before connect(), or on a broken group")
+        self.seq += 1
+        seq, n = self.seq, len(manifest.buckets)
+        unpacker = Unpacker(manifest, self.device, into)
+        mid = manifest_id(manifest)
+        index = 0
+        try:
+            if n == 0:
+                yield from unpacker.empties()
+            for index in range(n):
+                slot = self._slot(seq, index, mid)
+                buf = self.bufs[slot][: message_bytes(manifest.buckets[index].nbytes)]
+                yield from unpacker.unpack(index, buf)
+                _sync(self.device)  # the target's copies out of the slot are done
+                self.store.set(self._key(f"u{seq}", "ack", index, self.rank), OK)
+        except BaseException as e:
+            self.broken = True
+            self._fail(seq, index, n, f"error: {type(e).__name__}: {e}")
+            raise
+
+    def _fail(self, seq: int, first: int, n: int, reason: str) -> None:
+        assert self.store is not None
+        keys = [self._key(f"u{seq}", "ack", k, self.rank) for k in range(first, n)]
+        try:
+            for start in range(0, len(keys), 512):
+                part = keys[start : start + 512]
+                self.store.multi_set(part, [reason.encode()] * len(part))
+        except Exception:
+            pass
+
+    def deliver(self, manifest: Manifest, target: Target) -> dict[str, Any]:
+        t0 = time.perf_counter()
+        it = self.stream(manifest, getattr(target, "destination", None))
+        target.apply(it)
+        # The last ack is sent when the iterator is exhausted: make sure it was.
+        leftover = next(it, None)
+        if leftover is not None:
+            it.close()
+            raise TransportError(
+                f"the target stopped before consuming the whole update (next: {leftover[0]!r})"
+            )
+        return {"bytes": manifest.total_bytes, "seconds": time.perf_counter() - t0}
+
+    def close(self) -> None:
+        self.broken = True
+        try:
+            self._unmap()
+        finally:
+            self.bufs = []
+            self.store = None
