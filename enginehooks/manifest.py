@@ -247,10 +247,10 @@ def _tensor_from_dict(rt: Any, buckets: list[BucketEntry], seen: set[str]) -> Te
             raise ManifestError(f"tensor {name!r}: piece names bucket {b}, which does not exist")
         if start != expect_start:
             raise ManifestError(f"tensor {name!r}: pieces are not contiguous at byte {start}")
-        if off + nb > buckets[b].nbytes:
-            raise ManifestError(f"tensor {name!r}: piece runs past the end of bucket {b}")
         if off % DTYPE_SIZES[dtype]:
             raise ManifestError(f"tensor {name!r}: piece offset {off} is not aligned")
+        if off + nb > buckets[b].nbytes:
+            raise ManifestError(f"tensor {name!r}: piece runs past the end of bucket {b}")
         pieces.append(Piece(b, off, start, nb))
         expect_start += nb
     entry = TensorEntry(name, dtype, tuple(shape), tuple(pieces))

@@ -1,0 +1,47 @@
+"""TEST-ONLY stand-in for SGLang's kernel package ``sgl_kernel`` (``sglang-kernel``).
+
+Why it exists: the registry has no CPU build of ``sgl_kernel``; the one that installs
+with ``sglang`` needs ``libcuda.so.1`` and fails to import on a machine without a GPU.
+With ``SGLANG_USE_CPU_ENGINE=1`` SGLang still imports a few of its names (9 at startup
+of SGLang 0.5.23), but calls none of them when decoding a small Llama with
+``attention_backend="torch_native"``. Putting the folder that holds this package
+first on ``PYTHONPATH`` lets the real SGLang engine start on CPU in tests.
+
+It is deliberately loud: every attribute is a function that raises ``RuntimeError``
+naming itself when called. A code path that really needs a kernel thus
+fails the test instead of passing silently. Never put this on a production path.
+
+It has no submodules on purpose: SGLang imports ``sgl_kernel.<submodule>`` (e.g.
+``sgl_kernel.scalar_type``) inside ``try/except ImportError`` with its own fallbacks,
+and a stub submodule would defeat those (``scalar_types.uint4b8`` at import time).
+Its AMX CPU path is also off, since ``torch.ops.sgl_kernel`` has no ops here.
+"""
+
+#: Names looked up so far in this process (for diagnostics only).
+touched: set = set()
+
+
+def _raiser(qualname: str):
+    def _missing(*args, **kwargs):
+        raise RuntimeError(
+            f"{qualname} was called, but sgl_kernel here is the test-only stub "
+            "(tests/support/sgl_kernel_stub): no real SGLang kernel is available on CPU"
+        )
+
+    _missing.__name__ = qualname.rsplit(".", 1)[-1]
+    _missing.__qualname__ = qualname
+    return _missing
+
+
+def _make_getattr(modname: str):
+    def __getattr__(name: str):
+        if name.startswith("__"):  # keep Python's own protocol probes honest
+            raise AttributeError(name)
+        qualname = f"{modname}.{name}"
+        touched.add(qualname)
+        return _raiser(qualname)
+
+    return __getattr__
+
+
+__getattr__ = _make_getattr(__name__)
