@@ -28,6 +28,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import datetime as _dt
+import gc
 import json
 import multiprocessing as mp
 import os
@@ -127,7 +128,9 @@ def sync(device: torch.device) -> None:
 def mem_base(device: torch.device) -> int:
     if device.type != "cuda":
         return 0
+    gc.collect()  # buffers of an earlier part must not count as this part's base
     torch.cuda.synchronize(device)
+    torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats(device)
     return torch.cuda.memory_allocated(device)
 
@@ -564,7 +567,7 @@ def print_table(res: dict[str, Any]) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--bucket-mib", type=float, nargs="+", default=[1024, 256])
+    ap.add_argument("--bucket-mib", type=float, nargs="+", default=[2048, 1024, 256])
     ap.add_argument("--checksums", nargs="+", default=["none", "sum64"],
                     help="checksums for the enginehooks runs: none, sum64, crc32")
     ap.add_argument("--reps", type=int, default=7)

@@ -130,10 +130,13 @@ def _use_triton(device: torch.device) -> bool:
     try:
         _triton_kernel = _build_triton()
         g = torch.Generator(device="cpu").manual_seed(0)
-        for size in (3, 4 * _BLOCK + 7, (1 << 20) + 3):
-            probe = torch.randint(0, 256, (size,), dtype=torch.uint8, generator=g).to(device)
-            if int(_sum64_triton(probe)) != int(_sum64_torch(probe)):
-                raise RuntimeError(f"triton sum64 disagrees with torch on {size} bytes")
+        try:
+            for size in (3, 4 * _BLOCK + 7, 3 * 65536 + 1):
+                probe = torch.randint(0, 256, (size,), dtype=torch.uint8, generator=g).to(device)
+                if int(_sum64_triton(probe)) != int(_sum64_torch(probe)):
+                    raise RuntimeError(f"triton sum64 disagrees with torch on {size} bytes")
+        finally:
+            _weights.pop(device, None)  # the torch path's table: not needed from now on
         _triton_state = "ok"
     except Exception as e:
         log.warning("enginehooks: sum64 falls back to torch ops on %s: %s", device, e)

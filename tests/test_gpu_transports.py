@@ -134,7 +134,7 @@ def run_push(transport: str, receiver_devices: list[str], pushes: int = 3) -> No
             ws = make_weights(v, device)
             expected.append(crcs(ws))
             stats = sender.send(m, iter(ws.items()), Abort())
-            assert stats.bytes == m.total_bytes
+            assert stats.buckets == len(m.buckets)
         for p in procs:
             out, err = p.communicate(timeout=120)
             assert p.returncode == 0, err[-4000:]

