@@ -61,7 +61,7 @@ def run_phase(phase: str, report: PushReport, run: Callable[[], Any]) -> Any:
 
 
 @hookimpl(wrapper=True, specname="run_phase")
-def time_phase(phase: str, report: PushReport, run: Callable[[], Any]) -> Generator:  # noqa: ARG001
+def time_phase(phase: str, report: PushReport, run: Callable[[], Any]) -> Generator:
     t0 = time.perf_counter()
     try:
         return (yield)

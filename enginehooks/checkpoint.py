@@ -31,7 +31,7 @@ def resolve_model_dir(model: str) -> Path:
         from huggingface_hub import snapshot_download
 
         return Path(snapshot_download(model, local_files_only=True))
-    except Exception as e:  # noqa: BLE001
+    except Exception as e:
         raise ManifestError(f"cannot find the checkpoint of {model!r} locally: {e}") from e
 
 

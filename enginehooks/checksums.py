@@ -152,6 +152,14 @@ def sum64_tensor(buf: torch.Tensor) -> torch.Tensor:
     return _sum64_torch(buf)
 
 
+def _xxh3(buf: torch.Tensor) -> int:
+    import xxhash
+
+    if buf.device.type != "cpu":
+        buf = buf.cpu()
+    return xxhash.xxh3_64_intdigest(buf.numpy())
+
+
 def _sum64(buf: torch.Tensor) -> int:
     """Position-weighted sum of 32-bit words, computed where the buffer lives.
 
@@ -166,7 +174,9 @@ def _sum64(buf: torch.Tensor) -> int:
     return (total ^ (n << 40)) & _MASK64
 
 
-CHECKSUMS: dict[str, Callable[[torch.Tensor], int]] = {"crc32": _crc32, "sum64": _sum64}
+CHECKSUMS: dict[str, Callable[[torch.Tensor], int]] = {
+    "xxh3": _xxh3, "crc32": _crc32, "sum64": _sum64,
+}
 
 
 def digest(name: str | None, buf: torch.Tensor) -> int:

@@ -127,7 +127,7 @@ class EngineSide:
         except BaseException as e:
             self.state, self.version = "torn", None
             self.last_error = f"update to {m.weight_version!r} failed: {type(e).__name__}: {e}"
-            if self.receiver is not None and getattr(self.receiver, "pg", True) is None:
+            if self.receiver is not None and getattr(self.receiver, "broken", False):
                 self.receiver, self.transport = None, None
             raise
         self.version, self.state, self.last_error = m.weight_version, "current", None

@@ -24,7 +24,7 @@ def spawn(fn: Callable[..., T], *args: Any, name: str = "enginehooks", **kwargs:
             return
         try:
             fut.set_result(fn(*args, **kwargs))
-        except BaseException as e:  # noqa: BLE001 - handed to the waiter
+        except BaseException as e:
             fut.set_exception(e)
 
     threading.Thread(target=run, name=name, daemon=True).start()

@@ -29,7 +29,7 @@ def request_json(
     except urllib.error.HTTPError as e:
         detail = e.read().decode("utf-8", "replace")[:2000]
         raise ReplicaError(who, f"{method or 'POST'} {url} -> HTTP {e.code}: {detail}") from None
-    except (TimeoutError, socket.timeout) as e:
+    except TimeoutError as e:
         raise PushTimeout(f"{who}: {url} did not answer within {timeout_s}s") from e
     except urllib.error.URLError as e:
         if isinstance(e.reason, (TimeoutError, socket.timeout)):

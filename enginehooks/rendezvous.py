@@ -27,14 +27,14 @@ def master_store(host: str, port: int, timeout_s: float) -> dist.TCPStore:
             host, port, is_master=True, wait_for_workers=False, timeout=_td(timeout_s),
             use_libuv=True,
         )
-    except Exception as e:  # noqa: BLE001 - torch raises several kinds here
+    except Exception as e:
         raise TransportError(f"cannot open the rendezvous store on {host}:{port}: {e}") from e
 
 
 def client_store(host: str, port: int, timeout_s: float) -> dist.TCPStore:
     try:
         return dist.TCPStore(host, port, is_master=False, timeout=_td(timeout_s))
-    except Exception as e:  # noqa: BLE001
+    except Exception as e:
         raise TransportError(
             f"cannot reach the rendezvous store at {host}:{port} within {timeout_s}s: {e}"
         ) from e
@@ -64,7 +64,7 @@ def new_group(
             opts = dist.ProcessGroupNCCL.Options()
             opts._timeout = _td(timeout_s)
             return dist.ProcessGroupNCCL(pstore, rank, world_size, opts)
-    except Exception as e:  # noqa: BLE001
+    except Exception as e:
         raise TransportError(
             f"{backend} group {prefix!r} (rank {rank} of {world_size}) did not form within "
             f"{timeout_s}s: {e}"

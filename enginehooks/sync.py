@@ -44,7 +44,9 @@ class WeightSync:
             picks a free one). Engines must reach it.
         bucket_bytes: size of one bucket; two buckets per side bound the extra memory.
         timeout_s: the longest any one phase may take; every wait uses it.
-        checksum: bucket digest the receivers verify ("crc32", "sum64" or None).
+        checksum: bucket digest the receivers verify: "auto" (the transport's default:
+            xxh3 for host buffers, sum64 computed on the GPU for nccl/cuda_ipc), "xxh3",
+            "crc32", "sum64", or None.
         dtype: the dtype to send; None asks the replicas (they must agree).
         device: where the sender's buffers live (the trainer's GPU for nccl).
         pause: pause generation around the transfer (servers with in-flight requests).
@@ -59,15 +61,17 @@ class WeightSync:
         port: int = 0,
         bucket_bytes: int = DEFAULT_BUCKET_BYTES,
         timeout_s: float = 120.0,
-        checksum: str | None = "crc32",
+        checksum: str | None = "auto",
         dtype: torch.dtype | str | None = None,
         device: torch.device | str | None = None,
         pause: bool = False,
         transport_options: dict[str, Any] | None = None,
     ) -> None:
-        check_name(checksum)
         self.transport_name = transport
         self.transport = get_transport(transport)
+        if checksum == "auto":
+            checksum = self.transport.default_checksum
+        check_name(checksum)
         self.host, self.port = host, port
         self.bucket_bytes = int(bucket_bytes)
         self.timeout_s = float(timeout_s)

@@ -4,11 +4,6 @@ here (no model hub is reachable); see shared/reference/engines-on-cpu.md."""
 from __future__ import annotations
 
 import os
-import socket
-import subprocess
-import sys
-import time
-import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -89,66 +84,23 @@ def llms(model_dirs: dict[str, Path]) -> dict[str, Any]:
     return {name: start_llm(path) for name, path in model_dirs.items()}
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 class VLLMServerProcess:
-    """A real `vllm` OpenAI server process in dev mode, on loopback."""
+    """Test view of `enginehooks.vllm_ext.server.VLLMServerProcess` with the test prompts."""
 
     def __init__(self, model: Path, log: Path) -> None:
-        self.model = model
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        env = dict(os.environ, VLLM_SERVER_DEV_MODE="1", VLLM_ENABLE_V1_MULTIPROCESSING="1")
-        self.log = open(log, "wb")  # noqa: SIM115 - closed in stop()
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "vllm.entrypoints.launchers.api_server.entry",
-             "--model", str(model), "--host", "127.0.0.1", "--port", str(self.port),
-             "--dtype", "float32", "--max-model-len", "256", "--enforce-eager",
-             "--worker-extension-cls", EXTENSION],
-            env=env, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True,
-        )
+        from enginehooks.vllm_ext.server import VLLMServerProcess as Server
 
-    def wait_ready(self, timeout_s: float = 240.0) -> None:
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"vLLM server exited with {self.proc.returncode}; see {self.log.name}")
-            try:
-                with urllib.request.urlopen(f"{self.url}/health", timeout=2) as r:
-                    if r.status == 200:
-                        return
-            except OSError:
-                pass
-            time.sleep(1.0)  # readiness probe of a process we started; bounded above
-        raise TimeoutError(f"vLLM server not ready in {timeout_s}s; see {self.log.name}")
+        self.server = Server(model, log)
+        self.url, self.proc = self.server.url, self.server.proc
+
+    def wait_ready(self) -> None:
+        self.server.wait_ready()
 
     def greedy(self, prompts: list[list[int]] = PROMPTS) -> list[list[int]]:
-        from enginehooks.http import request_json
-
-        out = []
-        for p in prompts:
-            body = {"model": str(self.model), "prompt": p, "max_tokens": NEW_TOKENS,
-                    "temperature": 0, "ignore_eos": True, "return_token_ids": True}
-            r = request_json(f"{self.url}/v1/completions", body, timeout_s=60)
-            out.append(r["choices"][0]["token_ids"])
-        return out
+        return self.server.greedy(prompts, NEW_TOKENS)
 
     def stop(self) -> None:
-        import signal
-
-        if self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGCONT)
-            os.killpg(self.proc.pid, signal.SIGTERM)
-            try:
-                self.proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait(timeout=30)
-        self.log.close()
+        self.server.stop()
 
 
 @pytest.fixture(scope="session")

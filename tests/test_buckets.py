@@ -18,8 +18,8 @@ DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.int
 
 def random_tensor(dtype: torch.dtype, shape: tuple[int, ...], seed: int) -> torch.Tensor:
     g = torch.Generator().manual_seed(seed)
-    raw = torch.randint(0, 256, (int(torch.Size(shape).numel()) * torch.empty((), dtype=dtype).element_size(),),
-                        dtype=torch.uint8, generator=g)
+    nbytes = int(torch.Size(shape).numel()) * torch.empty((), dtype=dtype).element_size()
+    raw = torch.randint(0, 256, (nbytes,), dtype=torch.uint8, generator=g)
     if dtype == torch.bool:
         return (raw % 2).to(torch.bool).view(shape)
     return raw.view(dtype).view(shape)  # arbitrary bit patterns, NaNs included
@@ -50,7 +50,7 @@ shapes = st.lists(st.integers(0, 40), min_size=0, max_size=3).map(tuple)
                    min_size=0, max_size=12),
     bucket_bytes=st.sampled_from([64, 128, 1000, 4096, 1 << 20]),
 )
-def test_round_trip_is_bit_exact(items, bucket_bytes: int) -> None:  # noqa: ANN001
+def test_round_trip_is_bit_exact(items, bucket_bytes: int) -> None:
     tensors = {f"t{i}": random_tensor(dt, shape, seed) for i, (dt, shape, seed) in enumerate(items)}
     m, out = round_trip(tensors, bucket_bytes)
     assert list(out) == list(tensors) or set(out) == set(tensors)

@@ -55,7 +55,7 @@ def test_json_round_trip_is_exact() -> None:
         (lambda d: d["tensors"][0]["pieces"][0].__setitem__(1, 2), "tensor 'a': piece offset 2"),
     ],
 )
-def test_validation_errors_name_the_problem(mutate, message: str) -> None:  # noqa: ANN001
+def test_validation_errors_name_the_problem(mutate, message: str) -> None:
     d = json.loads(plan(specs(), weight_version=1, bucket_bytes=1024).to_json())
     mutate(d)
     with pytest.raises(ManifestError, match=message.replace("(", r"\(")):

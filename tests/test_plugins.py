@@ -95,7 +95,7 @@ def test_duplicate_transport_name_is_an_error() -> None:
 
     class Plugin:
         @hookimpl
-        def register_transports(self, register):  # noqa: ANN001, ANN201
+        def register_transports(self, register):
             register(Impostor)
 
     p = Plugin()
@@ -119,24 +119,24 @@ def test_hook_register_trainer_adapters_plugin_adapter_wins() -> None:
 
         name = "doubled"
 
-        def __init__(self, model, dtype=None):  # noqa: ANN001
+        def __init__(self, model, dtype=None):
             self.model = model
 
         @classmethod
-        def accepts(cls, model) -> bool:  # noqa: ANN001
+        def accepts(cls, model) -> bool:
             return isinstance(model, dict)
 
-        def specs(self):  # noqa: ANN201
+        def specs(self):
             from enginehooks.manifest import TensorSpec
 
             return [TensorSpec(k, "float32", tuple(v.shape)) for k, v in self.model.items()]
 
-        def stream(self):  # noqa: ANN201
+        def stream(self):
             return ((k, v * 2) for k, v in self.model.items())
 
     class Plugin:
         @hookimpl
-        def register_trainer_adapters(self, register):  # noqa: ANN001, ANN201
+        def register_trainer_adapters(self, register):
             register(Doubled)
 
     p = Plugin()
@@ -158,14 +158,14 @@ def test_hook_run_phase_and_push_finished_wrappers() -> None:
 
     class Tracer:
         @hookimpl(wrapper=True)
-        def run_phase(self, phase, report, run):  # noqa: ANN001, ANN201
+        def run_phase(self, phase, report, run):
             seen.append(f"enter {phase}")
             result = yield
             seen.append(f"exit {phase}")
             return result
 
         @hookimpl
-        def push_finished(self, report):  # noqa: ANN001, ANN201
+        def push_finished(self, report):
             reports.append(report)
 
     t = Tracer()
@@ -188,18 +188,18 @@ def test_hook_send_weights_receive_weights_update_group_overrides() -> None:
 
     class Spy:
         @hookimpl(wrapper=True)
-        def update_group(self, transport, action, side, endpoint, member, options):  # noqa: ANN001, ANN201, ARG002
+        def update_group(self, transport, action, side, endpoint, member, options):
             calls.append(f"update_group {action} {side}")
             return (yield)
 
         @hookimpl(tryfirst=True)
-        def send_weights(self, transport, sender, manifest, stream, abort):  # noqa: ANN001, ANN201
+        def send_weights(self, transport, sender, manifest, stream, abort):
             calls.append("send_weights")
             # Scale every tensor on the way: a plugin that owns the send for a transport.
             return sender.send(manifest, ((n, t * 3) for n, t in stream), abort)
 
         @hookimpl(tryfirst=True)
-        def receive_weights(self, transport, receiver, manifest, target):  # noqa: ANN001, ANN201
+        def receive_weights(self, transport, receiver, manifest, target):
             calls.append("receive_weights")
             return None  # defer to the built-in implementation
 

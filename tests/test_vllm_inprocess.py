@@ -9,8 +9,8 @@ from typing import Any
 
 import pytest
 import torch
+from conftest import NEW_TOKENS, PROMPTS, llm_greedy, load_hf, perturb, requires_vllm
 
-from conftest import PROMPTS, NEW_TOKENS, llm_greedy, load_hf, perturb, requires_vllm
 from enginehooks import ManifestError, ReplicaError, WeightSync
 from enginehooks.manifest import Manifest, TensorSpec, plan
 from enginehooks.tiny import hf_greedy
@@ -120,7 +120,7 @@ def _bad_manifest_refused(llm: Any, model: Any, mutate: Any, expect: str) -> Non
                 return [TensorSpec(n, str(t.dtype).removeprefix("torch."), tuple(t.shape))
                         for n, t in self.items.items()]
 
-            def stream(self):  # noqa: ANN202
+            def stream(self):
                 for item in self.items.items():
                     self.pulled += 1
                     yield item
@@ -177,7 +177,7 @@ def test_stream_that_breaks_its_plan_fails_every_side(
         def specs(self) -> list[TensorSpec]:
             return [TensorSpec(n, "float32", tuple(t.shape)) for n, t in model.state_dict().items()]
 
-        def stream(self):  # noqa: ANN202
+        def stream(self):
             for i, item in enumerate(model.state_dict().items()):
                 if i == 7:
                     raise RuntimeError("trainer rank lost its shard")

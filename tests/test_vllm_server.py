@@ -9,8 +9,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-
 from conftest import NEW_TOKENS, PROMPTS, load_hf, perturb, requires_vllm
+
 from enginehooks import ManifestError, PushTimeout, ReplicaError, WeightSync
 from enginehooks.tiny import hf_greedy
 from enginehooks.vllm_ext import VLLMServer
@@ -42,7 +42,7 @@ def test_bad_manifest_refused_by_server(vllm_server: Any, model_dirs: dict[str, 
         tokens = vllm_server.greedy()
         with torch.no_grad():
             model.lm_head.weight = torch.nn.Parameter(torch.zeros(300, 64))  # wrong vocab
-        with pytest.raises(ManifestError, match="lm_head.weight.*shape \\[300, 64\\]"):
+        with pytest.raises(ManifestError, match=r"lm_head.weight.*shape \[300, 64\]"):
             sync.push(model, version=11)
     assert handle.version() == 10
     assert vllm_server.greedy() == tokens

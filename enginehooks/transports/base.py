@@ -36,6 +36,10 @@ class Target(Protocol):
 
         Returns False when the engine has no such path; the caller then streams."""
 
+    # Optional: `destination(name) -> Tensor | None`. A target that can hand out the
+    # tensor a received weight will end up in lets receivers rejoin tensors cut across
+    # buckets directly into it, with no full-size temporary (see enginehooks.targets).
+
 
 @dataclass
 class SendStats:
@@ -121,6 +125,9 @@ class Transport(ABC):
     streaming: ClassVar[bool] = True
     #: Whether the manifest may cut tensors larger than a bucket into pieces.
     split: ClassVar[bool] = True
+    #: Bucket digest used when `WeightSync(checksum="auto")`: a host hash for host
+    #: buffers; GPU transports override it with one computed on the device.
+    default_checksum: ClassVar[str | None] = "xxh3"
 
     @abstractmethod
     def sender(self, **options: Any) -> Sender:

@@ -349,17 +349,23 @@ class BroadcastReceiver(Receiver):
             return
         bufs = self._buffers.get(_largest_message(manifest))
         sizes = [message_bytes(b.nbytes) for b in manifest.buckets]
-        work = _bcast(self.pg, bufs[0][: sizes[0]], self.timeout_s)
+        work: Any = _bcast(pg, bufs[0][: sizes[0]], self.timeout_s)
         try:
             for index in range(n):
                 buf = bufs[index % 2][: sizes[index]]
                 _wait(work, None, self.timeout_s, f"receive of bucket {index}", self.device)
+                work = None
+                # Verify before posting the next receive: after an abort notice or a bad
+                # bucket no collective may be left in flight (destroying a pending Work
+                # blocks until it times out, which would delay the error).
+                unpacker.verify(index, buf)
                 if index + 1 < n:
                     work = _bcast(pg, bufs[(index + 1) % 2][: sizes[index + 1]],
                                   self.timeout_s)
-                yield from unpacker.unpack(index, buf)
+                yield from unpacker.unpack(index, buf, verified=True)
         except BaseException:
             # A torn update leaves the group in an unknown state: leave it.
+            _bury(work, bufs)
             self.close()
             raise
 
@@ -392,6 +398,7 @@ class NcclTransport(Transport):
     """Broadcast over NCCL: GPU buffers, NVLink / InfiniBand between GPUs and nodes."""
 
     name = "nccl"
+    default_checksum = "sum64"
 
     def sender(self, **options: Any) -> Sender:
         return BroadcastSender("nccl", **options)

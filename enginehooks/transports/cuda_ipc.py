@@ -160,6 +160,7 @@ class CudaIpcTransport(Transport):
     """Colocated transport on one GPU: two IPC-shared device buffers, acks via the store."""
 
     name = "cuda_ipc"
+    default_checksum = "sum64"
 
     def sender(self, **options: Any) -> Sender:
         return CudaIpcSender(**options)

@@ -28,7 +28,15 @@ from safetensors.torch import save_file
 from enginehooks.buckets import check_tensor
 from enginehooks.errors import ChecksumError, ManifestError, TransportError
 from enginehooks.manifest import BucketEntry, Manifest
-from enginehooks.transports.base import Abort, Receiver, Sender, SendStats, Stream, Target, Transport
+from enginehooks.transports.base import (
+    Abort,
+    Receiver,
+    Sender,
+    SendStats,
+    Stream,
+    Target,
+    Transport,
+)
 
 MANIFEST_FILE = "enginehooks-manifest.json"
 _VERSION_RE = re.compile(r"^[A-Za-z0-9._-]{1,128}$")

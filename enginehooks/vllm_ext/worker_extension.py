@@ -63,7 +63,7 @@ class _VLLMTarget:
             cfg = self.worker.vllm_config
             with set_current_vllm_config(cfg):
                 finalize_layerwise_reload(self.worker.model_runner.get_model(), cfg.model_config)
-        except Exception:  # noqa: BLE001 - never mask the error that got us here
+        except Exception:
             import logging
 
             logging.getLogger(__name__).exception("could not unwind vLLM's layerwise reload")

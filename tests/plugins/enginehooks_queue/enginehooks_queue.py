@@ -28,7 +28,7 @@ class QueueSender(Sender):
     def connect(self, world_size: int) -> None:
         pass
 
-    def send(self, manifest, stream, abort) -> SendStats:  # noqa: ANN001
+    def send(self, manifest, stream, abort) -> SendStats:
         stats = SendStats()
         for index, buf in pack(manifest, stream, lambda i: torch.empty(
                 message_bytes(manifest.buckets[i].nbytes), dtype=torch.uint8)):
@@ -45,10 +45,10 @@ class QueueReceiver(Receiver):
     def connect(self) -> None:
         pass
 
-    def deliver(self, manifest, target) -> dict[str, Any]:  # noqa: ANN001
+    def deliver(self, manifest, target) -> dict[str, Any]:
         un = Unpacker(manifest)
 
-        def tensors():  # noqa: ANN202
+        def tensors():
             for _ in manifest.buckets:
                 index, buf = self.q.get(timeout=10)
                 yield from un.unpack(index, buf)
@@ -68,5 +68,5 @@ class QueueTransport(Transport):
 
 
 @hookimpl
-def register_transports(register) -> None:  # noqa: ANN001
+def register_transports(register) -> None:
     register(QueueTransport)

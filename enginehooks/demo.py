@@ -1,0 +1,94 @@
+"""`enginehooks demo`: a real engine, a trainer, one push, and proof that it landed.
+
+Builds a tiny Llama offline, starts a real vLLM server on loopback with the enginehooks
+worker extension, trains the model in this (trainer) process for a few steps on a toy
+objective (continue a prompt with one fixed token), pushes the new weights, and shows
+generation before and after. Exits non-zero unless the engine's greedy tokens after the
+push equal HF transformers' on the trainer's new weights.
+"""
+
+from __future__ import annotations
+
+import argparse
+import tempfile
+from pathlib import Path
+
+PROMPTS = [[5, 6, 7, 8], [20, 21, 22], [100, 101, 102, 103, 104]]
+TARGET_TOKEN = 42
+NEW_TOKENS = 8
+# Prompts the toy objective never saw: their continuations are not all TARGET_TOKEN,
+# so equality with HF there checks the whole network, not just one learned answer.
+HELD_OUT = [[50, 51, 52], [200, 201, 9, 9], [3, 250]]
+
+
+def train(model: object, steps: int, lr: float) -> list[float]:
+    """Teach the model to answer every prompt with TARGET_TOKEN, repeatedly."""
+    import torch
+
+    opt = torch.optim.Adam(model.parameters(), lr=lr)  # type: ignore[attr-defined]
+    losses = []
+    model.train()  # type: ignore[attr-defined]
+    for _ in range(steps):
+        loss = torch.zeros(())
+        for p in PROMPTS:
+            ids = torch.tensor([p + [TARGET_TOKEN] * NEW_TOKENS])
+            labels = ids.clone()
+            labels[:, : len(p)] = -100  # learn the continuation only
+            loss = loss + model(input_ids=ids, labels=labels).loss  # type: ignore[operator]
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(float(loss.detach()) / len(PROMPTS))
+    model.eval()  # type: ignore[attr-defined]
+    return losses
+
+
+def run_vllm_demo(args: argparse.Namespace) -> int:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from enginehooks import WeightSync
+    from enginehooks.tiny import hf_greedy, make_tiny_model
+    from enginehooks.vllm_ext import VLLMServer
+    from enginehooks.vllm_ext.server import VLLMServerProcess
+
+    work = Path(args.workdir or tempfile.mkdtemp(prefix="enginehooks-demo-"))
+    model_dir = make_tiny_model(work / "model", arch="llama", seed=0)
+    print(f"[demo] tiny Llama written to {model_dir}")
+    print("[demo] starting vLLM (CPU) with the enginehooks worker extension ...", flush=True)
+    server = VLLMServerProcess(model_dir, work / "vllm.log")
+    try:
+        server.wait_ready(args.start_timeout)
+        print(f"[demo] vLLM ready at {server.url} (log: {work / 'vllm.log'})")
+        before = server.greedy(PROMPTS, NEW_TOKENS)
+
+        torch.manual_seed(0)
+        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+        losses = train(model, args.steps, args.lr)
+        print(f"[demo] trained {args.steps} steps: loss {losses[0]:.3f} -> {losses[-1]:.3f}")
+
+        options = {"root": str(work / "checkpoints")} if args.transport == "disk" else {}
+        with WeightSync(args.transport, timeout_s=args.timeout, bucket_bytes=args.bucket_bytes,
+                        pause=True, transport_options=options) as sync:
+            handle = VLLMServer(server.url, name="vllm-server")
+            sync.add_replica(handle)
+            report = sync.push(model, version=1)
+        after = server.greedy(PROMPTS + HELD_OUT, NEW_TOKENS)
+        reference = hf_greedy(model, PROMPTS + HELD_OUT, NEW_TOKENS)
+        version = handle.version()
+    finally:
+        server.stop()
+
+    print("\n[demo] generation (greedy, token ids)")
+    for p, b, a in zip(PROMPTS, before, after):
+        print(f"  prompt {p}\n    before push: {b}\n    after push:  {a}")
+    for p, a, r in zip(HELD_OUT, after[len(PROMPTS):], reference[len(PROMPTS):]):
+        print(f"  held-out prompt {p}\n    vLLM after push: {a}\n    HF transformers: {r}")
+    print(f"\n[demo] engine reports weight version {version}")
+    print(report.table())
+    ok = after == reference and version == 1
+    print(f"\n[demo] vLLM greedy after push == HF transformers on the new weights "
+          f"({len(reference)} prompts): {ok}")
+    if not ok:
+        print(f"[demo] MISMATCH: HF says {reference}")
+    return 0 if ok else 1
