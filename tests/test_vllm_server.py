@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 from conftest import NEW_TOKENS, PROMPTS, load_hf, perturb, requires_vllm
 
-from enginehooks import ManifestError, PushTimeout, ReplicaError, WeightSync
+from enginehooks import ManifestError, PushTimeout, ReplicaError, TransportError, WeightSync
 from enginehooks.tiny import hf_greedy
 from enginehooks.vllm_ext import VLLMServer
 
@@ -73,4 +73,43 @@ def test_unresponsive_replica_fails_push_within_timeout(
         sync.timeout_s = 60
         sync.push(perturb(model, seed=65), version=22)
     assert handle.version() == 22
+    assert vllm_server.greedy() == hf_greedy(model, PROMPTS, NEW_TOKENS)
+
+
+def test_replica_frozen_mid_transfer_fails_push_within_timeout(
+    vllm_server: Any, model_dirs: dict[str, Path]
+) -> None:
+    """The server freezes just as the data starts moving: the sender must not wait on the
+    collective forever; the push fails within about its timeout, and once the server
+    wakes it reports a torn update and the next push repairs it."""
+    from enginehooks import hookimpl
+    from enginehooks.plugins import register_plugin, unregister_plugin
+
+    model = perturb(load_hf(model_dirs["llama"]), seed=66)
+    handle = VLLMServer(vllm_server.url, name="server")
+    timeout_s = 5.0
+
+    class FreezeAtTransfer:
+        @hookimpl(wrapper=True)
+        def run_phase(self, phase, report, run):
+            if phase == "transfer":
+                os.killpg(vllm_server.proc.pid, signal.SIGSTOP)
+            return (yield)
+
+    with WeightSync("gloo", timeout_s=timeout_s, bucket_bytes=4 << 10) as sync:
+        sync.add_replica(handle)
+        freezer = FreezeAtTransfer()
+        register_plugin(freezer, name="freezer")
+        try:
+            t0 = time.monotonic()
+            with pytest.raises((PushTimeout, ReplicaError, TransportError)):
+                sync.push(model, version=30)
+            elapsed = time.monotonic() - t0
+        finally:
+            unregister_plugin(freezer)
+            os.killpg(vllm_server.proc.pid, signal.SIGCONT)
+        assert elapsed < 2 * timeout_s + 8, f"push took {elapsed:.1f}s to fail"
+        sync.timeout_s = 60
+        sync.push(model, version=31)
+    assert handle.version() == 31
     assert vllm_server.greedy() == hf_greedy(model, PROMPTS, NEW_TOKENS)
