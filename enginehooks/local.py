@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import zlib
-from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -20,28 +19,7 @@ from enginehooks.dtypes import dtype_name
 from enginehooks.engine_side import EngineSide
 from enginehooks.handles import EngineHandle
 from enginehooks.manifest import TensorSpec
-
-
-class ModuleTarget:
-    """Copies received tensors into `module`'s parameters and buffers, by name."""
-
-    def __init__(self, module: nn.Module, device: torch.device) -> None:
-        self.module = module
-        self.device = device
-
-    def tensors(self) -> dict[str, torch.Tensor]:
-        return dict(self.module.state_dict(keep_vars=True))
-
-    def apply(self, tensors: Iterator[tuple[str, torch.Tensor]]) -> None:
-        dest = self.tensors()
-        with torch.no_grad():
-            for name, t in tensors:
-                dest[name].data.copy_(t, non_blocking=True)
-        if self.device.type == "cuda":
-            torch.cuda.current_stream(self.device).synchronize()
-
-    def load_path(self, path: str) -> bool:
-        return False
+from enginehooks.targets import ModuleTarget
 
 
 class LocalEngine(EngineHandle):
@@ -58,7 +36,7 @@ class LocalEngine(EngineHandle):
 
     def _expected(self) -> dict[str, TensorSpec]:
         return {n: TensorSpec(n, dtype_name(t.dtype), tuple(t.shape))
-                for n, t in self.target.tensors().items()}
+                for n, t in self.target.tensors.items()}
 
     def rpc(self, method: str, *args: Any, timeout_s: float) -> list[Any]:
         side = self.side
@@ -75,7 +53,7 @@ class LocalEngine(EngineHandle):
         if method == "enginehooks_receive":
             return [side.receive(args[0])]
         if method == "enginehooks_digests":
-            tensors = self.target.tensors()
+            tensors = self.target.tensors
             return [{n: {"dtype": dtype_name(tensors[n].dtype), "shape": list(tensors[n].shape),
                          "crc32": zlib.crc32(tensors[n].detach().contiguous().cpu()
                                              .reshape(-1).view(torch.uint8).numpy())}

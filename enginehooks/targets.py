@@ -33,10 +33,9 @@ class ModuleTarget:
     ) -> None:
         self.module = module
         if isinstance(module, nn.Module):
-            self.tensors: dict[str, torch.Tensor] = {
-                **dict(module.named_buffers()),
-                **dict(module.named_parameters()),
-            }
+            # state_dict keeps tied aliases (lm_head.weight of a tied model) and only
+            # persistent buffers: exactly the names an HF checkpoint holds.
+            self.tensors: dict[str, torch.Tensor] = dict(module.state_dict(keep_vars=True))
         else:
             self.tensors = dict(module)
         first = next(iter(self.tensors.values()), None)
