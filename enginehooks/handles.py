@@ -12,7 +12,7 @@ import json
 from abc import ABC, abstractmethod
 from typing import Any
 
-from enginehooks.errors import ManifestError, ReplicaError
+from enginehooks.errors import ManifestError
 
 
 class EngineHandle(ABC):
@@ -71,6 +71,3 @@ class EngineHandle(ABC):
         """Digests of engine-side weights that the engine keeps in checkpoint layout
         (worker 0), for bit-exact checks without moving the tensors."""
         return self.rpc("enginehooks_digests", json.dumps(names), timeout_s=timeout_s)[0]
-
-    def _fail(self, message: str) -> ReplicaError:
-        return ReplicaError(self.name, message)

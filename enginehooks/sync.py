@@ -160,11 +160,9 @@ class WeightSync:
     def _send_dtype(self) -> torch.dtype | None:
         if self.dtype is not None:
             return self.dtype
-        dtypes = set()
-        for r in self._replicas:
-            for info in r.info(self.timeout_s):
-                if info.get("dtype"):
-                    dtypes.add(info["dtype"])
+        scratch = PushReport(version="", transport=self.transport_name)
+        infos = self._all(scratch, "info", lambda r: r.info(self.timeout_s))
+        dtypes = {i["dtype"] for per_replica in infos for i in per_replica if i.get("dtype")}
         if len(dtypes) > 1:
             raise EngineHooksError(
                 f"replicas run different dtypes {sorted(dtypes)}: pass WeightSync(dtype=...)"
@@ -212,7 +210,7 @@ class WeightSync:
             return
         self._close_group()
         scratch = PushReport(version="", transport=self.transport_name)
-        counts = [len(r.info(self.timeout_s)) for r in self._replicas]
+        counts = [len(i) for i in self._all(scratch, "info", lambda r: r.info(self.timeout_s))]
         world = 1 + sum(counts)
         options = {"host": self.host, "port": self.port, "timeout_s": self.timeout_s,
                    "device": self.device, **self.transport_options}
@@ -307,11 +305,10 @@ class WeightSync:
         except BaseException:
             self._close_group(wait_for_leaves=False)
             raise
-        for res, r, out in zip(report.replicas, reps, results):
+        for res, out in zip(report.replicas, results):
             res.ok = True
             res.seconds = max((w.get("seconds", 0.0) for w in out), default=0.0)
             res.stats = {"workers": out}
-            del r
 
     def close(self) -> None:
         """Leave the group on every replica and close the sender (bounded by timeouts)."""
