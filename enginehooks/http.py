@@ -16,12 +16,15 @@ from enginehooks.errors import PushTimeout, ReplicaError
 
 def request_json(
     url: str, body: Any | None = None, *, timeout_s: float, method: str | None = None,
-    who: str = "server",
+    who: str = "server", headers: dict[str, str] | None = None,
 ) -> Any:
+    """`headers` carries e.g. `Authorization: Bearer ...` for servers behind an API key."""
     data = None if body is None else json.dumps(body).encode()
+    all_headers = {"Content-Type": "application/json"} if data is not None else {}
+    all_headers.update(headers or {})
     req = urllib.request.Request(
         url, data=data, method=method or ("POST" if data is not None else "GET"),
-        headers={"Content-Type": "application/json"} if data is not None else {},
+        headers=all_headers,
     )
     try:
         with urllib.request.urlopen(req, timeout=timeout_s) as resp:

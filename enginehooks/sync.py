@@ -151,11 +151,13 @@ class WeightSync:
             self._all(report, "pause", lambda r: r.pause(self.timeout_s))
         try:
             self._phase("transfer", report, lambda: self._transfer(manifest, adapter, report))
+            # Flush while still paused: no request may reuse a prefix computed with the
+            # old weights, and some engines refuse a flush while requests run.
+            self._phase("finish", report, lambda: self._all(
+                report, "finish", lambda r: r.flush_cache(self.timeout_s)))
         finally:
             if self.pause:
                 self._all(report, "resume", lambda r: r.resume(self.timeout_s))
-        self._phase("finish", report, lambda: self._all(
-            report, "finish", lambda r: r.flush_cache(self.timeout_s)))
 
     def _send_dtype(self) -> torch.dtype | None:
         if self.dtype is not None:

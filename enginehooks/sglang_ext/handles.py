@@ -1,0 +1,164 @@
+"""Trainer-side handles to SGLang replicas: an in-process `sglang.Engine` and an HTTP
+server started with `python -m sglang.launch_server`.
+
+Both reach the same `enginehooks_*` scheduler methods the plugin attaches; they differ
+only in how the call travels:
+- `SGLangEngine`: straight onto the Engine's own RPC socket (what `collective_rpc`
+  uses), with a deadline and the JSON reply (see `rpc.py`).
+- `SGLangServer`: `POST /enginehooks/rpc` (added by the plugin), plus SGLang's native
+  `/pause_generation`, `/continue_generation` and `/flush_cache` routes. JSON only.
+
+The prefix cache is flushed inside the scheduler right after the weights are loaded
+(`enginehooks_receive`): that is the one moment the scheduler is certainly between
+batches, and it happens before generation resumes. `flush_cache` here repeats it only
+when that flush was refused (requests were still running: push with `pause=True`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from typing import Any
+
+from enginehooks.errors import PushTimeout, ReplicaError
+from enginehooks.handles import EngineHandle
+from enginehooks.http import request_json
+
+PAUSE_MODES = ("abort", "retract", "in_place")
+
+
+class _FlushTracking(EngineHandle):
+    """Remembers whether the last receive's in-scheduler flush succeeded everywhere."""
+
+    _last_flushed: bool | None = None
+
+    def receive(self, manifest_json: str, timeout_s: float) -> list[dict[str, Any]]:
+        self._last_flushed = None
+        out = super().receive(manifest_json, timeout_s)
+        self._last_flushed = all(bool(w.get("flushed")) for w in out)
+        return out
+
+    def flush_cache(self, timeout_s: float) -> None:
+        if self._last_flushed:
+            return
+        results = self.rpc("enginehooks_flush", timeout_s=timeout_s)
+        if not all(r.get("flushed") for r in results):
+            raise ReplicaError(
+                self.name,
+                "SGLang refused to flush its prefix cache because requests are in flight; "
+                "cached prefixes may hold KV computed with the old weights. Push with "
+                "WeightSync(pause=True) and a pause mode of 'abort' or 'retract'.",
+            )
+
+
+def _check_mode(mode: str) -> str:
+    if mode not in PAUSE_MODES:
+        raise ValueError(f"pause mode {mode!r}: SGLang knows {PAUSE_MODES}")
+    return mode
+
+
+class SGLangEngine(_FlushTracking):
+    """An in-process `sglang.Engine` (the enginehooks plugin loads in its scheduler by
+    itself: installing enginehooks in the engine's environment is enough).
+
+    Calls go through the Engine's RPC socket with a deadline, so a hung scheduler makes
+    a `PushTimeout`, not a blocked trainer. Don't call `engine.collective_rpc`
+    concurrently with a push: both share that socket.
+
+    `pause_mode`: how `pause()` stops generation around an update: "abort" (requests
+    in flight end now), "retract" (they go back to the queue and are recomputed on the
+    new weights), or "in_place" (they keep their KV cache; the cache cannot be flushed
+    then).
+    """
+
+    def __init__(self, engine: Any, name: str = "sglang", pause_mode: str = "retract") -> None:
+        from enginehooks.sglang_ext.rpc import SchedulerRpc
+
+        self.engine = engine
+        self.name = name
+        self.pause_mode = _check_mode(pause_mode)
+        sock = getattr(engine, "send_to_rpc", None)
+        if sock is None:
+            raise ReplicaError(name, "this sglang.Engine has no RPC socket (attached or "
+                                     "shut down); use SGLangServer for a server")
+        self._rpc = SchedulerRpc(sock, who=name)
+        self._loop_lock = threading.Lock()
+
+    def rpc(self, method: str, *args: Any, timeout_s: float) -> list[Any]:
+        return self._rpc.call(method, list(args), timeout_s)
+
+    def _run(self, coro_fn: Any, timeout_s: float) -> Any:
+        """Run a tokenizer-manager coroutine on the Engine's event loop, bounded.
+
+        The Engine drives its loop with `run_until_complete` from whichever thread
+        calls it; we do the same under a lock, wrapped in `wait_for` for the deadline.
+        """
+        if not self._loop_lock.acquire(timeout=timeout_s):
+            raise PushTimeout(f"{self.name}: the engine's event loop stayed busy {timeout_s}s")
+        try:
+            loop = self.engine.loop
+            return loop.run_until_complete(asyncio.wait_for(coro_fn(), timeout_s))
+        except asyncio.TimeoutError:
+            raise PushTimeout(f"{self.name}: no answer within {timeout_s}s") from None
+        finally:
+            self._loop_lock.release()
+
+    def pause(self, timeout_s: float) -> None:
+        from sglang.srt.managers.io_struct import PauseGenerationReqInput
+
+        tm = self.engine.tokenizer_manager
+        self._run(lambda: tm.pause_generation(PauseGenerationReqInput(mode=self.pause_mode)),
+                  timeout_s)
+
+    def resume(self, timeout_s: float) -> None:
+        from sglang.srt.managers.io_struct import ContinueGenerationReqInput
+
+        tm = self.engine.tokenizer_manager
+        self._run(lambda: tm.continue_generation(ContinueGenerationReqInput()), timeout_s)
+
+
+class SGLangServer(_FlushTracking):
+    """An SGLang HTTP server (`python -m sglang.launch_server ...`) on `url`, with
+    enginehooks installed in its environment (the plugin adds `POST /enginehooks/rpc`).
+
+    Keep the server on loopback or a private network: the route, like SGLang's own
+    admin routes, is open unless the server was started with `--api-key` /
+    `--admin-api-key` (this handle does not send keys yet). Every call has a timeout.
+    """
+
+    def __init__(self, url: str = "http://127.0.0.1:30000", name: str | None = None,
+                 pause_mode: str = "retract") -> None:
+        self.url = url.rstrip("/")
+        self.name = name or self.url
+        self.pause_mode = _check_mode(pause_mode)
+
+    def _post(self, path: str, body: Any, timeout_s: float) -> Any:
+        return request_json(f"{self.url}{path}", body, timeout_s=timeout_s, who=self.name)
+
+    def rpc(self, method: str, *args: Any, timeout_s: float) -> list[Any]:
+        from enginehooks.sglang_ext.plugin import ROUTE
+
+        body = {"method": method, "args": list(args), "timeout_s": timeout_s}
+        # The route's own deadline ends first, so its answer (naming the scheduler) wins
+        # over a bare HTTP timeout whenever the server process itself is alive.
+        out = self._post(ROUTE, body, timeout_s + 5.0)
+        if isinstance(out, dict) and "results" in out:
+            return out["results"]
+        if isinstance(out, dict) and "error" in out:
+            if out.get("timeout"):
+                raise PushTimeout(f"{self.name}: {out['error']}")
+            raise ReplicaError(self.name, str(out["error"]))
+        raise ReplicaError(self.name, f"{ROUTE} answered {out!r} (is the enginehooks plugin "
+                                      "loaded in the server? SGLANG_PLUGINS must allow it)")
+
+    def pause(self, timeout_s: float) -> None:
+        self._post("/pause_generation", {"mode": self.pause_mode}, timeout_s)
+
+    def resume(self, timeout_s: float) -> None:
+        self._post("/continue_generation", {}, timeout_s)
+
+    def generate(self, input_ids: list[int], sampling_params: dict[str, Any],
+                 timeout_s: float = 60.0) -> dict[str, Any]:
+        """`POST /generate` with token ids (a convenience for checks and demos)."""
+        return self._post("/generate", {"input_ids": input_ids,
+                                        "sampling_params": sampling_params}, timeout_s)

@@ -1,0 +1,134 @@
+"""The SGLang plugin: `register()` is the `sglang.srt.plugins` entry point.
+
+SGLang calls `register()` (no arguments) in every one of its processes (the Engine or
+HTTP main process, each scheduler, the detokenizer) and then applies the hooks that
+were registered. So it must be cheap and idempotent: it only registers hooks, imports
+nothing heavy, and does it once per process.
+
+Hooks (all through SGLang's `HookRegistry`):
+- AFTER `Scheduler.__init__`: attach the `enginehooks_*` methods (see `scheduler.py`)
+  to the scheduler, so `collective_rpc` reaches them.
+- AFTER `Scheduler.handle_rpc_request`: put our methods' JSON reply into the
+  `RpcReqOutput.message` (SGLang drops RPC return values otherwise).
+- BEFORE `http_server._setup_and_run_http_server` (HTTP server only): add the route
+  `POST /enginehooks/rpc` and bind the scheduler's RPC socket for it. `launch_server`
+  offers no route to scheduler methods; an in-process `Engine` binds that socket
+  itself and never runs this hook.
+
+Why a route rather than `--custom-weight-loader` + `/update_weights_from_tensor` for
+servers: the loader route only moves tensors inlined into the HTTP body as base64
+pickles, answers nothing but success/message, and cannot join a gloo/NCCL group or
+validate a manifest before data moves. The route gives a server exactly the RPC surface
+an in-process Engine has (join, check, receive from any transport, digests, info), with
+JSON replies; its cost is that it relies on two private SGLang names, checked at
+registration time so a version that renames them fails loudly, not silently.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from typing import Any
+
+log = logging.getLogger("enginehooks.sglang")
+
+ROUTE = "/enginehooks/rpc"
+_SCHEDULER = "sglang.srt.managers.scheduler.Scheduler"
+_HTTP_SETUP = "sglang.srt.entrypoints.http_server._setup_and_run_http_server"
+
+_registered = False
+_lock = threading.Lock()
+
+
+def register() -> None:
+    """Entry point of `sglang.srt.plugins` (name `enginehooks`; `SGLANG_PLUGINS` filters
+    by that name). Registers hooks once per process; later calls are no-ops."""
+    global _registered
+    with _lock:
+        if _registered:
+            return
+        from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+
+        HookRegistry.register(f"{_SCHEDULER}.__init__", _after_scheduler_init, HookType.AFTER)
+        HookRegistry.register(f"{_SCHEDULER}.handle_rpc_request", _after_handle_rpc,
+                              HookType.AFTER)
+        HookRegistry.register(_HTTP_SETUP, _before_http_server, HookType.BEFORE)
+        _registered = True
+
+
+def _after_scheduler_init(result: Any, self: Any, *args: Any, **kwargs: Any) -> None:
+    from enginehooks.sglang_ext.scheduler import attach
+
+    attach(self)
+    return None
+
+
+def _after_handle_rpc(result: Any, self: Any, *args: Any, **kwargs: Any) -> Any:
+    from enginehooks.sglang_ext.scheduler import reply_message
+
+    recv_req = args[0] if args else kwargs.get("recv_req")
+    try:
+        message = reply_message(self, recv_req)
+    except Exception as e:  # never turn a reply into a scheduler crash
+        log.exception("enginehooks: could not build the RPC reply")
+        if result is not None and getattr(recv_req, "method", "").startswith("enginehooks_"):
+            result.success, result.message = False, f"enginehooks reply failed: {e}"
+        return result
+    if message is not None and result is not None:
+        result.message = message
+    return result
+
+
+def _before_http_server(*args: Any, **kwargs: Any) -> None:
+    """Add `POST /enginehooks/rpc` to SGLang's FastAPI app before uvicorn starts."""
+    try:
+        port_args = kwargs["port_args"] if "port_args" in kwargs else args[3]
+        server_args = kwargs["server_args"] if "server_args" in kwargs else args[0]
+        install_route(port_args.rpc_ipc_name, server_args)
+    except Exception:
+        # The server must still come up; our route will be missing and the handle says so.
+        log.exception("enginehooks: could not add %s to the SGLang server", ROUTE)
+    return None
+
+
+def install_route(rpc_ipc_name: str, server_args: Any) -> None:
+    import asyncio
+
+    import zmq
+    from fastapi import Body
+    from sglang.srt.entrypoints.http_server import app
+    from sglang.srt.utils.auth import AuthLevel, auth_level
+
+    from enginehooks.sglang_ext.rpc import RpcTimeout, SchedulerRpc
+
+    if any(getattr(r, "path", None) == ROUTE for r in app.routes):
+        return
+    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.bind(rpc_ipc_name)
+    client = SchedulerRpc(sock, who=f"sglang server :{getattr(server_args, 'port', '?')}")
+
+    def call(method: str, args: list[Any], timeout_s: float) -> dict[str, Any]:
+        try:
+            return {"results": client.call(method, args, timeout_s)}
+        except RpcTimeout as e:
+            return {"error": str(e), "timeout": True}
+        except Exception as e:
+            return {"error": str(e), "timeout": False}
+
+    @auth_level(AuthLevel.ADMIN_OPTIONAL)
+    async def enginehooks_rpc(body: dict = Body(...)) -> dict[str, Any]:
+        """Run an `enginehooks_*` scheduler method; JSON in, JSON out."""
+        method = str(body.get("method", ""))
+        if not method.startswith("enginehooks_"):
+            return {"error": f"{ROUTE} only calls enginehooks_* methods, not {method!r}",
+                    "timeout": False}
+        args = body.get("args") or []
+        if not isinstance(args, list):
+            return {"error": "args must be a JSON list", "timeout": False}
+        timeout_s = min(float(body.get("timeout_s", 60.0)), 3600.0)
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(None, call, method, args, timeout_s)
+
+    app.add_api_route(ROUTE, enginehooks_rpc, methods=["POST"])
+    log.info("enginehooks: %s ready (scheduler RPC socket %s)", ROUTE, rpc_ipc_name)
