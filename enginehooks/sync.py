@@ -132,7 +132,7 @@ class WeightSync:
 
     def _push(self, model: Any, version: int | str, report: PushReport) -> None:
         def make_plan() -> tuple[Any, Manifest]:
-            adapter = adapter_for(model, dtype=self._send_dtype())
+            adapter = adapter_for(model, dtype=self.send_dtype())
             manifest = plan(
                 adapter.specs(), weight_version=version, bucket_bytes=self.bucket_bytes,
                 checksum=self.checksum, split=self.transport.split,
@@ -143,6 +143,18 @@ class WeightSync:
         adapter, manifest = self._phase("plan", report, make_plan)
         report.bytes, report.buckets = manifest.total_bytes, len(manifest.buckets)
         report.tensors = len(manifest.tensors)
+        try:
+            self._group_check_transfer(adapter, manifest, report)
+        except BaseException as e:
+            # Sharded trainers: the other ranks iterate the same stream in lockstep and
+            # wait for the sender's go; tell them this push is off, with the reason, so
+            # they return instead of blocking in a collective (trainer_side.lockstep).
+            cancel = getattr(adapter, "cancel", None)
+            if cancel is not None:
+                cancel(f"{type(e).__name__}: {e}")
+            raise
+
+    def _group_check_transfer(self, adapter: Any, manifest: Manifest, report: PushReport) -> None:
         self._phase("group", report, self._ensure_group)
         manifest_json = manifest.to_json()
         self._phase("check", report, lambda: self._all(
@@ -159,7 +171,9 @@ class WeightSync:
             if self.pause:
                 self._all(report, "resume", lambda r: r.resume(self.timeout_s))
 
-    def _send_dtype(self) -> torch.dtype | None:
+    def send_dtype(self) -> torch.dtype | None:
+        """The dtype the trainer sends: `dtype=` if given, else the replicas' (which
+        must agree). Sharded trainers use it to cast shards before gathering."""
         if self.dtype is not None:
             return self.dtype
         scratch = PushReport(version="", transport=self.transport_name)

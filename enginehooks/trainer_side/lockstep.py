@@ -1,0 +1,390 @@
+"""Lockstep streams for sharded trainers, and the go/no-go handshake that keeps them safe.
+
+Producing a full tensor from a sharded trainer is a collective (FSDP2
+`DTensor.full_tensor()`, FSDP1 `summon_full_params`, Megatron-Bridge's TP/PP gathers),
+so every trainer rank must iterate the adapter's stream in the same order while only
+the sender rank (where `WeightSync` lives) transmits. The danger is a rank left inside
+a collective that its peers will never enter: the push failed on the sender before
+the transfer (a replica refused the manifest), or a rank stopped iterating.
+
+The handshake: before each tensor the sender broadcasts a small fixed-size *flag*
+(256 bytes, no pickle) over the trainer's own process group, from the sender rank:
+GO (with the tensor index, the stream's fingerprint and the wire dtype) or STOP (with
+the reason). Followers read it before they enter the tensor's collective, so:
+
+- a push that fails before streaming sends STOP at tensor 0 (`cancel()`): followers
+  raise `PushAborted` with the sender's reason at once, no collective left hanging;
+- a push that fails mid-stream closes the stream, which sends STOP at the next tensor;
+- a rank that stops iterating leaves its peers in a flag broadcast or a gather that
+  ends with the process group's timeout (or `timeout_s`), turned here into a
+  `LockstepError` that says which tensor and why: never a silent hang;
+- followers check the sender's fingerprint (names and shapes) before the first
+  gather, so ranks that would stream different tensors fail clearly instead of
+  mismatching collectives.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import struct
+import zlib
+from abc import abstractmethod
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from enginehooks.dtypes import dtype_name, torch_dtype
+from enginehooks.errors import EngineHooksError
+from enginehooks.manifest import TensorSpec
+from enginehooks.trainer_side.module import hf_name
+
+FLAG_BYTES = 256
+_MAGIC = b"EHLS"
+GO, STOP = 1, 2
+# magic, code, dtype name, index, count, fingerprint, reason length; reason follows.
+_HEAD = struct.Struct("<4sB3x16sIIIH2x")
+_REASON_MAX = FLAG_BYTES - _HEAD.size
+
+
+class LockstepError(EngineHooksError):
+    """Trainer ranks fell out of lockstep: a rank stopped iterating, died, or would
+    stream different tensors. Raised on the ranks that noticed, within the timeout."""
+
+
+class PushAborted(LockstepError):
+    """The sender rank told this follower that the push will not (or did not) happen;
+    `reason` carries the sender's error. The trainer's process group is still healthy."""
+
+    def __init__(self, message: str, reason: str) -> None:
+        super().__init__(message)
+        self.reason = reason
+
+
+@dataclass(frozen=True)
+class Flag:
+    code: int
+    index: int
+    count: int
+    fingerprint: int
+    dtype: str
+    reason: str
+
+    def encode(self) -> bytes:
+        reason = self.reason.encode("utf-8", "replace")[:_REASON_MAX]
+        head = _HEAD.pack(_MAGIC, self.code, self.dtype.encode("ascii")[:16], self.index,
+                          self.count, self.fingerprint, len(reason))
+        return (head + reason).ljust(FLAG_BYTES, b"\0")
+
+    @classmethod
+    def decode(cls, raw: bytes) -> Flag:
+        magic, code, dt, index, count, fp, n = _HEAD.unpack_from(raw)
+        if magic != _MAGIC or code not in (GO, STOP):
+            raise LockstepError(f"received a malformed lockstep flag {raw[:16]!r}: the trainer "
+                                "ranks are not running the same enginehooks stream")
+        reason = raw[_HEAD.size:_HEAD.size + n].decode("utf-8", "replace")
+        return cls(code, index, count, fp, dt.rstrip(b"\0").decode("ascii"), reason)
+
+
+def fingerprint(specs: Sequence[TensorSpec]) -> int:
+    """crc32 of names and shapes (not dtypes: followers learn the dtype from the sender)."""
+    text = ";".join(f"{s.name}:{','.join(map(str, s.shape))}" for s in specs)
+    return zlib.crc32(text.encode())
+
+
+class Lockstep:
+    """The go/no-go channel: broadcasts of one flag from `sender` over `group`.
+
+    Args:
+        group: the trainer's process group holding every rank that iterates the stream
+            (None: the default group). The sender must be a member.
+        sender: the sender's rank *within* `group`.
+        timeout_s: bound of each flag wait; None uses the group's own timeout.
+        start_timeout_s: bound of the first flag's wait on followers, which covers the
+            sender's plan, group and check phases (None: `timeout_s`).
+    """
+
+    def __init__(self, group: Any = None, sender: int = 0, timeout_s: float | None = None,
+                 start_timeout_s: float | None = None) -> None:
+        self.active = dist.is_available() and dist.is_initialized()
+        self.group = group if group is not None else (dist.group.WORLD if self.active else None)
+        self.sender = sender
+        self.timeout_s = timeout_s
+        self.start_timeout_s = start_timeout_s if start_timeout_s is not None else timeout_s
+        self.rank = dist.get_rank(self.group) if self.active else 0
+        self.world = dist.get_world_size(self.group) if self.active else 1
+        if not 0 <= sender < self.world:
+            raise LockstepError(f"sender rank {sender} is outside the group of {self.world}")
+        self.device = torch.device("cpu")
+        if self.active and "gloo" not in str(dist.get_backend(self.group)):
+            self.device = torch.device("cuda", torch.cuda.current_device())
+
+    @property
+    def is_sender(self) -> bool:
+        return self.rank == self.sender
+
+    @property
+    def alone(self) -> bool:
+        return self.world == 1
+
+    def _broadcast(self, payload: bytes | None, timeout_s: float | None, what: str) -> bytes:
+        buf = torch.zeros(FLAG_BYTES, dtype=torch.uint8)
+        if payload is not None:
+            buf.copy_(torch.frombuffer(bytearray(payload), dtype=torch.uint8))
+        buf = buf.to(self.device)
+        opts = dist.BroadcastOptions()
+        opts.rootRank = self.sender
+        if timeout_s is not None:
+            opts.timeout = _dt.timedelta(seconds=timeout_s)
+        try:
+            self.group.broadcast([buf], opts).wait()
+            return bytes(buf.cpu().numpy().tobytes())
+        except RuntimeError as e:
+            bound = f"{timeout_s}s" if timeout_s is not None else "the process group's timeout"
+            raise LockstepError(
+                f"trainer rank {self.rank}: {what} failed within {bound}: {e}. Every trainer "
+                "rank must iterate the stream in lockstep (the sender through WeightSync.push, "
+                "the others through enginehooks.trainer_side.follow)") from e
+
+    def go(self, index: int, count: int, fp: int, dtype: torch.dtype | None) -> None:
+        if not self.alone:
+            flag = Flag(GO, index, count, fp, dtype_name(dtype) if dtype else "", "")
+            self._broadcast(flag.encode(), self.timeout_s, f"GO for tensor {index}")
+
+    def stop(self, index: int, reason: str) -> None:
+        """Sender: tell every follower waiting for flag `index` that the push is off."""
+        if not self.alone:
+            self._broadcast(Flag(STOP, index, 0, 0, "", reason).encode(), self.timeout_s,
+                            f"STOP at tensor {index}")
+
+    def wait(self, index: int, what: str, first: bool = False) -> Flag:
+        """Follower: the sender's flag for position `index`; raise `PushAborted` on STOP.
+        `first`: this wait also covers the sender's non-streaming phases."""
+        timeout = self.start_timeout_s if (first or index == 0) else self.timeout_s
+        flag = Flag.decode(self._broadcast(None, timeout, f"waiting for the sender's go for {what}"))
+        if flag.code == STOP:
+            raise PushAborted(f"trainer rank {self.rank}: the sender (rank {self.sender}) "
+                              f"aborted the push: {flag.reason}", flag.reason)
+        if flag.index != index:
+            raise LockstepError(f"trainer rank {self.rank}: out of step: expected the go for "
+                                f"tensor {index}, the sender sent {flag.index}")
+        return flag
+
+
+class LockstepAdapter:
+    """Base of the sharded adapters: a stream every trainer rank iterates in lockstep.
+
+    Subclasses provide `_entries()` (specs, in stream order, without gathering) and
+    `_items()` (the lazy `(hf_name, tensor)` iterator whose `next()` may run
+    collectives; tensors already cast to `self.wire_dtype`). This class adds the
+    go/no-go flags, the fingerprint check, `cancel()` and clear errors.
+    """
+
+    name = "lockstep"
+
+    def __init__(self, model: Any, *, dtype: torch.dtype | None = None,
+                 include: Callable[[str], bool] | None = None,
+                 rename: Callable[[str], str] = hf_name, group: Any = None, sender: int = 0,
+                 timeout_s: float | None = None, start_timeout_s: float | None = None) -> None:
+        self.model = model
+        self.dtype = dtype
+        self.include = include
+        self.rename = rename
+        self._group, self._sender = group, sender
+        self._timeouts = (timeout_s, start_timeout_s)
+        self._lockstep: Lockstep | None = None
+        self._specs: list[TensorSpec] | None = None
+        self._state = "idle"  # idle -> planned -> streaming -> streamed | cancelled
+        self._gen: Iterator[tuple[str, torch.Tensor]] | None = None
+        self._reason = ""
+        self.wire_dtype: torch.dtype | None = dtype
+
+    # -- subclass API -----------------------------------------------------------------
+    @abstractmethod
+    def _entries(self) -> list[TensorSpec]:
+        """Names, dtypes (`self.wire_dtype` where floating) and shapes, in stream order."""
+
+    @abstractmethod
+    def _items(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """Yield `(hf_name, full tensor in wire dtype)`; `next()` may be a collective."""
+
+    def default_group(self) -> Any:
+        return None
+
+    def _out_dtype(self, t: torch.Tensor) -> torch.dtype:
+        wd = self.wire_dtype
+        return wd if (wd is not None and t.is_floating_point()) else t.dtype
+
+    def _keep(self, name: str) -> bool:
+        return self.include is None or self.include(name)
+
+    # -- adapter protocol -------------------------------------------------------------
+    @property
+    def lockstep(self) -> Lockstep:
+        if self._lockstep is None:
+            group = self._group if self._group is not None else self.default_group()
+            self._lockstep = Lockstep(group, self._sender, *self._timeouts)
+        return self._lockstep
+
+    @property
+    def state(self) -> str:
+        return self._state
+
+    def specs(self) -> list[TensorSpec]:
+        """Plan one push (every call starts a new one). No tensor is gathered."""
+        self.wire_dtype = self.dtype
+        self._specs = self._entries()
+        self._state, self._gen, self._reason = "planned", None, ""
+        return list(self._specs)
+
+    def stream(self) -> Iterator[tuple[str, torch.Tensor]]:
+        if self._specs is None or self._state not in ("planned", "idle"):
+            self.specs()
+        self._gen = self._run()
+        return self._gen
+
+    def cancel(self, reason: str) -> None:
+        """The push failed on the sender: release the followers (idempotent).
+
+        Before streaming: STOP at tensor 0. While streaming: close the stream, which sends
+        STOP at the next tensor. After the stream completed, or on a follower: nothing.
+        """
+        ls = self.lockstep
+        if not ls.is_sender:
+            return
+        self._reason = reason or "the push failed on the sender"
+        if self._state == "planned":
+            self._state = "cancelled"
+            ls.stop(0, self._reason)
+        elif self._state == "streaming" and self._gen is not None:
+            self._gen.close()  # type: ignore[attr-defined]
+
+    def _run(self) -> Iterator[tuple[str, torch.Tensor]]:
+        ls = self.lockstep
+        specs = self._specs or []
+        n, fp = len(specs), fingerprint(specs)
+        self._state = "streaming"
+        items: Iterator[tuple[str, torch.Tensor]] | None = None
+        index = 0
+        try:
+            for index in range(n):
+                what = f"tensor {index} ({specs[index].name})"
+                if ls.is_sender:
+                    ls.go(index, n, fp, self.wire_dtype)
+                elif not ls.alone:
+                    flag = ls.wait(index, what)
+                    if index == 0:
+                        if (flag.count, flag.fingerprint) != (n, fp):
+                            raise LockstepError(
+                                f"trainer rank {ls.rank} would stream {n} tensors (fingerprint "
+                                f"{fp:08x}) but the sender streams {flag.count} ({flag.fingerprint:08x}): "
+                                "every rank must build its adapter with the same model and options")
+                        self.wire_dtype = torch_dtype(flag.dtype) if flag.dtype else None
+                if items is None:
+                    items = self._items()
+                try:
+                    name, t = next(items)
+                except StopIteration:
+                    raise LockstepError(f"the stream ended at tensor {index} of the {n} planned") from None
+                except EngineHooksError:
+                    raise
+                except Exception as e:
+                    raise LockstepError(
+                        f"trainer rank {ls.rank}: gathering {what} failed: {type(e).__name__}: {e}. "
+                        "Every trainer rank must iterate the stream in lockstep; a rank that "
+                        "stopped iterating or died leaves the others in the collective until "
+                        "the process group's timeout") from e
+                yield name, t
+                del t
+            self._state = "streamed"
+        except GeneratorExit:
+            # The consumer stopped early: on the sender, the push failed mid-transfer.
+            # Followers have finished tensor `index` and wait for flag index + 1.
+            if ls.is_sender and self._state == "streaming" and index + 1 < n:
+                self._state = "cancelled"
+                ls.stop(index + 1, self._reason or "the sender stopped streaming")
+            self._state = "cancelled"
+            raise
+        except BaseException:
+            self._state = "cancelled"
+            raise
+        finally:
+            if items is not None:
+                items.close()  # type: ignore[attr-defined]
+
+
+def follow(model: Any, **adapter_kwargs: Any) -> int:
+    """Iterate the stream on a non-sender trainer rank, discarding every tensor.
+
+    Call it on every rank but the sender, at the same point of the training loop where
+    the sender calls `WeightSync.push`, with the same model and adapter options
+    (`group`, `sender`, `include`, `rename`, `timeout_s`, `start_timeout_s`). Returns the
+    number of tensors produced; raises `PushAborted` when the sender called the push
+    off, `LockstepError` when ranks fell out of step. A plain (unsharded) model needs
+    no follower: nothing happens and 0 is returned.
+    """
+    from enginehooks.plugins import adapter_for
+
+    adapter = model if isinstance(model, LockstepAdapter) else adapter_for(model, **adapter_kwargs)
+    if not isinstance(adapter, LockstepAdapter):
+        return 0
+    adapter.specs()
+    count = 0
+    for _name, _t in adapter.stream():
+        count += 1
+        del _t
+    return count
+
+
+def push(model: Any, version: int | str, *, sync: Any = None, **adapter_kwargs: Any) -> Any:
+    """One call for every trainer rank: the sender pushes, the others follow.
+
+    `sync` is the sender's `WeightSync` (None on the other ranks). On the sender the push
+    is guarded: if it fails, the followers are released with the sender's reason
+    (`cancel()`); once the whole push finished, one more flag tells the followers
+    whether it succeeded, so that every rank returns or raises together. Returns the
+    sender's `PushReport`, None on followers.
+    """
+    from enginehooks.plugins import adapter_for
+
+    adapter = model if isinstance(model, LockstepAdapter) else adapter_for(model, **adapter_kwargs)
+    if not isinstance(adapter, LockstepAdapter):
+        return sync.push(model, version) if sync is not None else None
+    ls = adapter.lockstep
+    if not ls.is_sender:
+        if sync is not None:
+            raise LockstepError(f"trainer rank {ls.rank} holds a WeightSync but the sender is "
+                                f"rank {ls.sender} of the group")
+        count = follow(adapter)
+        ls.wait(count, "the push's outcome", first=True)  # raises PushAborted if the push failed after
+        return None
+    if sync is None:
+        raise LockstepError(f"trainer rank {ls.rank} is the sender: pass sync=WeightSync(...)")
+    if adapter.dtype is None:
+        adapter.dtype = _engine_dtype(sync)
+    try:
+        report = sync.push(adapter, version)
+    except BaseException as e:
+        reason = f"{type(e).__name__}: {e}"
+        if adapter.state == "streamed":
+            ls.stop(len(adapter._specs or []), reason)
+        else:
+            adapter.cancel(reason)
+        raise
+    n = len(adapter._specs or [])
+    if adapter.state != "streamed":  # a transport that did not drain the stream
+        adapter.cancel("the transport did not consume the whole stream")
+        raise LockstepError("the push returned before the stream was consumed")
+    ls.go(n, n, 0, None)
+    return report
+
+
+def _engine_dtype(sync: Any) -> torch.dtype | None:
+    """The dtype the replicas run (what `WeightSync` would cast to), for adapters handed
+    to `push` ready-made (`WeightSync.push` only passes `dtype` when it builds one)."""
+    if getattr(sync, "dtype", None) is not None:
+        return sync.dtype  # type: ignore[no-any-return]
+    ask = sync.send_dtype
+    return ask()  # type: ignore[no-any-return]
