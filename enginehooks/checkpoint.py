@@ -8,8 +8,12 @@ safetensors headers do, exactly, and reading them touches no tensor data.
 from __future__ import annotations
 
 import os
+import zlib
+from collections.abc import Iterable, Mapping
 from pathlib import Path
+from typing import Any
 
+import torch
 from safetensors import safe_open
 
 from enginehooks.errors import ManifestError
@@ -63,3 +67,27 @@ def checkpoint_specs(
     if tie_word_embeddings and "lm_head.weight" not in specs and emb is not None:
         specs["lm_head.weight"] = TensorSpec("lm_head.weight", emb.dtype, emb.shape)
     return specs
+
+
+def readable_digests(
+    params: Mapping[str, torch.Tensor], expected: Mapping[str, TensorSpec], names: Iterable[str]
+) -> dict[str, Any]:
+    """crc32 of the engine parameters that kept their checkpoint layout (embeddings,
+    norms; fused or prepacked ones are skipped), for bit-exact checks that move no
+    tensor. A vocabulary padded by the engine is compared on the checkpoint's rows."""
+    from enginehooks.dtypes import dtype_name
+
+    out: dict[str, Any] = {}
+    for name in names:
+        p, spec = params.get(name), expected.get(name)
+        if p is None or spec is None or p.dim() != len(spec.shape):
+            continue
+        if tuple(p.shape[1:]) != tuple(spec.shape[1:]) or p.shape[0] < spec.shape[0]:
+            continue
+        data = p.detach()[: spec.shape[0]].contiguous().cpu()
+        out[name] = {
+            "dtype": dtype_name(data.dtype),
+            "shape": list(data.shape),
+            "crc32": zlib.crc32(data.reshape(-1).view(torch.uint8).numpy()),
+        }
+    return out

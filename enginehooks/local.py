@@ -9,12 +9,12 @@ can run, for evaluation copies of a policy, and for unit tests of the coordinato
 from __future__ import annotations
 
 import json
-import zlib
 from typing import Any
 
 import torch
 from torch import nn
 
+from enginehooks.checkpoint import readable_digests
 from enginehooks.dtypes import dtype_name
 from enginehooks.engine_side import EngineSide
 from enginehooks.handles import EngineHandle
@@ -53,11 +53,7 @@ class LocalEngine(EngineHandle):
         if method == "enginehooks_receive":
             return [side.receive(args[0])]
         if method == "enginehooks_digests":
-            tensors = self.target.tensors
-            return [{n: {"dtype": dtype_name(tensors[n].dtype), "shape": list(tensors[n].shape),
-                         "crc32": zlib.crc32(tensors[n].detach().contiguous().cpu()
-                                             .reshape(-1).view(torch.uint8).numpy())}
-                     for n in json.loads(args[0]) if n in tensors}]
+            return [readable_digests(self.target.tensors, self._expected(), json.loads(args[0]))]
         raise AttributeError(f"LocalEngine has no method {method!r}")
 
     def flush_cache(self, timeout_s: float) -> None:

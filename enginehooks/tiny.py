@@ -84,3 +84,32 @@ def hf_greedy(model: Any, prompts: list[list[int]], max_new_tokens: int) -> list
             )
             outs.append(y[0, len(ids):].tolist())
     return outs
+
+
+def make_test_models(root: str | os.PathLike[str]) -> dict[str, Path]:
+    """The two checkpoints every engine test uses: a Llama (untied) and a Qwen2 with qkv
+    bias and tied embeddings (the layout where a stale output head hides)."""
+    root = Path(root)
+    return {
+        "llama": make_tiny_model(root / "llama", arch="llama", seed=0),
+        "qwen2": make_tiny_model(root / "qwen2", arch="qwen2", tie_word_embeddings=True, seed=1),
+    }
+
+
+def load_tiny(path: str | os.PathLike[str]) -> Any:
+    """The HF model of a tiny checkpoint in fp32: the trainer side of a test."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+
+
+def perturb(model: Any, seed: int, scale: float = 0.3) -> Any:
+    """'Train' a model: a reproducible change to every weight."""
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn(p.shape, generator=g) * scale)
+    return model

@@ -18,6 +18,9 @@ run_pytest() {  # env, pytest args...
 bash scripts/run.sh vllm ruff check enginehooks tests benchmarks || status=1
 run_pytest vllm tests --ignore=tests/sglang -q -rs || status=1
 if [ -d tests/sglang ]; then
+  # The mixed vLLM + SGLang test starts a vLLM server from the vLLM environment.
+  ENGINEHOOKS_VLLM_PYTHON="$(bash scripts/setup-vllm-env.sh)/bin/python" || status=1
+  export ENGINEHOOKS_VLLM_PYTHON
   run_pytest sglang tests/sglang -q -rs || status=1
 fi
 exit "$status"

@@ -10,6 +10,9 @@ from typing import Any
 
 import pytest
 
+from enginehooks.tiny import load_tiny as load_hf  # noqa: F401 - re-exported to tests
+from enginehooks.tiny import perturb  # noqa: F401 - re-exported to tests
+
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # engine in-process: fast start
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
@@ -32,31 +35,9 @@ requires_vllm = pytest.mark.skipif(not have("vllm"), reason="vLLM is not install
 @pytest.fixture(scope="session")
 def model_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     """Tiny checkpoints: a Llama (untied) and a Qwen2 with qkv bias and tied embeddings."""
-    from enginehooks.tiny import make_tiny_model
+    from enginehooks.tiny import make_test_models
 
-    root = tmp_path_factory.mktemp("models")
-    return {
-        "llama": make_tiny_model(root / "llama", arch="llama", seed=0),
-        "qwen2": make_tiny_model(root / "qwen2", arch="qwen2", tie_word_embeddings=True, seed=1),
-    }
-
-
-def load_hf(path: Path) -> Any:
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
-
-
-def perturb(model: Any, seed: int, scale: float = 0.3) -> Any:
-    """'Train' the model: a reproducible change to every weight."""
-    import torch
-
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(torch.randn(p.shape, generator=g) * scale)
-    return model
+    return make_test_models(tmp_path_factory.mktemp("models"))
 
 
 def start_llm(path: Path, dtype: str = "float32") -> Any:

@@ -34,7 +34,7 @@ PG_TIMEOUT_S = 4.0
 # -- the launcher (pytest side) ------------------------------------------------------------
 def run_ranks(scenario: str, out: Path, extra: dict[str, Any], timeout_s: float = 150.0,
               world: int = 2) -> list[dict[str, Any]]:
-    from enginehooks.vllm_ext.server import free_port
+    from enginehooks.serverproc import free_port
 
     out.mkdir(parents=True, exist_ok=True)
     (out / "extra.json").write_text(json.dumps(extra))

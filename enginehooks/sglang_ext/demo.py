@@ -21,7 +21,7 @@ def run_demo(args: argparse.Namespace) -> int:
     from transformers import AutoModelForCausalLM
 
     from enginehooks import WeightSync
-    from enginehooks.demo import HELD_OUT, NEW_TOKENS, PROMPTS, train
+    from enginehooks.demo import HELD_OUT, NEW_TOKENS, PROMPTS, show_outcome, train
     from enginehooks.sglang_ext import SGLangServer
     from enginehooks.sglang_ext.server import SGLangServerProcess
     from enginehooks.tiny import hf_greedy, make_tiny_model
@@ -55,16 +55,4 @@ def run_demo(args: argparse.Namespace) -> int:
     finally:
         server.stop()
 
-    print("\n[demo] generation (greedy, token ids)")
-    for p, b, a in zip(PROMPTS, before, after):
-        print(f"  prompt {p}\n    before push: {b}\n    after push:  {a}")
-    for p, a, r in zip(HELD_OUT, after[len(PROMPTS):], reference[len(PROMPTS):]):
-        print(f"  held-out prompt {p}\n    SGLang after push: {a}\n    HF transformers:   {r}")
-    print(f"\n[demo] engine reports weight version {version}; generations say {served}")
-    print(report.table())
-    ok = after == reference and version == 1 and served == ["1"]
-    print(f"\n[demo] SGLang greedy after push == HF transformers on the new weights "
-          f"({len(reference)} prompts): {ok}")
-    if not ok:
-        print(f"[demo] MISMATCH: HF says {reference}")
-    return 0 if ok else 1
+    return show_outcome("SGLang", before, after, reference, version, report, served)

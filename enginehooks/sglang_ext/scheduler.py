@@ -25,13 +25,12 @@ from __future__ import annotations
 import json
 import logging
 import traceback
-import zlib
 from collections.abc import Iterator
 from typing import Any
 
 import torch
 
-from enginehooks.checkpoint import checkpoint_specs, resolve_model_dir
+from enginehooks.checkpoint import checkpoint_specs, readable_digests, resolve_model_dir
 from enginehooks.dtypes import dtype_name
 from enginehooks.engine_side import EngineSide
 from enginehooks.manifest import TensorSpec
@@ -173,21 +172,7 @@ class SchedulerExtension:
         qkv / gate_up are fused), for bit-exact checks without moving tensors."""
         wanted = json.loads(names) if isinstance(names, str) else list(names)
         params = dict(_model_runner(sched).model.named_parameters())
-        expected = SchedulerExtension.side(sched).expected()
-        out: dict[str, Any] = {}
-        for name in wanted:
-            p, spec = params.get(name), expected.get(name)
-            if p is None or spec is None or p.dim() != len(spec.shape):
-                continue
-            if tuple(p.shape[1:]) != tuple(spec.shape[1:]) or p.shape[0] < spec.shape[0]:
-                continue
-            data = p.detach()[: spec.shape[0]].contiguous().cpu()  # vocab may be padded
-            out[name] = {
-                "dtype": dtype_name(data.dtype),
-                "shape": list(data.shape),
-                "crc32": zlib.crc32(data.reshape(-1).view(torch.uint8).numpy()),
-            }
-        return out
+        return readable_digests(params, SchedulerExtension.side(sched).expected(), wanted)
 
 
 #: verb -> (callable, number of positional args it takes)

@@ -10,16 +10,12 @@ from __future__ import annotations
 
 import importlib.util
 import os
-import signal
-import subprocess
 import sys
-import time
-import urllib.request
 from pathlib import Path
-from typing import IO, Any
+from typing import Any
 
 from enginehooks.http import request_json
-from enginehooks.vllm_ext.server import free_port
+from enginehooks.serverproc import EngineServerProcess, free_port
 
 #: The test-only `sgl_kernel` stand-in in a source checkout (no CPU build of SGLang's
 #: kernel package exists; SGLang's CPU engine imports it but, on the paths used here,
@@ -50,8 +46,10 @@ def _kernels_importable() -> bool:
     return True
 
 
-class SGLangServerProcess:
+class SGLangServerProcess(EngineServerProcess):
     """`python -m sglang.launch_server` on CPU, in its own process group."""
+
+    kind = "SGLang server"
 
     def __init__(self, model: str | Path, log: str | Path, *, host: str = "127.0.0.1",
                  port: int | None = None, dtype: str = "float32",
@@ -59,33 +57,14 @@ class SGLangServerProcess:
                  extra_args: list[str] | None = None) -> None:
         self.model = str(model)
         self.port = port or free_port(host)
-        self.url = f"http://{host}:{self.port}"
-        self.log: IO[bytes] = open(log, "wb")  # noqa: SIM115 - closed in stop()
-        self.proc = subprocess.Popen(
+        super().__init__(
             [python, "-m", "sglang.launch_server", "--model-path", self.model,
              "--host", host, "--port", str(self.port), "--device", "cpu", "--dtype", dtype,
              "--attention-backend", "torch_native", "--mem-fraction-static", "0.05",
              "--max-total-tokens", "4096", "--log-level", "warning", "--random-seed", "0",
              *(extra_args or [])],
-            env=cpu_env(env), stdout=self.log, stderr=subprocess.STDOUT,
-            start_new_session=True,
+            cpu_env(env), log, f"http://{host}:{self.port}",
         )
-
-    def wait_ready(self, timeout_s: float = 240.0) -> None:
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                tail = Path(self.log.name).read_text(errors="replace")[-3000:]
-                raise RuntimeError(f"SGLang server exited with {self.proc.returncode}; see "
-                                   f"{self.log.name}:\n{tail}")
-            try:
-                with urllib.request.urlopen(f"{self.url}/health", timeout=2) as r:
-                    if r.status == 200:
-                        return
-            except OSError:
-                pass
-            time.sleep(1.0)  # readiness probe of a process we started, bounded above
-        raise TimeoutError(f"SGLang server not ready in {timeout_s}s; see {self.log.name}")
 
     def generate(self, prompts: list[list[int]], max_tokens: int) -> list[dict[str, Any]]:
         sp = {"temperature": 0.0, "max_new_tokens": max_tokens, "ignore_eos": True}
@@ -94,19 +73,3 @@ class SGLangServerProcess:
 
     def greedy(self, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
         return [list(o["output_ids"]) for o in self.generate(prompts, max_tokens)]
-
-    def signal_group(self, sig: int) -> None:
-        os.killpg(self.proc.pid, sig)
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            try:
-                os.killpg(self.proc.pid, signal.SIGCONT)
-                os.killpg(self.proc.pid, signal.SIGTERM)
-                self.proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait(timeout=30)
-            except ProcessLookupError:
-                pass
-        self.log.close()

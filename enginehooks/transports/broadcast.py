@@ -42,7 +42,7 @@ import torch.distributed as dist
 from enginehooks.buckets import TRAILER_BYTES, Unpacker, pack, write_abort
 from enginehooks.errors import TransportError
 from enginehooks.manifest import ALIGN, Manifest
-from enginehooks.rendezvous import client_store, master_store, new_group
+from enginehooks.rendezvous import GroupEndpoint, client_store, master_store, new_group
 from enginehooks.transports.base import (
     Abort,
     Receiver,
@@ -298,17 +298,9 @@ class BroadcastSender(Sender):
 
 class BroadcastReceiver(Receiver):
     def __init__(self, endpoint: dict[str, Any], rank: int, device: torch.device) -> None:
-        try:
-            self.host = str(endpoint["host"])
-            self.port = int(endpoint["port"])
-            self.group_id = str(endpoint["group"])
-            self.timeout_s = float(endpoint["timeout_s"])
-            self.world_size = int(endpoint["world_size"])
-            self.backend = str(endpoint["transport"])
-        except (KeyError, TypeError, ValueError) as e:
-            raise TransportError(f"bad broadcast endpoint {endpoint!r}: {e}") from None
-        if not 1 <= rank < self.world_size:
-            raise TransportError(f"rank {rank} is outside 1..{self.world_size - 1}")
+        ep = GroupEndpoint.parse(endpoint, rank)
+        self.host, self.port, self.group_id = ep.host, ep.port, ep.group
+        self.timeout_s, self.world_size, self.backend = ep.timeout_s, ep.world_size, ep.transport
         self.rank = rank
         self.device = device
         self.pg: Any = None

@@ -15,13 +15,12 @@ layerwise reload, which also re-runs quantisation post-processing on GPU.
 from __future__ import annotations
 
 import json
-import zlib
 from collections.abc import Iterator
 from typing import Any
 
 import torch
 
-from enginehooks.checkpoint import checkpoint_specs, resolve_model_dir
+from enginehooks.checkpoint import checkpoint_specs, readable_digests, resolve_model_dir
 from enginehooks.dtypes import dtype_name
 from enginehooks.engine_side import EngineSide
 from enginehooks.manifest import TensorSpec
@@ -124,20 +123,5 @@ class WorkerExtension:
     def enginehooks_digests(self, names: str) -> dict[str, Any]:
         """crc32 of parameters vLLM keeps in checkpoint layout (embeddings, norms; on
         CPU linear layers are prepacked and not readable), for bit-exact checks."""
-        wanted = json.loads(names)
         params = dict(self.model_runner.get_model().named_parameters())
-        expected = self._enginehooks_side().expected()
-        out: dict[str, Any] = {}
-        for name in wanted:
-            p, spec = params.get(name), expected.get(name)
-            if p is None or spec is None or p.dim() != len(spec.shape):
-                continue
-            if p.shape[1:] != spec.shape[1:] or p.shape[0] < spec.shape[0]:
-                continue
-            data = p.detach()[: spec.shape[0]].contiguous().cpu()  # vocab may be padded
-            out[name] = {
-                "dtype": dtype_name(data.dtype),
-                "shape": list(data.shape),
-                "crc32": zlib.crc32(data.reshape(-1).view(torch.uint8).numpy()),
-            }
-        return out
+        return readable_digests(params, self._enginehooks_side().expected(), json.loads(names))
