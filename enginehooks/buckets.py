@@ -171,8 +171,11 @@ class Unpacker:
         for e in self._empty:
             yield e.name, torch.empty(e.shape, dtype=torch_dtype(e.dtype), device=self.device)
 
-    def verify(self, index: int, buf: torch.Tensor) -> int:
-        """Check bucket `index`'s trailer and digest; return its payload size."""
+    def verify(self, index: int, buf: torch.Tensor, check_digest: bool = True) -> int:
+        """Check bucket `index`'s trailer and (unless `check_digest` is False) its
+        digest; return its payload size. The trailer check is cheap (64 bytes) and is
+        what a receiver needs before posting its next receive; the digest may follow
+        while that receive is in flight (`verify_digest`)."""
         status, mid, got_index, nbytes, dig = read_trailer(buf)
         if status == STATUS_ABORT:
             reason = bytes(buf[:nbytes].cpu().numpy()).decode("utf-8", "replace")
@@ -187,14 +190,23 @@ class Unpacker:
                 f"expected bucket {index} of {self.manifest.buckets[index].nbytes} bytes, got "
                 f"bucket {got_index} of {nbytes} bytes"
             )
-        if self.manifest.checksum is not None:
-            mine = digest(self.manifest.checksum, buf[:nbytes])
-            if mine != dig:
-                raise ChecksumError(
-                    f"bucket {index}: {self.manifest.checksum} {mine:#x} != sender's {dig:#x}; "
-                    f"tensors {[e.name for e, _ in self._per_bucket[index]][:4]}..."
-                )
+        if check_digest:
+            self._check_digest(index, buf, nbytes, dig)
         return nbytes
+
+    def verify_digest(self, index: int, buf: torch.Tensor) -> None:
+        _status, _mid, _index, nbytes, dig = read_trailer(buf)
+        self._check_digest(index, buf, nbytes, dig)
+
+    def _check_digest(self, index: int, buf: torch.Tensor, nbytes: int, dig: int) -> None:
+        if self.manifest.checksum is None:
+            return
+        mine = digest(self.manifest.checksum, buf[:nbytes])
+        if mine != dig:
+            raise ChecksumError(
+                f"bucket {index}: {self.manifest.checksum} {mine:#x} != sender's {dig:#x}; "
+                f"tensors {[e.name for e, _ in self._per_bucket[index]][:4]}..."
+            )
 
     def unpack(
         self, index: int, buf: torch.Tensor, verified: bool = False

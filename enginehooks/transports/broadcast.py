@@ -347,13 +347,15 @@ class BroadcastReceiver(Receiver):
                 buf = bufs[index % 2][: sizes[index]]
                 _wait(work, None, self.timeout_s, f"receive of bucket {index}", self.device)
                 work = None
-                # Verify before posting the next receive: after an abort notice or a bad
-                # bucket no collective may be left in flight (destroying a pending Work
-                # blocks until it times out, which would delay the error).
-                unpacker.verify(index, buf)
+                # Read the trailer before posting the next receive: after an abort notice
+                # no collective may be left in flight (destroying a pending Work blocks
+                # until it times out, which would delay the error). The digest is checked
+                # while the next bucket is already on its way.
+                unpacker.verify(index, buf, check_digest=False)
                 if index + 1 < n:
                     work = _bcast(pg, bufs[(index + 1) % 2][: sizes[index + 1]],
                                   self.timeout_s)
+                unpacker.verify_digest(index, buf)
                 yield from unpacker.unpack(index, buf, verified=True)
         except BaseException:
             # A torn update leaves the group in an unknown state: leave it.
