@@ -2,7 +2,8 @@
 
 Builds a tiny Llama offline, starts a real vLLM server on loopback with the enginehooks
 worker extension, trains the model in this (trainer) process for a few steps on a toy
-objective (continue a prompt with one fixed token), pushes the new weights, and shows
+objective (answer each training prompt with its own token, repeated), pushes the new
+weights, and shows
 generation before and after. Exits non-zero unless the engine's greedy tokens after the
 push equal HF transformers' on the trainer's new weights.
 """
@@ -14,15 +15,15 @@ import tempfile
 from pathlib import Path
 
 PROMPTS = [[5, 6, 7, 8], [20, 21, 22], [100, 101, 102, 103, 104]]
-TARGET_TOKEN = 42
+TARGETS = [42, 77, 123]  # the token each training prompt should be answered with
 NEW_TOKENS = 8
-# Prompts the toy objective never saw: their continuations are not all TARGET_TOKEN,
-# so equality with HF there checks the whole network, not just one learned answer.
+# Prompts the toy objective never saw: their continuations are whatever the trained
+# network makes of them, so equality with HF there checks more than the learned answers.
 HELD_OUT = [[50, 51, 52], [200, 201, 9, 9], [3, 250]]
 
 
 def train(model: object, steps: int, lr: float) -> list[float]:
-    """Teach the model to answer every prompt with TARGET_TOKEN, repeatedly."""
+    """Teach the model to answer training prompt i with TARGETS[i], repeatedly."""
     import torch
 
     opt = torch.optim.Adam(model.parameters(), lr=lr)  # type: ignore[attr-defined]
@@ -30,8 +31,8 @@ def train(model: object, steps: int, lr: float) -> list[float]:
     model.train()  # type: ignore[attr-defined]
     for _ in range(steps):
         loss = torch.zeros(())
-        for p in PROMPTS:
-            ids = torch.tensor([p + [TARGET_TOKEN] * NEW_TOKENS])
+        for p, target in zip(PROMPTS, TARGETS):
+            ids = torch.tensor([p + [target] * NEW_TOKENS])
             labels = ids.clone()
             labels[:, : len(p)] = -100  # learn the continuation only
             loss = loss + model(input_ids=ids, labels=labels).loss  # type: ignore[operator]
