@@ -12,7 +12,9 @@ from __future__ import annotations
 
 import argparse
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 PROMPTS = [[5, 6, 7, 8], [20, 21, 22], [100, 101, 102, 103, 104]]
 TARGETS = [42, 77, 123]  # the token each training prompt should be answered with
@@ -44,24 +46,34 @@ def train(model: object, steps: int, lr: float) -> list[float]:
     return losses
 
 
-def run_vllm_demo(args: argparse.Namespace) -> int:
+def run_demo(
+    args: argparse.Namespace,
+    *,
+    engine: str,
+    start_server: Callable[[Path, Path], Any],
+    make_handle: Callable[[str], Any],
+    observe: Callable[[Any, list[list[int]]], tuple[list[list[int]], list[str] | None]],
+) -> int:
+    """The demo's story for any engine: `start_server(model_dir, log)` returns an
+    `EngineServerProcess`, `make_handle(url)` the trainer's handle to it, and
+    `observe(server, prompts)` its greedy tokens (and the weight versions its responses
+    report, where the engine reports them)."""
     import torch
     from transformers import AutoModelForCausalLM
 
     from enginehooks import WeightSync
     from enginehooks.tiny import hf_greedy, make_tiny_model
-    from enginehooks.vllm_ext import VLLMServer
-    from enginehooks.vllm_ext.server import VLLMServerProcess
 
     work = Path(args.workdir or tempfile.mkdtemp(prefix="enginehooks-demo-"))
     model_dir = make_tiny_model(work / "model", arch="llama", seed=0)
+    log = work / f"{engine.lower()}.log"
     print(f"[demo] tiny Llama written to {model_dir}")
-    print("[demo] starting vLLM (CPU) with the enginehooks worker extension ...", flush=True)
-    server = VLLMServerProcess(model_dir, work / "vllm.log")
+    print(f"[demo] starting {engine} (CPU) with the enginehooks plugin ...", flush=True)
+    server = start_server(model_dir, log)
     try:
         server.wait_ready(args.start_timeout)
-        print(f"[demo] vLLM ready at {server.url} (log: {work / 'vllm.log'})")
-        before = server.greedy(PROMPTS, NEW_TOKENS)
+        print(f"[demo] {engine} ready at {server.url} (log: {log})")
+        before, _ = observe(server, PROMPTS)
 
         torch.manual_seed(0)
         model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
@@ -71,16 +83,26 @@ def run_vllm_demo(args: argparse.Namespace) -> int:
         options = {"root": str(work / "checkpoints")} if args.transport == "disk" else {}
         with WeightSync(args.transport, timeout_s=args.timeout, bucket_bytes=args.bucket_bytes,
                         pause=True, transport_options=options) as sync:
-            handle = VLLMServer(server.url, name="vllm-server")
+            handle = make_handle(server.url)
             sync.add_replica(handle)
             report = sync.push(model, version=1)
-        after = server.greedy(PROMPTS + HELD_OUT, NEW_TOKENS)
+        after, served = observe(server, PROMPTS + HELD_OUT)
         reference = hf_greedy(model, PROMPTS + HELD_OUT, NEW_TOKENS)
         version = handle.version()
     finally:
         server.stop()
+    return show_outcome(engine, before, after, reference, version, report, served)
 
-    return show_outcome("vLLM", before, after, reference, version, report)
+
+def run_vllm_demo(args: argparse.Namespace) -> int:
+    from enginehooks.vllm_ext import VLLMServer
+    from enginehooks.vllm_ext.server import VLLMServerProcess
+
+    return run_demo(
+        args, engine="vLLM", start_server=VLLMServerProcess,
+        make_handle=lambda url: VLLMServer(url, name="vllm-server"),
+        observe=lambda server, prompts: (server.greedy(prompts, NEW_TOKENS), None),
+    )
 
 
 def show_outcome(engine: str, before: list[list[int]], after: list[list[int]],

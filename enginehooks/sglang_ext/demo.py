@@ -12,47 +12,21 @@ report the pushed weight version. Run it in the SGLang environment
 from __future__ import annotations
 
 import argparse
-import tempfile
-from pathlib import Path
 
 
 def run_demo(args: argparse.Namespace) -> int:
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    from enginehooks import WeightSync
-    from enginehooks.demo import HELD_OUT, NEW_TOKENS, PROMPTS, show_outcome, train
+    from enginehooks.demo import NEW_TOKENS
+    from enginehooks.demo import run_demo as run_engine_demo
     from enginehooks.sglang_ext import SGLangServer
     from enginehooks.sglang_ext.server import SGLangServerProcess
-    from enginehooks.tiny import hf_greedy, make_tiny_model
 
-    work = Path(getattr(args, "workdir", None) or tempfile.mkdtemp(prefix="enginehooks-demo-"))
-    model_dir = make_tiny_model(work / "model", arch="llama", seed=0)
-    print(f"[demo] tiny Llama written to {model_dir}")
-    print("[demo] starting SGLang (CPU) with the enginehooks plugin ...", flush=True)
-    server = SGLangServerProcess(model_dir, work / "sglang.log")
-    try:
-        server.wait_ready(args.start_timeout)
-        print(f"[demo] SGLang ready at {server.url} (log: {work / 'sglang.log'})")
-        before = server.greedy(PROMPTS, NEW_TOKENS)
-
-        torch.manual_seed(0)
-        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-        losses = train(model, args.steps, args.lr)
-        print(f"[demo] trained {args.steps} steps: loss {losses[0]:.3f} -> {losses[-1]:.3f}")
-
-        options = {"root": str(work / "checkpoints")} if args.transport == "disk" else {}
-        with WeightSync(args.transport, timeout_s=args.timeout, bucket_bytes=args.bucket_bytes,
-                        pause=True, transport_options=options) as sync:
-            handle = SGLangServer(server.url, name="sglang-server")
-            sync.add_replica(handle)
-            report = sync.push(model, version=1)
-        outs = server.generate(PROMPTS + HELD_OUT, NEW_TOKENS)
-        after = [list(o["output_ids"]) for o in outs]
+    def observe(server: SGLangServerProcess, prompts: list[list[int]]
+                ) -> tuple[list[list[int]], list[str]]:
+        outs = server.generate(prompts, NEW_TOKENS)
         served = sorted({str(o["meta_info"].get("weight_version")) for o in outs})
-        reference = hf_greedy(model, PROMPTS + HELD_OUT, NEW_TOKENS)
-        version = handle.version()
-    finally:
-        server.stop()
+        return [list(o["output_ids"]) for o in outs], served
 
-    return show_outcome("SGLang", before, after, reference, version, report, served)
+    return run_engine_demo(
+        args, engine="SGLang", start_server=SGLangServerProcess,
+        make_handle=lambda url: SGLangServer(url, name="sglang-server"), observe=observe,
+    )
