@@ -39,6 +39,16 @@ from enginehooks.tiny import make_tiny_model
 from enginehooks.transports.broadcast import message_bytes
 
 
+def cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor()
+
+
 def raw_broadcast(sizes: list[int], reps: int, timeout_s: float) -> list[float]:
     """Seconds per update for plain gloo broadcasts of buffers of `sizes` bytes."""
     store = master_store("127.0.0.1", 0, timeout_s)
@@ -130,7 +140,7 @@ def main() -> int:
     result = {
         "benchmark": "bench_gloo_cpu",
         "date": time.strftime("%Y-%m-%d %H:%M:%S"),
-        "machine": {"platform": platform.platform(), "processor": platform.processor(),
+        "machine": {"platform": platform.platform(), "processor": cpu_model(),
                     "cpus": os.cpu_count(), "python": sys.version.split()[0],
                     "torch": torch.__version__},
         "params": {"bytes": nbytes, "buckets": len(sizes), "bucket_bytes": bucket,
