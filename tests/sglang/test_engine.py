@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 import torch
-from conftest import PROMPTS, engine_greedy, hf_reference, load_hf, perturb
+from conftest import engine_greedy, hf_reference, load_hf, perturb
 
 from enginehooks import ManifestError, WeightSync
 from enginehooks.manifest import TensorSpec, plan
@@ -155,4 +155,3 @@ def test_check_names_every_problem_and_errors_are_json(
     with pytest.raises(Exception, match=r"JSONDecodeError|Expecting value"):
         handle.rpc("enginehooks_check", "not json", timeout_s=30)
     assert handle.info(30)[0]["rank"] == 0
-    assert len(PROMPTS) == 3
