@@ -121,19 +121,21 @@ class SGLangServer(_FlushTracking):
     """An SGLang HTTP server (`python -m sglang.launch_server ...`) on `url`, with
     enginehooks installed in its environment (the plugin adds `POST /enginehooks/rpc`).
 
-    Keep the server on loopback or a private network: the route, like SGLang's own
-    admin routes, is open unless the server was started with `--api-key` /
-    `--admin-api-key` (this handle does not send keys yet). Every call has a timeout.
+    Keep the server on loopback or a private network, or start it with `--api-key` and
+    pass the same `api_key` here: SGLang's key check covers the plugin's route like any
+    other. Every call has a timeout.
     """
 
     def __init__(self, url: str = "http://127.0.0.1:30000", name: str | None = None,
-                 pause_mode: str = "retract") -> None:
+                 pause_mode: str = "retract", api_key: str | None = None) -> None:
         self.url = url.rstrip("/")
         self.name = name or self.url
         self.pause_mode = _check_mode(pause_mode)
+        self._headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
 
     def _post(self, path: str, body: Any, timeout_s: float) -> Any:
-        return request_json(f"{self.url}{path}", body, timeout_s=timeout_s, who=self.name)
+        return request_json(f"{self.url}{path}", body, timeout_s=timeout_s, who=self.name,
+                            headers=self._headers)
 
     def rpc(self, method: str, *args: Any, timeout_s: float) -> list[Any]:
         from enginehooks.sglang_ext.plugin import ROUTE

@@ -65,14 +65,16 @@ class VLLMServer(EngineHandle):
     `/collective_rpc`, `/pause`, `/resume`, `/reset_prefix_cache`). Keep such a server
     on loopback or a private network: dev-mode routes are not authenticated."""
 
-    def __init__(self, url: str, name: str | None = None, pause_mode: str = "wait") -> None:
+    def __init__(self, url: str, name: str | None = None, pause_mode: str = "wait",
+                 api_key: str | None = None) -> None:
         self.url = url.rstrip("/")
         self.name = name or self.url
         self.pause_mode = pause_mode
+        self._headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
 
     def _post(self, path: str, body: Any | None, timeout_s: float) -> Any:
         return request_json(f"{self.url}{path}", body if body is not None else {},
-                            timeout_s=timeout_s, who=self.name)
+                            timeout_s=timeout_s, who=self.name, headers=self._headers)
 
     def rpc(self, method: str, *args: Any, timeout_s: float) -> list[Any]:
         body = {"method": method, "args": [str(a) for a in args], "timeout": timeout_s}

@@ -131,3 +131,31 @@ def test_push_under_traffic_with_pause(sglang_server: SGLangServerProcess,
     assert all(len(o["output_ids"]) == 300 for o in outs)
     assert handle._last_flushed is True
     assert_server_matches(sglang_server, handle, model, "busy-1")
+
+
+def test_server_with_api_key(model_dirs: dict[str, Path], logs_dir: Path) -> None:
+    """A server started with `--api-key`: the plugin's route is behind SGLang's own key
+    check; a handle without the key is refused with a clear error (and nothing moves),
+    the handle with it pushes."""
+    from enginehooks.sglang_ext.server import SGLangServerProcess as Server
+
+    srv = Server(model_dirs["llama"], logs_dir / "sglang-api-key.log",
+                 extra_args=["--api-key", "test-key-123"])
+    try:
+        srv.wait_ready()
+        model = perturb(load_hf(model_dirs["llama"]), seed=91)
+        with WeightSync("gloo", timeout_s=60) as sync:
+            sync.add_replica(SGLangServer(srv.url, name="keyless"))
+            with pytest.raises(ReplicaError, match=r"keyless.*HTTP 401"):
+                sync.push(model, version=1)
+        keyed = SGLangServer(srv.url, name="keyed", api_key="test-key-123")
+        with WeightSync("gloo", timeout_s=60) as sync:
+            sync.add_replica(keyed)
+            sync.push(model, version=2)
+        sp = {"temperature": 0.0, "max_new_tokens": 8, "ignore_eos": True}
+        out = [keyed.generate(p, sp) for p in ([5, 6, 7, 8], [10, 11, 12])]
+        assert [o["output_ids"] for o in out] == hf_reference(model)[:2]
+        assert {o["meta_info"]["weight_version"] for o in out} == {"2"}
+        assert keyed.version() == 2
+    finally:
+        srv.stop()
