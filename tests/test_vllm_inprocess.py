@@ -14,6 +14,7 @@ from conftest import NEW_TOKENS, PROMPTS, llm_greedy, load_hf, perturb, requires
 from enginehooks import ManifestError, ReplicaError, WeightSync
 from enginehooks.manifest import Manifest, TensorSpec, plan
 from enginehooks.tiny import hf_greedy
+from enginehooks.trainer_side import StateDictAdapter
 from enginehooks.vllm_ext import VLLMEngine
 
 pytestmark = [requires_vllm, pytest.mark.vllm]
@@ -109,28 +110,13 @@ def _bad_manifest_refused(llm: Any, model: Any, mutate: Any, expect: str) -> Non
         sync.push(model, version=100)
         good_tokens, good_version = llm_greedy(llm), handle.version()
 
-        class BadAdapter:
-            """A trainer stream that disagrees with the model: what a wrong converter or
-            a mismatched checkpoint would send."""
-
-            def __init__(self) -> None:
-                self.items = mutate(dict(model.state_dict()))
-                self.pulled = 0
-
-            def specs(self) -> list[TensorSpec]:
-                return [TensorSpec(n, str(t.dtype).removeprefix("torch."), tuple(t.shape))
-                        for n, t in self.items.items()]
-
-            def stream(self):
-                for item in self.items.items():
-                    self.pulled += 1
-                    yield item
-
-        bad = BadAdapter()
+        # A stream that disagrees with the model: what a wrong converter or a
+        # mismatched checkpoint would send.
+        bad = StateDictAdapter(mutate(dict(model.state_dict())))
         with pytest.raises(ManifestError) as err:
             sync.push(bad, version=101)
         assert expect in str(err.value)
-        assert bad.pulled == 0, "data moved before the manifest was validated"
+        assert bad.produced == 0, "data moved before the manifest was validated"
         assert handle.version() == good_version == 100
         assert llm_greedy(llm) == good_tokens
 

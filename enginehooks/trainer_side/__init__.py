@@ -22,7 +22,7 @@ from enginehooks.trainer_side.lockstep import (
 )
 from enginehooks.trainer_side.lora import PeftAdapter
 from enginehooks.trainer_side.megatron import MegatronBridgeAdapter
-from enginehooks.trainer_side.module import ModuleAdapter, hf_name
+from enginehooks.trainer_side.module import ModuleAdapter, StateDictAdapter, hf_name
 
 __all__ = [
     "FSDP1Adapter",
@@ -33,6 +33,7 @@ __all__ = [
     "ModuleAdapter",
     "PeftAdapter",
     "PushAborted",
+    "StateDictAdapter",
     "follow",
     "hf_name",
     "push",
@@ -48,3 +49,4 @@ def register_trainer_adapters(register: Callable[[type], None]) -> None:
     register(FSDP1Adapter)
     register(FSDP2Adapter)
     register(ModuleAdapter)
+    register(StateDictAdapter)

@@ -8,7 +8,7 @@ tensor, never a second copy of the model.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -82,4 +82,37 @@ class ModuleAdapter:
     def stream(self) -> Iterator[tuple[str, torch.Tensor]]:
         with torch.no_grad():
             for name, t in self._items():
+                yield name, t.detach().to(self._out_dtype(t)).contiguous()
+
+
+class StateDictAdapter:
+    """Streams a `{name: tensor}` mapping: a state dict loaded from a checkpoint, or
+    tensors a custom converter produced. Names are used as given (they must already be
+    HF checkpoint names); floating tensors are cast to `dtype`. `produced` counts the
+    tensors handed out so far, which tells, after a refused push, that nothing moved."""
+
+    name = "state_dict"
+
+    def __init__(self, tensors: Mapping[str, torch.Tensor], *,
+                 dtype: torch.dtype | None = None) -> None:
+        self.tensors = tensors
+        self.dtype = dtype
+        self.produced = 0
+
+    @classmethod
+    def accepts(cls, model: Any) -> bool:
+        return isinstance(model, Mapping) and all(
+            isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in model.items())
+
+    def _out_dtype(self, t: torch.Tensor) -> torch.dtype:
+        return self.dtype if (self.dtype is not None and t.is_floating_point()) else t.dtype
+
+    def specs(self) -> list[TensorSpec]:
+        return [TensorSpec(n, dtype_name(self._out_dtype(t)), tuple(t.shape))
+                for n, t in self.tensors.items()]
+
+    def stream(self) -> Iterator[tuple[str, torch.Tensor]]:
+        with torch.no_grad():
+            for name, t in self.tensors.items():
+                self.produced += 1
                 yield name, t.detach().to(self._out_dtype(t)).contiguous()

@@ -4,7 +4,6 @@ transformers on the same new weights, and generations must carry the pushed vers
 from __future__ import annotations
 
 import zlib
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -15,6 +14,7 @@ from conftest import engine_greedy, hf_reference, load_hf, perturb
 from enginehooks import ManifestError, WeightSync
 from enginehooks.manifest import TensorSpec, plan
 from enginehooks.sglang_ext import SGLangEngine
+from enginehooks.trainer_side import StateDictAdapter
 
 READABLE = ["model.embed_tokens.weight", "model.norm.weight",
             "model.layers.0.input_layernorm.weight"]
@@ -95,27 +95,13 @@ def _bad_manifest_refused(engine: Any, model: Any, mutate: Any, expect: str) -> 
         sync.push(model, version=100)
         good_tokens, _ = engine_greedy(engine)
 
-        class BadAdapter:
-            """A trainer stream that disagrees with the model (a wrong converter)."""
-
-            def __init__(self) -> None:
-                self.items = mutate(dict(model.state_dict()))
-                self.pulled = 0
-
-            def specs(self) -> list[TensorSpec]:
-                return [TensorSpec(n, str(t.dtype).removeprefix("torch."), tuple(t.shape))
-                        for n, t in self.items.items()]
-
-            def stream(self) -> Iterator[tuple[str, torch.Tensor]]:
-                for item in self.items.items():
-                    self.pulled += 1
-                    yield item
-
-        bad = BadAdapter()
+        # A stream that disagrees with the model: what a wrong converter or a
+        # mismatched checkpoint would send.
+        bad = StateDictAdapter(mutate(dict(model.state_dict())))
         with pytest.raises(ManifestError) as err:
             sync.push(bad, version=101)
         assert expect in str(err.value)
-        assert bad.pulled == 0, "data moved before the manifest was validated"
+        assert bad.produced == 0, "data moved before the manifest was validated"
     tokens, versions = engine_greedy(engine)
     assert tokens == good_tokens and versions == {"100"}
     assert handle.version() == 100
