@@ -32,11 +32,11 @@ import torch
 import torch.distributed as dist
 
 from enginehooks import WeightSync
+from enginehooks.buckets import message_bytes
 from enginehooks.local import LocalEngine
 from enginehooks.manifest import TensorSpec, plan
 from enginehooks.rendezvous import client_store, master_store, new_group
 from enginehooks.tiny import make_tiny_model
-from enginehooks.transports.broadcast import message_bytes
 
 
 def cpu_model() -> str:

@@ -335,7 +335,7 @@ class Driver:
     def raw_broadcast(self, who: list[str], bucket: int, tag: str) -> None:
         """Raw NCCL broadcast of the same bytes, cut at the same bucket size."""
         m = self.manifest(bucket, None)
-        from enginehooks.transports.broadcast import message_bytes
+        from enginehooks.buckets import message_bytes
 
         sizes = [message_bytes(b.nbytes) for b in m.buckets]
         nbytes, count = max(sizes), len(sizes)

@@ -17,7 +17,7 @@ import torch
 from enginehooks.checksums import digest
 from enginehooks.dtypes import dtype_name, torch_dtype
 from enginehooks.errors import ChecksumError, ManifestError, SenderAborted, TransportError
-from enginehooks.manifest import Manifest, TensorEntry
+from enginehooks.manifest import ALIGN, Manifest, TensorEntry
 
 TRAILER_BYTES = 64
 _MAGIC = 0x45484231  # "EHB1"
@@ -26,10 +26,15 @@ STATUS_ABORT = 1
 _MASK64 = (1 << 64) - 1
 
 
+def message_bytes(payload: int) -> int:
+    """Bytes a sealed bucket of `payload` bytes occupies in a transport buffer: the
+    payload, padding to `ALIGN`, and the trailer (which sits at the end)."""
+    return (payload + ALIGN - 1) // ALIGN * ALIGN + TRAILER_BYTES
+
+
 def buffer_bytes(manifest: Manifest) -> int:
-    """Size of one transport buffer for this manifest: the largest bucket plus trailer."""
-    largest = max((b.nbytes for b in manifest.buckets), default=0)
-    return largest + TRAILER_BYTES
+    """Size of one transport buffer for this manifest: its largest sealed bucket."""
+    return max((message_bytes(b.nbytes) for b in manifest.buckets), default=TRAILER_BYTES)
 
 
 def manifest_id(manifest: Manifest) -> int:

@@ -7,10 +7,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from enginehooks.buckets import Unpacker, pack
+from enginehooks.buckets import Unpacker, message_bytes, pack
 from enginehooks.errors import ChecksumError, ManifestError, TransportError
 from enginehooks.manifest import TensorSpec, plan
-from enginehooks.transports.broadcast import message_bytes
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.int64,
           torch.int32, torch.int8, torch.uint8, torch.bool]

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import inspect
 import re
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -60,9 +61,11 @@ def test_hook_register_transports_third_party_package(tmp_path: Path) -> None:
     """Install a separate package with an `enginehooks` entry point and use its
     transport by name, in a fresh interpreter (nothing in enginehooks changes)."""
     target = tmp_path / "site"
+    source = tmp_path / "src"  # pip builds in place: keep the checkout clean
+    shutil.copytree(ROOT / "tests" / "plugins" / "enginehooks_queue", source)
     subprocess.run(
         [sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation",
-         "--target", str(target), str(ROOT / "tests" / "plugins" / "enginehooks_queue")],
+         "--target", str(target), str(source)],
         check=True, timeout=300,
     )
     script = textwrap.dedent("""

@@ -39,9 +39,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from enginehooks.buckets import TRAILER_BYTES, Unpacker, pack, write_abort
+from enginehooks.buckets import Unpacker, buffer_bytes, message_bytes, pack, write_abort
 from enginehooks.errors import TransportError
-from enginehooks.manifest import ALIGN, Manifest
+from enginehooks.manifest import Manifest
 from enginehooks.rendezvous import GroupEndpoint, client_store, master_store, new_group
 from enginehooks.transports.base import (
     Abort,
@@ -52,15 +52,6 @@ from enginehooks.transports.base import (
     Target,
     Transport,
 )
-
-
-def message_bytes(payload: int) -> int:
-    """Bytes on the wire for a bucket of `payload` bytes: payload, padding, trailer."""
-    return (payload + ALIGN - 1) // ALIGN * ALIGN + TRAILER_BYTES
-
-
-def _largest_message(manifest: Manifest) -> int:
-    return max((message_bytes(b.nbytes) for b in manifest.buckets), default=TRAILER_BYTES)
 
 
 class _Buffers:
@@ -228,7 +219,7 @@ class BroadcastSender(Sender):
         if self.pg is None:
             raise TransportError("send() before connect(): the group has not formed")
         t0 = time.perf_counter()
-        bufs = self._buffers.get(_largest_message(manifest))
+        bufs = self._buffers.get(buffer_bytes(manifest))
         pending: list[Any] = [None, None]
         sizes = [message_bytes(b.nbytes) for b in manifest.buckets]
 
@@ -339,7 +330,7 @@ class BroadcastReceiver(Receiver):
         if n == 0:
             yield from unpacker.empties()
             return
-        bufs = self._buffers.get(_largest_message(manifest))
+        bufs = self._buffers.get(buffer_bytes(manifest))
         sizes = [message_bytes(b.nbytes) for b in manifest.buckets]
         work: Any = _bcast(pg, bufs[0][: sizes[0]], self.timeout_s)
         try:

@@ -50,22 +50,13 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from enginehooks.buckets import TRAILER_BYTES, Unpacker, manifest_id, pack
+from enginehooks.buckets import Unpacker, buffer_bytes, manifest_id, message_bytes, pack
 from enginehooks.errors import SenderAborted, TransportError
-from enginehooks.manifest import ALIGN, Manifest
+from enginehooks.manifest import Manifest
 from enginehooks.rendezvous import GroupEndpoint, client_store, master_store
 from enginehooks.transports.base import Abort, Receiver, Sender, SendStats, Stream, Target
 
 OK = b"ok"
-
-
-def message_bytes(payload: int) -> int:
-    """Bytes of a slot that bucket of `payload` bytes uses: payload, padding, trailer."""
-    return (payload + ALIGN - 1) // ALIGN * ALIGN + TRAILER_BYTES
-
-
-def slot_bytes(manifest: Manifest) -> int:
-    return max((message_bytes(b.nbytes) for b in manifest.buckets), default=TRAILER_BYTES)
 
 
 def _sync(device: torch.device) -> None:
@@ -175,7 +166,7 @@ class ColocatedSender(Sender):
         self.seq += 1
         seq, n = self.seq, len(manifest.buckets)
         sizes = [message_bytes(b.nbytes) for b in manifest.buckets]
-        self._ensure_buffers(slot_bytes(manifest))
+        self._ensure_buffers(buffer_bytes(manifest))
         mid = manifest_id(manifest)
         pending: list[int | None] = [None, None]
         finished = threading.Event()

@@ -10,9 +10,8 @@ from typing import Any
 import torch
 
 from enginehooks import hookimpl
-from enginehooks.buckets import Unpacker, pack
+from enginehooks.buckets import Unpacker, message_bytes, pack
 from enginehooks.transports.base import Receiver, Sender, SendStats, Transport
-from enginehooks.transports.broadcast import message_bytes
 
 _QUEUES: dict[str, queue.Queue] = {}
 
