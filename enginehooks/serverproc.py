@@ -50,6 +50,18 @@ class EngineServerProcess:
             time.sleep(1.0)  # readiness probe of a process we started, bounded above
         raise TimeoutError(f"{self.kind} not ready in {timeout_s}s; see {self.log.name}")
 
+    def __enter__(self) -> EngineServerProcess:
+        """`with Server(...) as srv:` waits until it is ready and always stops it."""
+        try:
+            self.wait_ready()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
     def signal_group(self, sig: int) -> None:
         os.killpg(self.proc.pid, sig)
 

@@ -12,6 +12,7 @@ import pytest
 
 from enginehooks.tiny import load_tiny as load_hf  # noqa: F401 - re-exported to tests
 from enginehooks.tiny import perturb  # noqa: F401 - re-exported to tests
+from enginehooks.vllm_ext.server import VLLMServerProcess as _VLLMServer
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # engine in-process: fast start
@@ -65,23 +66,12 @@ def llms(model_dirs: dict[str, Path]) -> dict[str, Any]:
     return {name: start_llm(path) for name, path in model_dirs.items()}
 
 
-class VLLMServerProcess:
-    """Test view of `enginehooks.vllm_ext.server.VLLMServerProcess` with the test prompts."""
+class VLLMServerProcess(_VLLMServer):
+    """The library's launcher, answering with the test prompts."""
 
-    def __init__(self, model: Path, log: Path) -> None:
-        from enginehooks.vllm_ext.server import VLLMServerProcess as Server
-
-        self.server = Server(model, log)
-        self.url, self.proc = self.server.url, self.server.proc
-
-    def wait_ready(self) -> None:
-        self.server.wait_ready()
-
-    def greedy(self, prompts: list[list[int]] = PROMPTS) -> list[list[int]]:
-        return self.server.greedy(prompts, NEW_TOKENS)
-
-    def stop(self) -> None:
-        self.server.stop()
+    def greedy(self, prompts: list[list[int]] = PROMPTS,  # type: ignore[override]
+               max_tokens: int = NEW_TOKENS) -> list[list[int]]:
+        return super().greedy(prompts, max_tokens)
 
 
 @pytest.fixture(scope="session")
@@ -89,9 +79,6 @@ def vllm_server(model_dirs: dict[str, Path], tmp_path_factory: pytest.TempPathFa
                 ) -> Iterator[VLLMServerProcess]:
     if not have("vllm"):
         pytest.skip("vLLM is not installed here")
-    srv = VLLMServerProcess(model_dirs["llama"], tmp_path_factory.mktemp("logs") / "vllm.log")
-    try:
-        srv.wait_ready()
+    log = tmp_path_factory.mktemp("logs") / "vllm.log"
+    with VLLMServerProcess(model_dirs["llama"], log) as srv:
         yield srv
-    finally:
-        srv.stop()

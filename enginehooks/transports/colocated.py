@@ -59,6 +59,17 @@ from enginehooks.transports.base import Abort, Receiver, Sender, SendStats, Stre
 OK = b"ok"
 
 
+def _set_all(store: dist.Store, keys: list[str], value: bytes) -> None:
+    """Best-effort: write `value` under every key (the peer may be gone already), in
+    batches so one failure notice never becomes thousands of round trips."""
+    try:
+        for start in range(0, len(keys), 512):
+            part = keys[start : start + 512]
+            store.multi_set(part, [value] * len(part))
+    except Exception:
+        pass
+
+
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.current_stream(device).synchronize()
@@ -255,12 +266,7 @@ class ColocatedSender(Sender):
                 reason = f"error: update aborted by the coordinator: {e}".encode()
                 keys = [self._key(f"u{seq}", "ack", k, r) for k in range(n)
                         for r in self._receivers()]
-                try:
-                    for start in range(0, len(keys), 512):
-                        part = keys[start : start + 512]
-                        store.multi_set(part, [reason] * len(part))
-                except Exception:
-                    pass
+                _set_all(store, keys, reason)
 
         t = threading.Thread(target=run, name="enginehooks-colocated-abort", daemon=True)
         t.start()
@@ -271,12 +277,7 @@ class ColocatedSender(Sender):
         store = self._watch_store or self.store
         keys = [self._key(f"u{seq}", "ready", k) for k in range(first, n)]
         value = json.dumps({"abort": reason}).encode()
-        try:
-            for start in range(0, len(keys), 512):
-                part = keys[start : start + 512]
-                store.multi_set(part, [value] * len(part))
-        except Exception:
-            pass
+        _set_all(store, keys, value)
 
     def _forget(self, seq: int, n: int) -> None:
         """Drop the finished update's keys so the store does not grow with every push."""

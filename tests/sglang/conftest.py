@@ -150,9 +150,5 @@ def logs_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="session")
 def sglang_server(model_dirs: dict[str, Path], logs_dir: Path) -> Iterator[SGLangServerProcess]:
-    srv = SGLangServerProcess(model_dirs["llama"], logs_dir / "sglang-server.log")
-    try:
-        srv.wait_ready()
+    with SGLangServerProcess(model_dirs["llama"], logs_dir / "sglang-server.log") as srv:
         yield srv
-    finally:
-        srv.stop()

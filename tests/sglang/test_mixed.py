@@ -29,12 +29,8 @@ def vllm_server(model_dirs: dict[str, Path], logs_dir: Path) -> Iterator[VLLMSer
     if not VLLM_PYTHON.exists():
         pytest.skip(f"the vLLM environment is not built ({VLLM_PYTHON} missing): "
                     "run scripts/setup-vllm-env.sh")
-    srv = VLLMServerProcess(model_dirs["llama"], logs_dir / "vllm-server.log")
-    try:
-        srv.wait_ready()
+    with VLLMServerProcess(model_dirs["llama"], logs_dir / "vllm-server.log") as srv:
         yield srv
-    finally:
-        srv.stop()
 
 
 def test_one_push_updates_vllm_and_sglang(vllm_server: VLLMServerProcess,

@@ -139,10 +139,8 @@ def test_server_with_api_key(model_dirs: dict[str, Path], logs_dir: Path) -> Non
     the handle with it pushes."""
     from enginehooks.sglang_ext.server import SGLangServerProcess as Server
 
-    srv = Server(model_dirs["llama"], logs_dir / "sglang-api-key.log",
-                 extra_args=["--api-key", "test-key-123"])
-    try:
-        srv.wait_ready()
+    with Server(model_dirs["llama"], logs_dir / "sglang-api-key.log",
+                extra_args=["--api-key", "test-key-123"]) as srv:
         model = perturb(load_hf(model_dirs["llama"]), seed=91)
         with WeightSync("gloo", timeout_s=60) as sync:
             sync.add_replica(SGLangServer(srv.url, name="keyless"))
@@ -157,5 +155,3 @@ def test_server_with_api_key(model_dirs: dict[str, Path], logs_dir: Path) -> Non
         assert [o["output_ids"] for o in out] == hf_reference(model)[:2]
         assert {o["meta_info"]["weight_version"] for o in out} == {"2"}
         assert keyed.version() == 2
-    finally:
-        srv.stop()
