@@ -32,11 +32,11 @@ import torch
 import torch.distributed as dist
 
 from enginehooks import WeightSync
-from enginehooks.buckets import message_bytes
-from enginehooks.local import LocalEngine
-from enginehooks.manifest import TensorSpec, plan
-from enginehooks.rendezvous import client_store, master_store, new_group
-from enginehooks.tiny import make_tiny_model
+from enginehooks.core.buckets import message_bytes
+from enginehooks.engine.local import LocalEngine
+from enginehooks.core.manifest import TensorSpec, plan
+from enginehooks.transports._rendezvous import client_store, master_store, new_group
+from enginehooks.testing.tiny import make_tiny_model
 
 
 def cpu_model() -> str:

@@ -46,10 +46,10 @@ sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
 
-from enginehooks.checksums import sum64_tensor  # noqa: E402
-from enginehooks.manifest import Manifest, TensorSpec, plan  # noqa: E402
-from enginehooks.rendezvous import client_store, master_store, new_group  # noqa: E402
-from enginehooks.targets import ModuleTarget  # noqa: E402
+from enginehooks.core.checksums import sum64_tensor  # noqa: E402
+from enginehooks.core.manifest import Manifest, TensorSpec, plan  # noqa: E402
+from enginehooks.transports._rendezvous import client_store, master_store, new_group  # noqa: E402
+from enginehooks.engine.targets import ModuleTarget  # noqa: E402
 from enginehooks.transports.base import Abort  # noqa: E402
 
 GB = 1e9
@@ -335,7 +335,7 @@ class Driver:
     def raw_broadcast(self, who: list[str], bucket: int, tag: str) -> None:
         """Raw NCCL broadcast of the same bytes, cut at the same bucket size."""
         m = self.manifest(bucket, None)
-        from enginehooks.buckets import message_bytes
+        from enginehooks.core.buckets import message_bytes
 
         sizes = [message_bytes(b.nbytes) for b in m.buckets]
         nbytes, count = max(sizes), len(sizes)

@@ -10,8 +10,12 @@
 
 from __future__ import annotations
 
-from enginehooks.errors import (
+from enginehooks.control.handles import EngineHandle
+from enginehooks.control.report import PushReport
+from enginehooks.control.sync import WeightSync
+from enginehooks.core.errors import (
     ChecksumError,
+    ConfigError,
     EngineHooksError,
     ManifestError,
     PluginError,
@@ -20,16 +24,15 @@ from enginehooks.errors import (
     SenderAborted,
     TransportError,
 )
-from enginehooks.handles import EngineHandle
-from enginehooks.manifest import Manifest, TensorSpec, plan
-from enginehooks.plugins import get_plugin_manager, hookimpl
-from enginehooks.report import PushReport
-from enginehooks.sync import WeightSync
+from enginehooks.core.manifest import Manifest, TensorSpec, plan
+from enginehooks.markers import hookimpl
+from enginehooks.plugins import get_plugin_manager
 
 __version__ = "0.1.0"
 
 __all__ = [
     "ChecksumError",
+    "ConfigError",
     "EngineHandle",
     "EngineHooksError",
     "Manifest",

@@ -29,10 +29,10 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{name:<12} {cls.__module__}.{cls.__qualname__}")
         return 0
     if args.engine == "sglang":
-        from enginehooks.sglang_ext.demo import run_demo
+        from enginehooks.testing.demo import run_sglang_demo
 
-        return run_demo(args)
-    from enginehooks.demo import run_vllm_demo
+        return run_sglang_demo(args)
+    from enginehooks.testing.demo import run_vllm_demo
 
     return run_vllm_demo(args)
 

@@ -11,15 +11,20 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-import pluggy
+from enginehooks.markers import hookspec
 
 if TYPE_CHECKING:
-    from enginehooks.manifest import Manifest
-    from enginehooks.report import PushReport
-    from enginehooks.transports.base import Abort, Receiver, Sender, SendStats, Stream, Target
-
-hookspec = pluggy.HookspecMarker("enginehooks")
-
+    from enginehooks.control.report import PushReport
+    from enginehooks.core.manifest import Manifest
+    from enginehooks.transports.base import (
+        Abort,
+        GroupRequest,
+        Receiver,
+        Sender,
+        SendStats,
+        Stream,
+        Target,
+    )
 
 # -- registries: plugins add named things through a callback ---------------------------
 
@@ -50,16 +55,14 @@ def register_trainer_adapters(register: Callable[[type], None]) -> None:
 
 
 @hookspec(firstresult=True)
-def update_group(
-    transport: str, action: str, side: str, endpoint: dict[str, Any] | None,
-    member: Sender | Receiver | None, options: dict[str, Any],
-) -> Sender | Receiver | None:
-    """Join, rebuild or leave a transport group; return the joined half.
+def update_group(request: GroupRequest) -> Sender | Receiver | None:
+    """Join or leave a transport group; return the opened or closed half.
 
-    `action` is "join" (open `side` = "sender" or "receiver"; a receiver gets
-    `endpoint` and `options["rank"]`, `options["device"]`), or "leave" (close `member`).
-    The group is rebuilt by leaving and joining again when replicas come or go.
-    The first non-None result wins.
+    `request.action` is "join" (open `request.side`: a "sender" from
+    `request.options`, or a "receiver" from `request.endpoint`, `request.rank` and
+    `request.device`, connected) or "leave" (close `request.member`). The group is
+    rebuilt by leaving and joining again when replicas come or go. The first non-None
+    result wins; the built-in implementation asks the registered transport.
     """
 
 

@@ -1,28 +1,43 @@
 """The one plugin manager, and the registries it fills.
 
-Built-in transports, adapters and timing are registered as plugins exactly like third
-party ones, then entry points of the `enginehooks` group are loaded. Engines import
-plugins in every worker process, sometimes more than once, so everything here is
-created once per process, under a lock, and loading again is a no-op.
+Built-in plugins are listed by module name in `DEFAULT_PLUGINS` and registered exactly
+like third-party ones; then entry points of the `enginehooks` group are loaded. Engines
+import plugins in every worker process, sometimes more than once, so everything here
+is created once per process, under a lock, and loading again is a no-op.
+
+This module imports no plugin at import time (they are imported by name when the
+manager is first built), which keeps the plugin core free of import cycles.
 """
 
 from __future__ import annotations
 
+import importlib
 import threading
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pluggy
 
 from enginehooks import hookspecs
-from enginehooks.errors import PluginError
+from enginehooks.core.errors import PluginError
+from enginehooks.markers import PROJECT
 
-ENTRY_POINT_GROUP = "enginehooks"
-hookimpl = pluggy.HookimplMarker("enginehooks")
+if TYPE_CHECKING:
+    from enginehooks.trainer_side.contract import TrainerAdapter
+    from enginehooks.transports.base import Transport
+
+ENTRY_POINT_GROUP = PROJECT
+
+#: Built-in plugins, registered in this order before entry points are loaded.
+DEFAULT_PLUGINS: tuple[str, ...] = (
+    "enginehooks.defaults",
+    "enginehooks.transports.plugin",
+    "enginehooks.trainer_side.plugin",
+)
 
 _lock = threading.RLock()
 _pm: pluggy.PluginManager | None = None
-_transports: dict[str, type] | None = None
-_adapters: list[type] | None = None
+_transports: dict[str, type[Transport]] | None = None
+_adapters: list[type[TrainerAdapter]] | None = None
 
 
 def get_plugin_manager() -> pluggy.PluginManager:
@@ -30,12 +45,10 @@ def get_plugin_manager() -> pluggy.PluginManager:
     global _pm
     with _lock:
         if _pm is None:
-            from enginehooks import builtins
-
-            pm = pluggy.PluginManager("enginehooks")
+            pm = pluggy.PluginManager(PROJECT)
             pm.add_hookspecs(hookspecs)
-            for plugin in builtins.PLUGINS:
-                pm.register(plugin, name=f"enginehooks.builtin.{plugin.__name__.rsplit('.', 1)[-1]}")
+            for module_name in DEFAULT_PLUGINS:
+                pm.register(importlib.import_module(module_name), name=module_name)
             pm.load_setuptools_entrypoints(ENTRY_POINT_GROUP)
             _pm = pm
         return _pm
@@ -60,15 +73,15 @@ def _reset_registries() -> None:
     _adapters = None
 
 
-def transports() -> dict[str, type]:
+def transports() -> dict[str, type[Transport]]:
     """Name -> transport class, as registered by every plugin."""
     global _transports
     with _lock:
         if _transports is None:
-            found: dict[str, type] = {}
+            found: dict[str, type[Transport]] = {}
             owners: dict[str, str] = {}
 
-            def register(cls: type) -> None:
+            def register(cls: type[Transport]) -> None:
                 name = getattr(cls, "name", None)
                 if not isinstance(name, str) or not name:
                     raise PluginError(f"transport class {cls!r} has no `name`")
@@ -85,7 +98,7 @@ def transports() -> dict[str, type]:
         return dict(_transports)
 
 
-def get_transport(name: str) -> Any:
+def get_transport(name: str) -> Transport:
     """An instance of the transport registered as `name`."""
     known = transports()
     if name not in known:
@@ -93,27 +106,15 @@ def get_transport(name: str) -> Any:
     return known[name]()
 
 
-def trainer_adapters() -> list[type]:
+def trainer_adapters() -> list[type[TrainerAdapter]]:
     """Adapter classes, most recently registered plugin first (so plugins can override
-    the built-in plain-module adapter for their own model types)."""
+    the built-in adapters for their own model types). Selection of the adapter for a
+    model is `enginehooks.trainer_side.adapter_for`."""
     global _adapters
     with _lock:
         if _adapters is None:
-            found: list[type] = []
+            found: list[type[TrainerAdapter]] = []
             # pluggy calls the most recently registered implementation first.
             get_plugin_manager().hook.register_trainer_adapters(register=found.append)
             _adapters = found
         return list(_adapters)
-
-
-def adapter_for(model: Any, **kwargs: Any) -> Any:
-    """Wrap `model` in the first registered adapter that accepts it."""
-    if hasattr(model, "specs") and hasattr(model, "stream"):
-        return model  # already an adapter
-    for cls in trainer_adapters():
-        if cls.accepts(model):
-            return cls(model, **kwargs)
-    raise PluginError(
-        f"no trainer adapter accepts a {type(model).__name__}; installed: "
-        f"{[c.name for c in trainer_adapters()]}"
-    )

@@ -20,9 +20,10 @@ import asyncio
 import threading
 from typing import Any
 
-from enginehooks.errors import PushTimeout, ReplicaError
-from enginehooks.handles import EngineHandle
-from enginehooks.http import request_json
+from enginehooks.control._http import request_json
+from enginehooks.control.handles import EngineHandle
+from enginehooks.core.errors import ConfigError, PushTimeout, ReplicaError
+from enginehooks.engine.contract import FLUSH, method_name
 
 PAUSE_MODES = ("abort", "retract", "in_place")
 
@@ -41,7 +42,7 @@ class _FlushTracking(EngineHandle):
     def flush_cache(self, timeout_s: float) -> None:
         if self._last_flushed:
             return
-        results = self.rpc("enginehooks_flush", timeout_s=timeout_s)
+        results = self.rpc(method_name(FLUSH), timeout_s=timeout_s)
         if not all(r.get("flushed") for r in results):
             raise ReplicaError(
                 self.name,
@@ -53,7 +54,7 @@ class _FlushTracking(EngineHandle):
 
 def _check_mode(mode: str) -> str:
     if mode not in PAUSE_MODES:
-        raise ValueError(f"pause mode {mode!r}: SGLang knows {PAUSE_MODES}")
+        raise ConfigError(f"pause mode {mode!r}: SGLang knows {PAUSE_MODES}")
     return mode
 
 

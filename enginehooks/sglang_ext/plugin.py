@@ -30,6 +30,9 @@ import logging
 import threading
 from typing import Any
 
+from enginehooks.core.errors import ConfigError
+from enginehooks.engine.contract import PREFIX, verb_of
+
 log = logging.getLogger("enginehooks.sglang")
 
 ROUTE = "/enginehooks/rpc"
@@ -71,7 +74,7 @@ def _after_handle_rpc(result: Any, self: Any, *args: Any, **kwargs: Any) -> Any:
         message = reply_message(self, recv_req)
     except Exception as e:  # never turn a reply into a scheduler crash
         log.exception("enginehooks: could not build the RPC reply")
-        if result is not None and getattr(recv_req, "method", "").startswith("enginehooks_"):
+        if result is not None and getattr(recv_req, "method", "").startswith(PREFIX):
             result.success, result.message = False, f"enginehooks reply failed: {e}"
         return result
     if message is not None and result is not None:
@@ -120,9 +123,10 @@ def install_route(rpc_ipc_name: str, server_args: Any) -> None:
     async def enginehooks_rpc(body: dict = Body(...)) -> dict[str, Any]:
         """Run an `enginehooks_*` scheduler method; JSON in, JSON out."""
         method = str(body.get("method", ""))
-        if not method.startswith("enginehooks_"):
-            return {"error": f"{ROUTE} only calls enginehooks_* methods, not {method!r}",
-                    "timeout": False}
+        try:
+            verb_of(method)
+        except ConfigError as e:
+            return {"error": f"{ROUTE}: {e}", "timeout": False}
         args = body.get("args") or []
         if not isinstance(args, list):
             return {"error": "args must be a JSON list", "timeout": False}

@@ -21,7 +21,8 @@ import time
 import uuid
 from typing import Any
 
-from enginehooks.errors import PushTimeout, ReplicaError
+from enginehooks.core.errors import PushTimeout, ReplicaError
+from enginehooks.engine.contract import PREFIX
 from enginehooks.sglang_ext.scheduler import REPLY_TAG
 
 
@@ -98,7 +99,7 @@ def _results(who: str, method: str, reply: dict[str, Any]) -> list[Any]:
 
 
 def missing_plugin_hint(message: str) -> str:
-    if "has no attribute 'enginehooks_" in message:
+    if f"has no attribute '{PREFIX}" in message:
         return (message + " (the enginehooks SGLang plugin is not loaded in the scheduler: is "
                 "enginehooks installed in the engine's environment, and SGLANG_PLUGINS either "
                 "unset or listing 'enginehooks'?)")

@@ -25,22 +25,28 @@ from __future__ import annotations
 import json
 import logging
 import traceback
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import torch
 
-from enginehooks.checkpoint import checkpoint_specs, readable_digests, resolve_model_dir
-from enginehooks.dtypes import dtype_name
-from enginehooks.engine_side import EngineSide
-from enginehooks.manifest import TensorSpec
+from enginehooks.core.dtypes import dtype_name
+from enginehooks.core.errors import ConfigError
+from enginehooks.engine.contract import PREFIX, VERBS, EngineBinding, method_name
+from enginehooks.engine.expectations import (
+    CheckpointExpectations,
+    Expectations,
+    checkpoint_specs,
+    resolve_model_dir,
+)
+from enginehooks.engine.side import EngineSide
+from enginehooks.transports.base import Target
 
 log = logging.getLogger("enginehooks.sglang")
 
 #: Scheduler attribute names this plugin adds (everything else of SGLang is untouched).
 STATE_ATTR = "_enginehooks_side"
 REPLIES_ATTR = "_enginehooks_replies"
-RPC_PREFIX = "enginehooks_"
 #: Marks an `RpcReqOutput.message` written by us, so clients never mistake another
 #: RPC's reply (or a stale one) for theirs.
 REPLY_TAG = "enginehooks-reply/1"
@@ -62,7 +68,7 @@ def _device(sched: Any) -> torch.device:
     return torch.device(kind)
 
 
-class SGLangTarget:
+class SGLangTarget(Target):
     """Applies received tensors with the model's own `load_weights`, inside SGLang's
     weight-update session; then flushes the cache and records the version."""
 
@@ -87,107 +93,68 @@ class SGLangTarget:
             # repacked / quantised weights are put back in their serving layout.
             updater.end_weight_update(run_post_load=False)
 
-    def load_path(self, path: str) -> bool:
-        # SGLang's reload-from-disk rewrites the runner's model_path to the update's
-        # folder (which the disk transport later prunes) and needs a full HF folder;
-        # streaming the verified shards through `apply` uses the same loader instead.
-        return False
+    # `load_path` stays False (the default): SGLang's reload-from-disk rewrites the
+    # runner's model_path to the update's folder (which the disk transport later
+    # prunes) and needs a full HF folder; streaming the verified shards through
+    # `apply` uses the same loader instead.
 
 
-class SchedulerExtension:
-    """The methods attached to SGLang's Scheduler (as `enginehooks_<verb>`); `self`
-    is the Scheduler. Kept as a class only to group them; never instantiated."""
+class SGLangBinding(EngineBinding):
+    """What an SGLang scheduler (one TP rank) supplies to the engine contract."""
 
-    # -- helpers ------------------------------------------------------------------------
-    @staticmethod
-    def side(sched: Any) -> EngineSide:
-        side = getattr(sched, STATE_ATTR, None)
-        if side is None:
-            target = SGLangTarget(sched)
-            side = EngineSide(
-                target, lambda: SchedulerExtension.expected(sched),
-                device=target.device, worker_rank=_tp(sched)[0],
-            )
-            setattr(sched, STATE_ATTR, side)
-        return side
+    engine = "sglang"
 
-    @staticmethod
-    def dtype(sched: Any) -> str:
-        return dtype_name(_model_runner(sched).model_config.dtype)
+    def __init__(self, sched: Any) -> None:
+        self.sched = sched
+        self.worker_rank = _tp(sched)[0]
+        self._target = SGLangTarget(sched)
 
-    @staticmethod
-    def expected(sched: Any) -> dict[str, TensorSpec]:
+    def target(self) -> Target:
+        return self._target
+
+    def dtype(self) -> str:
+        return dtype_name(_model_runner(self.sched).model_config.dtype)
+
+    def expectations(self) -> Expectations:
         """HF-format tensors an update must carry: read from the checkpoint the engine
         loaded (SGLang fuses qkv / gate_up, so its own parameters do not say)."""
-        mc = _model_runner(sched).model_config
+        mc = _model_runner(self.sched).model_config
         tie = bool(getattr(mc.hf_config, "tie_word_embeddings", False))
-        path = getattr(sched.server_args, "model_path", None) or mc.model_path
-        return checkpoint_specs(resolve_model_dir(path), engine_dtype=SchedulerExtension.dtype(sched),
-                                tie_word_embeddings=tie)
+        path = getattr(self.sched.server_args, "model_path", None) or mc.model_path
+        return CheckpointExpectations(checkpoint_specs(
+            resolve_model_dir(path), engine_dtype=self.dtype(), tie_word_embeddings=tie))
 
-    # -- verbs (JSON in, JSON out) ------------------------------------------------------
-    @staticmethod
-    def info(sched: Any) -> dict[str, Any]:
-        info = SchedulerExtension.side(sched).info()
-        info["dtype"] = SchedulerExtension.dtype(sched)
-        info["engine"] = "sglang"
-        from sglang.srt.runtime_context import get_serving
+    def readable(self) -> Mapping[str, torch.Tensor]:
+        # qkv / gate_up are fused; embeddings and norms keep their checkpoint layout.
+        return dict(_model_runner(self.sched).model.named_parameters())
 
-        info["engine_weight_version"] = get_serving().weight_version
-        return info
-
-    @staticmethod
-    def join(sched: Any, endpoint: str, rank_offset: int | str) -> dict[str, Any]:
-        side = SchedulerExtension.side(sched)
-        side.expected()  # read the checkpoint layout now, before an update could move it
-        return side.join(endpoint, int(rank_offset) + side.worker_rank)
-
-    @staticmethod
-    def leave(sched: Any) -> dict[str, Any]:
-        SchedulerExtension.side(sched).leave()
-        return {"left": True}
-
-    @staticmethod
-    def check(sched: Any, manifest: str) -> list[str]:
-        return SchedulerExtension.side(sched).check(manifest)
-
-    @staticmethod
-    def receive(sched: Any, manifest: str) -> dict[str, Any]:
-        side = SchedulerExtension.side(sched)
-        stats = side.receive(manifest)
+    def after_update(self, version: int | str) -> dict[str, Any]:
         # The RPC runs inside the scheduler's event loop, so no batch runs now: this is
         # the moment a flush can succeed (it refuses while requests are in flight,
         # which a paused engine has none of, in abort / retract mode).
-        stats["flushed"] = bool(sched.flush_cache())
-        sched.record_weight_version_change(new_version=str(stats["version"]))
-        return stats
+        flushed = bool(self.sched.flush_cache())
+        self.sched.record_weight_version_change(new_version=str(version))
+        return {"flushed": flushed}
 
-    @staticmethod
-    def flush(sched: Any) -> dict[str, Any]:
-        return {"flushed": bool(sched.flush_cache())}
+    def flush(self) -> bool:
+        return bool(self.sched.flush_cache())
 
-    @staticmethod
-    def digests(sched: Any, names: str) -> dict[str, Any]:
-        """crc32 of parameters SGLang keeps in checkpoint layout (embeddings, norms;
-        qkv / gate_up are fused), for bit-exact checks without moving tensors."""
-        wanted = json.loads(names) if isinstance(names, str) else list(names)
-        params = dict(_model_runner(sched).model.named_parameters())
-        return readable_digests(params, SchedulerExtension.side(sched).expected(), wanted)
+    def info(self) -> dict[str, Any]:
+        from sglang.srt.runtime_context import get_serving
+
+        return {"engine_weight_version": get_serving().weight_version}
 
 
-#: verb -> (callable, number of positional args it takes)
-VERBS: dict[str, Any] = {
-    "info": SchedulerExtension.info,
-    "join": SchedulerExtension.join,
-    "leave": SchedulerExtension.leave,
-    "check": SchedulerExtension.check,
-    "receive": SchedulerExtension.receive,
-    "flush": SchedulerExtension.flush,
-    "digests": SchedulerExtension.digests,
-}
+def side_of(sched: Any) -> EngineSide:
+    """The scheduler's `EngineSide`, created on first use."""
+    side = getattr(sched, STATE_ATTR, None)
+    if side is None:
+        side = EngineSide(SGLangBinding(sched))
+        setattr(sched, STATE_ATTR, side)
+    return side
 
 
-def _make_method(verb: str, fn: Any) -> Any:
+def _make_method(verb: str) -> Any:
     def method(self: Any, call_id: str = "", args: str = "[]") -> None:
         """Run `verb` with JSON `args`; keep the JSON reply for `handle_rpc_request`'s
         AFTER hook, and re-raise failures so SGLang's own `success` flag is right."""
@@ -198,20 +165,22 @@ def _make_method(verb: str, fn: Any) -> Any:
         replies.clear()  # one RPC at a time per scheduler: older replies are stale
         try:
             parsed = json.loads(args) if isinstance(args, str) else list(args or [])
-            result = fn(self, *parsed)
+            if not isinstance(parsed, list):
+                raise ConfigError("args must be a JSON list")
+            result = side_of(self).call(verb, *parsed)
             reply = {"ok": True, "result": json.loads(json.dumps(result, default=str))}
         except Exception as e:
-            log.error("enginehooks_%s failed:\n%s", verb, traceback.format_exc())
+            log.error("%s failed:\n%s", method_name(verb), traceback.format_exc())
             replies[call_id] = {"ok": False, "error": f"{type(e).__name__}: {e}"}
             raise
         replies[call_id] = reply
 
-    method.__name__ = f"{RPC_PREFIX}{verb}"
-    method.__qualname__ = f"Scheduler.{RPC_PREFIX}{verb}"
+    method.__name__ = method_name(verb)
+    method.__qualname__ = f"Scheduler.{method_name(verb)}"
     return method
 
 
-METHODS: dict[str, Any] = {f"{RPC_PREFIX}{v}": _make_method(v, fn) for v, fn in VERBS.items()}
+METHODS: dict[str, Any] = {method_name(v): _make_method(v) for v in VERBS}
 
 
 def attach(sched: Any) -> None:
@@ -248,7 +217,7 @@ def reply_message(sched: Any, recv_req: Any) -> str | None:
     """The JSON text that replaces `RpcReqOutput.message` for our methods (None for
     other methods, whose replies are left alone)."""
     method = getattr(recv_req, "method", "") or ""
-    if not method.startswith(RPC_PREFIX):
+    if not method.startswith(PREFIX):
         return None
     params = getattr(recv_req, "parameters", None) or {}
     call_id = str(params.get("call_id", ""))

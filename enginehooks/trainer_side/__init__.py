@@ -1,5 +1,8 @@
-"""Trainer side: adapters that turn a training model into a lazy HF-named stream.
+"""Trainer side: adapters that turn a training model into a lazy update stream in
+checkpoint format.
 
+The contract every adapter implements is `TrainerAdapter` (`contract.py`); the
+checkpoint format comes from transformers' own conversion (`core/checkpoint_format.py`).
 Every trainer rank must iterate an adapter's stream in lockstep when producing a
 tensor is a collective (sharded trainers); only the sender rank transmits. Non-sender
 ranks call `follow(model)`, or every rank calls `push(model, version, sync=...)`
@@ -9,9 +12,13 @@ handshake that keeps a failed push from leaving ranks inside a collective.
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
-from enginehooks.plugins import hookimpl
+from enginehooks.core.checkpoint_format import CheckpointFormat
+from enginehooks.trainer_side.contract import (
+    CheckpointAdapter,
+    TrainerAdapter,
+    adapter_for,
+    hf_name,
+)
 from enginehooks.trainer_side.fsdp import FSDP1Adapter, FSDP2Adapter
 from enginehooks.trainer_side.lockstep import (
     LockstepAdapter,
@@ -22,9 +29,11 @@ from enginehooks.trainer_side.lockstep import (
 )
 from enginehooks.trainer_side.lora import PeftAdapter
 from enginehooks.trainer_side.megatron import MegatronBridgeAdapter
-from enginehooks.trainer_side.module import ModuleAdapter, StateDictAdapter, hf_name
+from enginehooks.trainer_side.module import ModuleAdapter, StateDictAdapter
 
 __all__ = [
+    "CheckpointAdapter",
+    "CheckpointFormat",
     "FSDP1Adapter",
     "FSDP2Adapter",
     "LockstepAdapter",
@@ -34,19 +43,9 @@ __all__ = [
     "PeftAdapter",
     "PushAborted",
     "StateDictAdapter",
+    "TrainerAdapter",
+    "adapter_for",
     "follow",
     "hf_name",
     "push",
 ]
-
-
-@hookimpl
-def register_trainer_adapters(register: Callable[[type], None]) -> None:
-    # First match wins: the specific adapters before the plain-module fallback (an
-    # FSDP, PEFT or Megatron model is an nn.Module too).
-    register(MegatronBridgeAdapter)
-    register(PeftAdapter)
-    register(FSDP1Adapter)
-    register(FSDP2Adapter)
-    register(ModuleAdapter)
-    register(StateDictAdapter)

@@ -1,32 +1,34 @@
 """FSDP2 (`fully_shard`, DTensor) and FSDP1 (`FullyShardedDataParallel`) adapters.
 
-Both plan from metadata (no gather) and gather lazily, in lockstep on every rank
-(see `lockstep.py`), so the trainer never holds the whole model unsharded:
+Both plan from metadata (no gather) and gather lazily, in lockstep on every rank (see
+`lockstep.py`), one checkpoint group (a layer) at a time, which transformers' own
+conversion then turns into the checkpoint format (`core/checkpoint_format.py`), so the
+trainer never holds the whole model unsharded:
 
-- FSDP2: one parameter at a time. The local shard is cast to the engine dtype first
-  (a local op; a cast is elementwise, so gathering the cast shards is bit-identical to
-  casting the gathered tensor), then `full_tensor()` all-gathers it: half the bytes on
-  the trainer's wire and in memory for bf16 engines fed from fp32 master weights.
-  Peak extra memory: the largest parameter in the engine dtype (plus the transport's
-  two buckets on the sender).
+- FSDP2: each parameter's local shard is cast to the wire dtype first (a local op;
+  a cast is elementwise, so gathering the cast shards is bit-identical to casting the
+  gathered tensor), then `full_tensor()` all-gathers it: half the bytes on the
+  trainer's wire and in memory for bf16 engines fed from fp32 master weights. Peak
+  extra memory: one layer in the wire dtype (plus the transport's two buckets on the
+  sender).
 - FSDP1 shards a flat concatenation of each wrapped unit's parameters, so a single
-  parameter may straddle ranks: the smallest gather is one unit. We unshard one unit
-  at a time (`summon_full_params(unit, recurse=False, writeback=False)`) and copy its
-  parameters out one by one. Peak: the largest unit's flat parameter plus one
-  parameter. `state_dict` with `FULL_STATE_DICT` (even `rank0_only` with CPU offload)
+  parameter may straddle ranks: the smallest gather is one unit. The units holding a
+  group's parameters are unsharded one at a time (`summon_full_params(unit,
+  recurse=False, writeback=False)`) and their parameters copied out. Peak: the
+  largest unit's flat parameter plus one layer. `state_dict` with `FULL_STATE_DICT`
   is not bounded: it materialises the whole model on rank 0 before returning.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
 from torch import nn
 
-from enginehooks.dtypes import dtype_name
-from enginehooks.manifest import TensorSpec
+from enginehooks.core.checkpoint_format import CheckpointFormat, Source
+from enginehooks.trainer_side.contract import CheckpointAdapter
 from enginehooks.trainer_side.lockstep import LockstepAdapter
 
 
@@ -38,7 +40,7 @@ def _dtensor_type() -> type | None:
     return DTensor
 
 
-class FSDP2Adapter(LockstepAdapter):
+class FSDP2Adapter(LockstepAdapter, CheckpointAdapter):
     """Any module with DTensor parameters: FSDP2 `fully_shard`, HSDP, DTensor TP.
 
     Options (besides `dtype`, `include`, `rename`): `group` (the process group of
@@ -63,39 +65,35 @@ class FSDP2Adapter(LockstepAdapter):
                 return mesh.get_group() if mesh.ndim == 1 else None
         return None
 
-    def _raw(self) -> Iterator[tuple[str, torch.Tensor]]:
-        # FSDP2's state_dict holds the sharded DTensors (global shapes), no collective;
-        # tied weights appear under both names, as engines expect.
-        for raw, t in self.model.state_dict().items():
-            name = self.rename(raw)
-            if self._keep(name):
-                yield name, t
+    def _state(self) -> dict[str, torch.Tensor]:
+        # FSDP2's state_dict holds the sharded DTensors (global shapes), no collective.
+        return {self.rename(raw): t for raw, t in self.model.state_dict().items()}
 
-    def _entries(self) -> list[TensorSpec]:
-        return [TensorSpec(name, dtype_name(self._out_dtype(t)), tuple(t.shape))
-                for name, t in self._raw()]
+    def _sources(self) -> list[Source]:
+        return [Source(n, t.dtype, tuple(t.shape)) for n, t in self._state().items()]
 
-    def _items(self) -> Iterator[tuple[str, torch.Tensor]]:
+    def _produce(self, names: Sequence[str]) -> Mapping[str, torch.Tensor]:
         dt = _dtensor_type()
-        with torch.no_grad():
-            for name, t in self._raw():
-                out = self._out_dtype(t)
-                if dt is not None and isinstance(t, dt):
-                    local = t if t.dtype == out else t.to(out)  # local cast, then gather
-                    full = local.full_tensor()
-                    del local
-                else:
-                    full = t.detach().to(out)
-                yield name, full.contiguous()
-                del full
+        state = self._state()
+        out: dict[str, torch.Tensor] = {}
+        for name in names:
+            t = state[name]
+            wire = self.wire_dtype(t.dtype)
+            if dt is not None and isinstance(t, dt):
+                local = t if t.dtype == wire else t.to(wire)  # local cast, then gather
+                out[name] = local.full_tensor()
+                del local
+            else:
+                out[name] = t.detach().to(wire)
+        return out
 
 
-class FSDP1Adapter(LockstepAdapter):
+class FSDP1Adapter(LockstepAdapter, CheckpointAdapter):
     """A root `FullyShardedDataParallel` module (FSDP1), gathered one unit at a time.
 
     Wrap each decoder layer as its own unit (the usual `auto_wrap_policy`): the peak is
     then one layer, not the model. Parameters shared between units (tied embeddings)
-    travel under each of their names.
+    are one tensor to the checkpoint format, which keeps the name transformers keeps.
     """
 
     name = "fsdp1"
@@ -111,8 +109,9 @@ class FSDP1Adapter(LockstepAdapter):
     def default_group(self) -> Any:
         return getattr(self.model, "process_group", None)
 
-    def _units(self) -> list[tuple[str, Any, list[tuple[str, tuple[int, ...], torch.dtype]]]]:
-        """(prefix, unit, [(fqn in unit, shape, dtype)]) for every unit owning parameters."""
+    def _units(self) -> list[tuple[str, Any, list[tuple[str, str, tuple[int, ...], torch.dtype]]]]:
+        """(prefix, unit, [(fqn in unit, full name, shape, dtype)]) for every unit that
+        owns parameters; shared parameters are listed under each of their names."""
         from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 
         out = []
@@ -120,52 +119,64 @@ class FSDP1Adapter(LockstepAdapter):
             if not isinstance(m, FSDP) or m._handle is None:
                 continue
             flat = m._handle.flat_param
-            params = [(fqn, tuple(shape), flat.dtype) for fqn, shape in zip(flat._fqns, flat._shapes)]
+            params = [(fqn, tuple(shape)) for fqn, shape in zip(flat._fqns, flat._shapes)]
             for info in getattr(flat, "_shared_param_infos", ()):
                 prim = f"{info.prim_module_name}.{info.prim_param_name}".lstrip(".")
-                shape = next(s for f, s, _ in params if f == prim)
-                params.append((f"{info.module_name}.{info.param_name}".lstrip("."), shape, flat.dtype))
-            out.append((prefix, m, params))
+                shape = next(s for f, s in params if f == prim)
+                params.append((f"{info.module_name}.{info.param_name}".lstrip("."), shape))
+            out.append((prefix, m, [(fqn, self.rename(f"{prefix}.{fqn}".lstrip(".")), shape,
+                                     flat.dtype) for fqn, shape in params]))
         return out
 
-    def _buffers(self) -> Iterator[tuple[str, torch.Tensor]]:
+    def _aliases(self) -> dict[str, str]:
+        """Full name -> the name of the parameter it shares storage with (FSDP1 keeps
+        the record; the module no longer holds the original parameters)."""
+        aliases: dict[str, str] = {}
+        for prefix, unit, _params in self._units():
+            for info in getattr(unit._handle.flat_param, "_shared_param_infos", ()):
+                alias = self.rename(f"{prefix}.{info.module_name}.{info.param_name}".lstrip("."))
+                aliases[alias] = self.rename(
+                    f"{prefix}.{info.prim_module_name}.{info.prim_param_name}".lstrip("."))
+        return aliases
+
+    def _checkpoint_format(self) -> CheckpointFormat:
+        aliases = self._aliases()
+        tokens: dict[str, object] = {}
+        return CheckpointFormat(self.model, identity=lambda n: tokens.setdefault(
+            aliases.get(n, n), object()))
+
+    def _buffers(self) -> dict[str, torch.Tensor]:
         """Persistent buffers: FSDP1 does not shard them."""
+        out = {}
         for mod_name, mod in self.model.named_modules():
             skip = getattr(mod, "_non_persistent_buffers_set", set())
             for b_name, b in mod.named_buffers(recurse=False):
                 if b_name not in skip:
-                    yield f"{mod_name}.{b_name}".lstrip("."), b
+                    out[self.rename(f"{mod_name}.{b_name}".lstrip("."))] = b
+        return out
 
-    def _entries(self) -> list[TensorSpec]:
-        specs = []
-        for prefix, _unit, params in self._units():
-            for fqn, shape, dt in params:
-                name = self.rename(f"{prefix}.{fqn}".lstrip("."))
-                if self._keep(name):
-                    out = self.wire_dtype if (self.wire_dtype is not None and dt.is_floating_point) else dt
-                    specs.append(TensorSpec(name, dtype_name(out), shape))
-        for raw, b in self._buffers():
-            name = self.rename(raw)
-            if self._keep(name):
-                specs.append(TensorSpec(name, dtype_name(self._out_dtype(b)), tuple(b.shape)))
-        return specs
+    def _sources(self) -> list[Source]:
+        srcs = [Source(name, dt, shape) for _p, _u, params in self._units()
+                for _fqn, name, shape, dt in params]
+        srcs += [Source(n, b.dtype, tuple(b.shape)) for n, b in self._buffers().items()]
+        return srcs
 
-    def _items(self) -> Iterator[tuple[str, torch.Tensor]]:
+    def _produce(self, names: Sequence[str]) -> Mapping[str, torch.Tensor]:
         from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 
+        wanted = set(names)
+        out: dict[str, torch.Tensor] = {}
         with torch.no_grad():
-            for prefix, unit, params in self._units():
-                wanted = [(fqn, self.rename(f"{prefix}.{fqn}".lstrip("."))) for fqn, _, _ in params]
-                wanted = [(fqn, name) for fqn, name in wanted if self._keep(name)]
-                if not wanted:
+            for _prefix, unit, params in self._units():
+                mine = [(fqn, name) for fqn, name, _s, _d in params if name in wanted]
+                if not mine:
                     continue
                 # Collective: every rank unshards this unit (and only this unit).
                 with FSDP.summon_full_params(unit, recurse=False, writeback=False):
-                    for fqn, name in wanted:
+                    for fqn, name in mine:
                         p = unit.module.get_parameter(fqn)
                         # A copy: the unsharded storage is freed when the context exits.
-                        yield name, p.detach().to(self._out_dtype(p), copy=True).contiguous()
-            for raw, b in self._buffers():
-                name = self.rename(raw)
-                if self._keep(name):
-                    yield name, b.detach().to(self._out_dtype(b)).contiguous()
+                        out[name] = p.detach().to(self.wire_dtype(p.dtype), copy=True)
+            buffers = self._buffers()
+            out.update({n: buffers[n] for n in names if n in buffers})
+        return out

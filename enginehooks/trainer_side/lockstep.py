@@ -29,17 +29,17 @@ import datetime as _dt
 import struct
 import zlib
 from abc import abstractmethod
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from enginehooks.dtypes import dtype_name, torch_dtype
-from enginehooks.errors import EngineHooksError
-from enginehooks.manifest import TensorSpec
-from enginehooks.trainer_side.module import hf_name
+from enginehooks.core.dtypes import dtype_name, torch_dtype
+from enginehooks.core.errors import EngineHooksError
+from enginehooks.core.manifest import TensorSpec
+from enginehooks.trainer_side.contract import TrainerAdapter, adapter_for
 
 FLAG_BYTES = 256
 _MAGIC = b"EHLS"
@@ -173,25 +173,22 @@ class Lockstep:
         return flag
 
 
-class LockstepAdapter:
+class LockstepAdapter(TrainerAdapter):
     """Base of the sharded adapters: a stream every trainer rank iterates in lockstep.
 
-    Subclasses provide `_entries()` (specs, in stream order, without gathering) and
-    `_items()` (the lazy `(hf_name, tensor)` iterator whose `next()` may run
-    collectives; tensors already cast to `self.wire_dtype`). This class adds the
-    go/no-go flags, the fingerprint check, `cancel()` and clear errors.
+    Subclasses provide `_plan()` (specs, in stream order, without gathering) and
+    `_items()` (the lazy `(name, tensor)` iterator whose `next()` may run collectives;
+    tensors built with `to_wire`). This class adds the go/no-go flags, the fingerprint
+    check, `cancel()` and clear errors. Followers learn the wire dtype from the
+    sender's first flag (only the sender talks to the engines).
     """
 
     name = "lockstep"
 
-    def __init__(self, model: Any, *, dtype: torch.dtype | None = None,
-                 include: Callable[[str], bool] | None = None,
-                 rename: Callable[[str], str] = hf_name, group: Any = None, sender: int = 0,
-                 timeout_s: float | None = None, start_timeout_s: float | None = None) -> None:
-        self.model = model
-        self.dtype = dtype
-        self.include = include
-        self.rename = rename
+    def __init__(self, model: Any, *, group: Any = None, sender: int = 0,
+                 timeout_s: float | None = None, start_timeout_s: float | None = None,
+                 **kwargs: Any) -> None:
+        super().__init__(model, **kwargs)  # dtype, and the next base's options
         self._group, self._sender = group, sender
         self._timeouts = (timeout_s, start_timeout_s)
         self._lockstep: Lockstep | None = None
@@ -199,28 +196,20 @@ class LockstepAdapter:
         self._state = "idle"  # idle -> planned -> streaming -> streamed | cancelled
         self._gen: Iterator[tuple[str, torch.Tensor]] | None = None
         self._reason = ""
-        self.wire_dtype: torch.dtype | None = dtype
 
     # -- subclass API -----------------------------------------------------------------
     @abstractmethod
-    def _entries(self) -> list[TensorSpec]:
-        """Names, dtypes (`self.wire_dtype` where floating) and shapes, in stream order."""
+    def _plan(self) -> list[TensorSpec]:
+        """Names, wire dtypes and shapes, in stream order; nothing gathered."""
 
     @abstractmethod
     def _items(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """Yield `(hf_name, full tensor in wire dtype)`; `next()` may be a collective."""
+        """Yield `(name, full tensor in wire dtype)`; `next()` may be a collective."""
 
     def default_group(self) -> Any:
         return None
 
-    def _out_dtype(self, t: torch.Tensor) -> torch.dtype:
-        wd = self.wire_dtype
-        return wd if (wd is not None and t.is_floating_point()) else t.dtype
-
-    def _keep(self, name: str) -> bool:
-        return self.include is None or self.include(name)
-
-    # -- adapter protocol -------------------------------------------------------------
+    # -- the contract -------------------------------------------------------------------
     @property
     def lockstep(self) -> Lockstep:
         if self._lockstep is None:
@@ -232,10 +221,14 @@ class LockstepAdapter:
     def state(self) -> str:
         return self._state
 
+    @property
+    def planned(self) -> int:
+        """Tensors in the current plan (0 before `specs()`)."""
+        return len(self._specs or [])
+
     def specs(self) -> list[TensorSpec]:
         """Plan one push (every call starts a new one). No tensor is gathered."""
-        self.wire_dtype = self.dtype
-        self._specs = self._entries()
+        self._specs = self._plan()
         self._state, self._gen, self._reason = "planned", None, ""
         return list(self._specs)
 
@@ -249,7 +242,8 @@ class LockstepAdapter:
         """The push failed on the sender: release the followers (idempotent).
 
         Before streaming: STOP at tensor 0. While streaming: close the stream, which sends
-        STOP at the next tensor. After the stream completed, or on a follower: nothing.
+        STOP at the next tensor. After the stream completed: STOP at the outcome flag, so
+        followers waiting for it raise with the reason. On a follower: nothing.
         """
         ls = self.lockstep
         if not ls.is_sender:
@@ -260,6 +254,17 @@ class LockstepAdapter:
             ls.stop(0, self._reason)
         elif self._state == "streaming" and self._gen is not None:
             self._gen.close()  # type: ignore[attr-defined]
+        elif self._state == "streamed":
+            self._state = "cancelled"
+            ls.stop(self.planned, self._reason)
+
+    def finish(self) -> None:
+        """Sender, after the whole push succeeded: tell the followers waiting for the
+        outcome (`push` on every rank returns together)."""
+        if self._state != "streamed":
+            self.cancel("the transport did not consume the whole stream")
+            raise LockstepError("the push returned before the stream was consumed")
+        self.lockstep.go(self.planned, self.planned, 0, None)
 
     def _run(self) -> Iterator[tuple[str, torch.Tensor]]:
         ls = self.lockstep
@@ -272,7 +277,7 @@ class LockstepAdapter:
             for index in range(n):
                 what = f"tensor {index} ({specs[index].name})"
                 if ls.is_sender:
-                    ls.go(index, n, fp, self.wire_dtype)
+                    ls.go(index, n, fp, self.dtype)
                 elif not ls.alone:
                     flag = ls.wait(index, what)
                     if index == 0:
@@ -281,7 +286,7 @@ class LockstepAdapter:
                                 f"trainer rank {ls.rank} would stream {n} tensors (fingerprint "
                                 f"{fp:08x}) but the sender streams {flag.count} ({flag.fingerprint:08x}): "
                                 "every rank must build its adapter with the same model and options")
-                        self.wire_dtype = torch_dtype(flag.dtype) if flag.dtype else None
+                        self.dtype = torch_dtype(flag.dtype) if flag.dtype else None
                 if items is None:
                     items = self._items()
                 try:
@@ -325,9 +330,7 @@ def follow(model: Any, **adapter_kwargs: Any) -> int:
     off, `LockstepError` when ranks fell out of step. A plain (unsharded) model needs
     no follower: nothing happens and 0 is returned.
     """
-    from enginehooks.plugins import adapter_for
-
-    adapter = model if isinstance(model, LockstepAdapter) else adapter_for(model, **adapter_kwargs)
+    adapter = adapter_for(model, **adapter_kwargs)
     if not isinstance(adapter, LockstepAdapter):
         return 0
     adapter.specs()
@@ -347,11 +350,9 @@ def push(model: Any, version: int | str, *, sync: Any = None, **adapter_kwargs: 
     whether it succeeded, so that every rank returns or raises together. Returns the
     sender's `PushReport`, None on followers.
     """
-    from enginehooks.plugins import adapter_for
-
-    adapter = model if isinstance(model, LockstepAdapter) else adapter_for(model, **adapter_kwargs)
+    adapter = adapter_for(model, **adapter_kwargs)
     if not isinstance(adapter, LockstepAdapter):
-        return sync.push(model, version) if sync is not None else None
+        return sync.push(adapter, version) if sync is not None else None
     ls = adapter.lockstep
     if not ls.is_sender:
         if sync is not None:
@@ -363,28 +364,11 @@ def push(model: Any, version: int | str, *, sync: Any = None, **adapter_kwargs: 
     if sync is None:
         raise LockstepError(f"trainer rank {ls.rank} is the sender: pass sync=WeightSync(...)")
     if adapter.dtype is None:
-        adapter.dtype = _engine_dtype(sync)
+        adapter.dtype = sync.send_dtype()
     try:
         report = sync.push(adapter, version)
     except BaseException as e:
-        reason = f"{type(e).__name__}: {e}"
-        if adapter.state == "streamed":
-            ls.stop(len(adapter._specs or []), reason)
-        else:
-            adapter.cancel(reason)
+        adapter.cancel(f"{type(e).__name__}: {e}")
         raise
-    n = len(adapter._specs or [])
-    if adapter.state != "streamed":  # a transport that did not drain the stream
-        adapter.cancel("the transport did not consume the whole stream")
-        raise LockstepError("the push returned before the stream was consumed")
-    ls.go(n, n, 0, None)
+    adapter.finish()
     return report
-
-
-def _engine_dtype(sync: Any) -> torch.dtype | None:
-    """The dtype the replicas run (what `WeightSync` would cast to), for adapters handed
-    to `push` ready-made (`WeightSync.push` only passes `dtype` when it builds one)."""
-    if getattr(sync, "dtype", None) is not None:
-        return sync.dtype  # type: ignore[no-any-return]
-    ask = sync.send_dtype
-    return ask()  # type: ignore[no-any-return]

@@ -1,8 +1,9 @@
 """PEFT models (LoRA): push the merged weights, so the engine serves the adapted model.
 
-Engines load checkpoints in the base model's layout, so the stream carries, under HF
-names, `W + delta` for every LoRA-wrapped weight (`q_proj.base_layer.weight` ->
-`q_proj.weight`), and nothing of the adapter tensors themselves.
+Engines load checkpoints in the base model's layout, so the stream carries `W + delta`
+for every LoRA-wrapped weight under the base model's name (`q_proj.base_layer.weight`
+-> `q_proj.weight`), then in the checkpoint format (transformers' own conversion, as
+for any module), and nothing of the adapter tensors themselves.
 
 Two ways to merge, same values:
 - `merge="delta"` (default): each merged weight is computed as it is pulled,
@@ -23,15 +24,14 @@ An FSDP-sharded PEFT model is not handled here yet (its LoRA factors are DTensor
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
 
-from enginehooks.dtypes import dtype_name
-from enginehooks.errors import EngineHooksError
-from enginehooks.manifest import TensorSpec
-from enginehooks.trainer_side.module import hf_name
+from enginehooks.core.checkpoint_format import CheckpointFormat, Source
+from enginehooks.core.errors import ConfigError, EngineHooksError
+from enginehooks.trainer_side.contract import CheckpointAdapter, hf_name
 
 _ADAPTER_SEGMENTS = frozenset({
     "lora_A", "lora_B", "lora_embedding_A", "lora_embedding_B", "lora_magnitude_vector",
@@ -39,8 +39,8 @@ _ADAPTER_SEGMENTS = frozenset({
 })
 
 
-class PeftAdapter:
-    """A `peft.PeftModel` streamed as its merged base model, with HF names."""
+class PeftAdapter(CheckpointAdapter):
+    """A `peft.PeftModel` streamed as its merged base model, in checkpoint format."""
 
     name = "peft"
 
@@ -48,12 +48,9 @@ class PeftAdapter:
                  include: Callable[[str], bool] | None = None,
                  rename: Callable[[str], str] = hf_name, merge: str = "delta") -> None:
         if merge not in ("delta", "inplace"):
-            raise ValueError(f"merge must be 'delta' or 'inplace', got {merge!r}")
-        self.model = model
+            raise ConfigError(f"merge must be 'delta' or 'inplace', got {merge!r}")
+        super().__init__(model, dtype=dtype, include=include, rename=rename)
         self.base = model.get_base_model()
-        self.dtype = dtype
-        self.include = include
-        self.rename = rename
         self.merge = merge
         from torch.distributed.tensor import DTensor
 
@@ -65,12 +62,12 @@ class PeftAdapter:
     def accepts(cls, model: Any) -> bool:
         return type(model).__module__.startswith("peft.") and hasattr(model, "get_base_model")
 
-    def _out_dtype(self, t: torch.Tensor) -> torch.dtype:
-        return self.dtype if (self.dtype is not None and t.is_floating_point()) else t.dtype
+    def _checkpoint_format(self) -> CheckpointFormat:
+        return CheckpointFormat(self.base)
 
     def _map(self, raw: str) -> tuple[str, Any] | None:
-        """HF name of a base-model state_dict key and the LoRA layer owning it (or None);
-        None for adapter tensors and inactive copies."""
+        """Module-layout name of a base-model state_dict key and the LoRA layer owning
+        it (or None); None for adapter tensors and inactive copies."""
         segs = raw.split(".")
         if _ADAPTER_SEGMENTS.intersection(segs):
             return None
@@ -97,20 +94,18 @@ class PeftAdapter:
             segs = segs[:i] + segs[i + 1:]
             if segs[-1] != "weight":
                 layer = None  # biases are not adapted by LoRA
-        name = self.rename(".".join(segs))
-        if self.include is not None and not self.include(name):
-            return None
-        return name, layer
+        return self.rename(".".join(segs)), layer
 
-    def _raw(self) -> Iterator[tuple[str, torch.Tensor, Any]]:
+    def _raw(self) -> dict[str, tuple[torch.Tensor, Any]]:
+        out = {}
         for raw, t in self.base.state_dict().items():
             mapped = self._map(raw)
             if mapped is not None:
-                yield mapped[0], t, mapped[1]
+                out[mapped[0]] = (t, mapped[1])
+        return out
 
-    def specs(self) -> list[TensorSpec]:
-        return [TensorSpec(name, dtype_name(self._out_dtype(t)), tuple(t.shape))
-                for name, t, _ in self._raw()]
+    def _sources(self) -> list[Source]:
+        return [Source(n, t.dtype, tuple(t.shape)) for n, (t, _layer) in self._raw().items()]
 
     def _delta(self, layer: Any, base: torch.Tensor) -> torch.Tensor:
         if getattr(layer, "disable_adapters", False):
@@ -129,16 +124,25 @@ class PeftAdapter:
             out = out + layer.get_delta_weight(a).to(base.dtype)
         return out
 
-    def stream(self) -> Iterator[tuple[str, torch.Tensor]]:
+    def _produce(self, names: Sequence[str]) -> Mapping[str, torch.Tensor]:
+        raw = self._raw()
         inplace = self.merge == "inplace"
+        out = {}
+        for name in names:
+            t, layer = raw[name]
+            out[name] = self._delta(layer, t) if (layer is not None and not inplace) else t
+        return out
+
+    def stream(self) -> Iterator[tuple[str, torch.Tensor]]:
+        if self.merge != "inplace":
+            return self._items()
+        return self._merged_in_place()
+
+    def _merged_in_place(self) -> Iterator[tuple[str, torch.Tensor]]:
         with torch.no_grad():
-            if inplace:
-                self.model.base_model.merge_adapter()
-            try:
-                for name, t, layer in self._raw():
-                    full = self._delta(layer, t) if (layer is not None and not inplace) else t
-                    yield name, full.detach().to(self._out_dtype(full)).contiguous()
-                    del full
-            finally:
-                if inplace:
-                    self.model.base_model.unmerge_adapter()
+            self.model.base_model.merge_adapter()
+        try:
+            yield from self._items()
+        finally:
+            with torch.no_grad():
+                self.model.base_model.unmerge_adapter()

@@ -22,11 +22,10 @@ from typing import Any
 
 import torch
 
-from enginehooks.dtypes import dtype_name
-from enginehooks.errors import EngineHooksError
-from enginehooks.manifest import TensorSpec
+from enginehooks.core.errors import EngineHooksError
+from enginehooks.core.manifest import TensorSpec
+from enginehooks.trainer_side.contract import hf_name
 from enginehooks.trainer_side.lockstep import LockstepAdapter
-from enginehooks.trainer_side.module import hf_name
 
 
 def _is_megatron(model: Any) -> bool:
@@ -61,8 +60,9 @@ class MegatronBridgeAdapter(LockstepAdapter):
                 "a Megatron model pushes through Megatron-Bridge: pass "
                 "MegatronBridgeAdapter(model, bridge=AutoBridge.from_hf_pretrained(...)) to "
                 "WeightSync.push (and to follow() on the other ranks)")
-        super().__init__(model, dtype=dtype, include=include, rename=rename, group=group,
-                         sender=sender, timeout_s=timeout_s, start_timeout_s=start_timeout_s)
+        super().__init__(model, dtype=dtype, group=group, sender=sender, timeout_s=timeout_s,
+                         start_timeout_s=start_timeout_s)
+        self.include, self.rename = include, rename
         self.bridge = bridge
         self.cpu = cpu
         self.export_kwargs = dict(export_kwargs or {})
@@ -82,17 +82,18 @@ class MegatronBridgeAdapter(LockstepAdapter):
             if self._keep(name):  # every rank skips the same names: still in step
                 yield name, t
 
-    def _entries(self) -> list[TensorSpec]:
+    def _keep(self, name: str) -> bool:
+        return self.include is None or self.include(name)
+
+    def _plan(self) -> list[TensorSpec]:
         if self._shapes is None:
             # First push, no plan given: one pass of the export on every rank, cached.
             self.dry_runs += 1
             self._shapes = [(n, t.dtype, tuple(t.shape)) for n, t in self._export()]
-        return [TensorSpec(n, dtype_name(self.wire_dtype if (self.wire_dtype is not None
-                                                             and dt.is_floating_point) else dt), shape)
-                for n, dt, shape in self._shapes]
+        return [self.wire_spec(n, dt, shape) for n, dt, shape in self._shapes]
 
     def _items(self) -> Iterator[tuple[str, torch.Tensor]]:
         with torch.no_grad():
             for name, t in self._export():
-                yield name, t.detach().to(self._out_dtype(t)).contiguous()
+                yield name, self.to_wire(t)
                 del t

@@ -1,11 +1,9 @@
-"""Built-in transports, registered as a plugin like any third-party transport."""
+"""Transports: the data plane. One file per transport; `base.py` declares the contract
+(`Transport`, `Sender`, `Receiver`, `Target`), `plugin.py` registers the built-ins."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
-from enginehooks.plugins import hookimpl
-from enginehooks.transports.base import Receiver, Sender, Transport
+from enginehooks.transports.base import GroupRequest, Receiver, Sender, Target, Transport
 from enginehooks.transports.broadcast import GlooTransport, NcclTransport
 from enginehooks.transports.cuda_ipc import CudaIpcTransport
 from enginehooks.transports.disk import DiskTransport
@@ -15,15 +13,11 @@ __all__ = [
     "CudaIpcTransport",
     "DiskTransport",
     "GlooTransport",
+    "GroupRequest",
     "NcclTransport",
     "Receiver",
     "Sender",
     "ShmTransport",
+    "Target",
     "Transport",
 ]
-
-
-@hookimpl
-def register_transports(register: Callable[[type], None]) -> None:
-    for cls in (GlooTransport, NcclTransport, CudaIpcTransport, ShmTransport, DiskTransport):
-        register(cls)

@@ -11,34 +11,39 @@ from __future__ import annotations
 
 import threading
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
-from typing import Any, ClassVar, Protocol
+from typing import Any, ClassVar, Literal
 
 import torch
 
-from enginehooks.errors import TransportError
-from enginehooks.manifest import Manifest
+from enginehooks.core.errors import TransportError
+from enginehooks.core.manifest import Manifest
 
 Stream = Iterable[tuple[str, torch.Tensor]]
 
 
-class Target(Protocol):
-    """The receiving end inside an engine worker (implemented by engine plugins)."""
+class Target(ABC):
+    """The receiving end inside an engine worker (each engine plugin supplies one):
+    applies an update's tensors with the engine's own load path."""
 
     device: torch.device
 
+    @abstractmethod
     def apply(self, tensors: Iterator[tuple[str, torch.Tensor]]) -> None:
-        """Load every tensor of the iterator into the model (one reload per update)."""
+        """Load every tensor of the iterator into the model (one reload per update).
+        Tensors may be views of a transport buffer, valid until the next is pulled."""
 
     def load_path(self, path: str) -> bool:
         """Reload from a folder of safetensors shards with the engine's own loader.
-
         Returns False when the engine has no such path; the caller then streams."""
+        return False
 
-    # Optional: `destination(name) -> Tensor | None`. A target that can hand out the
-    # tensor a received weight will end up in lets receivers rejoin tensors cut across
-    # buckets directly into it, with no full-size temporary (see enginehooks.targets).
+    def destination(self, name: str) -> torch.Tensor | None:
+        """The tensor a received weight ends up in, if the target holds it in checkpoint
+        layout: receivers then rejoin a tensor cut across buckets straight into it,
+        with no full-size temporary. None (the default): a temporary is used."""
+        return None
 
 
 @dataclass
@@ -82,8 +87,50 @@ class Abort:
             return done()
 
 
+@dataclass(frozen=True)
+class GroupRequest:
+    """What the `update_group` hook is asked to do: open one side of a transport group
+    (`action="join"`) or close a member (`action="leave"`). Build it with the
+    constructors; the fields a request does not use stay None."""
+
+    transport: str
+    action: Literal["join", "leave"]
+    side: Literal["sender", "receiver"]
+    #: sender join: keyword options for `Transport.sender` (host, port, timeout_s,
+    #: device and `WeightSync(transport_options=...)`).
+    options: Mapping[str, Any] = field(default_factory=dict)
+    #: receiver join: the sender's endpoint (with `world_size`), this worker's global
+    #: rank and device.
+    endpoint: Mapping[str, Any] | None = None
+    rank: int | None = None
+    device: str | None = None
+    #: leave: the half to close.
+    member: Sender | Receiver | None = None
+
+    @classmethod
+    def join_sender(cls, transport: str, options: Mapping[str, Any]) -> GroupRequest:
+        return cls(transport, "join", "sender", options=dict(options))
+
+    @classmethod
+    def join_receiver(cls, transport: str, endpoint: Mapping[str, Any], rank: int,
+                      device: str) -> GroupRequest:
+        return cls(transport, "join", "receiver", endpoint=dict(endpoint), rank=rank,
+                   device=device)
+
+    @classmethod
+    def leave(cls, transport: str, side: Literal["sender", "receiver"],
+              member: Sender | Receiver) -> GroupRequest:
+        return cls(transport, "leave", side, member=member)
+
+
 class Sender(ABC):
     """Trainer side of one transport group."""
+
+    @property
+    def broken(self) -> bool:
+        """True once a failed collective left the group in an unknown state: the
+        coordinator then rebuilds the group before the next push."""
+        return False
 
     @abstractmethod
     def endpoint(self) -> dict[str, Any]:
@@ -103,6 +150,11 @@ class Sender(ABC):
 
 class Receiver(ABC):
     """Engine side of one transport group, living in one engine worker."""
+
+    @property
+    def broken(self) -> bool:
+        """True once a failed update left the group unusable (see `Sender.broken`)."""
+        return False
 
     @abstractmethod
     def connect(self) -> None:

@@ -39,10 +39,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from enginehooks.buckets import Unpacker, buffer_bytes, message_bytes, pack, write_abort
-from enginehooks.errors import TransportError
-from enginehooks.manifest import Manifest
-from enginehooks.rendezvous import GroupEndpoint, client_store, master_store, new_group
+from enginehooks.core.buckets import Unpacker, buffer_bytes, message_bytes, pack, write_abort
+from enginehooks.core.errors import TransportError
+from enginehooks.core.manifest import Manifest
+from enginehooks.transports._rendezvous import GroupEndpoint, client_store, master_store, new_group
 from enginehooks.transports.base import (
     Abort,
     Receiver,
@@ -288,6 +288,9 @@ class BroadcastSender(Sender):
 
 
 class BroadcastReceiver(Receiver):
+    """One engine worker's half of a broadcast group; `close()` (or a failed update,
+    which closes it) leaves the group for good (`broken`)."""
+
     def __init__(self, endpoint: dict[str, Any], rank: int, device: torch.device) -> None:
         ep = GroupEndpoint.parse(endpoint, rank)
         self.host, self.port, self.group_id = ep.host, ep.port, ep.group
@@ -354,9 +357,13 @@ class BroadcastReceiver(Receiver):
             self.close()
             raise
 
+    @property
+    def broken(self) -> bool:
+        return self.pg is None
+
     def deliver(self, manifest: Manifest, target: Target) -> dict[str, Any]:
         t0 = time.perf_counter()
-        target.apply(self.stream(manifest, getattr(target, "destination", None)))
+        target.apply(self.stream(manifest, target.destination))
         return {"bytes": manifest.total_bytes, "seconds": time.perf_counter() - t0}
 
     def close(self) -> None:

@@ -50,10 +50,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from enginehooks.buckets import Unpacker, buffer_bytes, manifest_id, message_bytes, pack
-from enginehooks.errors import SenderAborted, TransportError
-from enginehooks.manifest import Manifest
-from enginehooks.rendezvous import GroupEndpoint, client_store, master_store
+from enginehooks.core.buckets import Unpacker, buffer_bytes, manifest_id, message_bytes, pack
+from enginehooks.core.errors import SenderAborted, TransportError
+from enginehooks.core.manifest import Manifest
+from enginehooks.transports._rendezvous import GroupEndpoint, client_store, master_store
 from enginehooks.transports.base import Abort, Receiver, Sender, SendStats, Stream, Target
 
 OK = b"ok"
@@ -103,7 +103,7 @@ class ColocatedSender(Sender):
         self.seq = 0
         self.gen = 0
         self.bufs: list[torch.Tensor] = []
-        self.broken = False
+        self._broken = False
         self._watch_store: dist.TCPStore | None = None
         self._mapped_gens: set[int] = set()
 
@@ -171,7 +171,7 @@ class ColocatedSender(Sender):
     def send(self, manifest: Manifest, stream: Stream, abort: Abort) -> SendStats:
         if self.world_size < 2 or self._watch_store is None:
             raise TransportError("send() before connect(): the group has not formed")
-        if self.broken:
+        if self._broken:
             raise TransportError("this group failed an earlier update; rebuild it")
         t0 = time.perf_counter()
         self.seq += 1
@@ -210,7 +210,7 @@ class ColocatedSender(Sender):
                     self._wait_acks(seq, pending[slot], abort)
                     pending[slot] = None
         except BaseException as e:
-            self.broken = True
+            self._broken = True
             self._abort_receivers(seq, published, n, f"{type(e).__name__}: {e}")
             raise
         finally:
@@ -292,9 +292,13 @@ class ColocatedSender(Sender):
         except Exception:
             pass
 
+    @property
+    def broken(self) -> bool:
+        return self._broken
+
     def close(self) -> None:
-        if self.world_size and not self.broken:
-            self.broken = True
+        if self.world_size and not self._broken:
+            self._broken = True
         try:
             self._release()
         finally:
@@ -320,7 +324,7 @@ class ColocatedReceiver(Receiver):
         self.seq = 0
         self.gen = 0
         self.bufs: list[torch.Tensor] = []
-        self.broken = False
+        self._broken = False
 
     @abstractmethod
     def _map(self, desc: dict[str, Any]) -> list[torch.Tensor]:
@@ -330,9 +334,8 @@ class ColocatedReceiver(Receiver):
         """Release the mapping of the current buffers."""
 
     @property
-    def pg(self) -> object | None:
-        """None once broken: `EngineSide` drops a receiver whose `pg` is None."""
-        return None if self.broken else self
+    def broken(self) -> bool:
+        return self._broken
 
     def _key(self, *parts: object) -> str:
         return self.prefix + "/".join(str(p) for p in parts)
@@ -342,9 +345,9 @@ class ColocatedReceiver(Receiver):
         self.store.set(self._key("join", self.rank), b"1")
 
     def _get(self, key: str, what: str) -> bytes:
-        assert self.store is not None
+        store = self._store()
         try:
-            return self.store.get(key)  # waits for the key, up to the store's timeout
+            return store.get(key)  # waits for the key, up to the store's timeout
         except Exception as e:
             raise TransportError(
                 f"{self.transport_name} rank {self.rank}: {what} did not arrive within "
@@ -378,7 +381,7 @@ class ColocatedReceiver(Receiver):
     ) -> Iterator[tuple[str, torch.Tensor]]:
         """Yield the update's tensors; views of bucket k are valid until the caller asks
         for the first tensor of bucket k+1 (this side then syncs and acks bucket k)."""
-        if self.store is None or self.broken:
+        if self.store is None or self._broken:
             raise TransportError("receive before connect(), or on a broken group")
         self.seq += 1
         seq, n = self.seq, len(manifest.buckets)
@@ -395,23 +398,22 @@ class ColocatedReceiver(Receiver):
                 _sync(self.device)  # the target's copies out of the slot are done
                 self.store.set(self._key(f"u{seq}", "ack", index, self.rank), OK)
         except BaseException as e:
-            self.broken = True
+            self._broken = True
             self._fail(seq, index, n, f"error: {type(e).__name__}: {e}")
             raise
 
+    def _store(self) -> dist.Store:
+        if self.store is None:
+            raise TransportError("this receiver has not connected to the group's store")
+        return self.store
+
     def _fail(self, seq: int, first: int, n: int, reason: str) -> None:
-        assert self.store is not None
         keys = [self._key(f"u{seq}", "ack", k, self.rank) for k in range(first, n)]
-        try:
-            for start in range(0, len(keys), 512):
-                part = keys[start : start + 512]
-                self.store.multi_set(part, [reason.encode()] * len(part))
-        except Exception:
-            pass
+        _set_all(self._store(), keys, reason.encode())
 
     def deliver(self, manifest: Manifest, target: Target) -> dict[str, Any]:
         t0 = time.perf_counter()
-        it = self.stream(manifest, getattr(target, "destination", None))
+        it = self.stream(manifest, target.destination)
         target.apply(it)
         # The last ack is sent when the iterator is exhausted: make sure it was.
         leftover = next(it, None)
@@ -423,7 +425,7 @@ class ColocatedReceiver(Receiver):
         return {"bytes": manifest.total_bytes, "seconds": time.perf_counter() - t0}
 
     def close(self) -> None:
-        self.broken = True
+        self._broken = True
         try:
             self._unmap()
         finally:

@@ -25,9 +25,9 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from enginehooks.buckets import check_tensor
-from enginehooks.errors import ChecksumError, ManifestError, TransportError
-from enginehooks.manifest import BucketEntry, Manifest
+from enginehooks.core.buckets import check_tensor
+from enginehooks.core.errors import ChecksumError, ManifestError, TransportError
+from enginehooks.core.manifest import BucketEntry, Manifest
 from enginehooks.transports.base import (
     Abort,
     Receiver,

@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from enginehooks.errors import TransportError
+from enginehooks.core.errors import TransportError
 from enginehooks.transports.base import Receiver, Sender, Transport
 from enginehooks.transports.colocated import ColocatedReceiver, ColocatedSender
 

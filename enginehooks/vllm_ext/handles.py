@@ -10,9 +10,9 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
-from enginehooks.errors import PushTimeout, ReplicaError
-from enginehooks.handles import EngineHandle
-from enginehooks.http import request_json
+from enginehooks.control._http import request_json
+from enginehooks.control.handles import EngineHandle
+from enginehooks.core.errors import PushTimeout, ReplicaError
 
 
 class VLLMEngine(EngineHandle):

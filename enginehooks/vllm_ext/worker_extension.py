@@ -14,19 +14,24 @@ layerwise reload, which also re-runs quantisation post-processing on GPU.
 
 from __future__ import annotations
 
-import json
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import torch
 
-from enginehooks.checkpoint import checkpoint_specs, readable_digests, resolve_model_dir
-from enginehooks.dtypes import dtype_name
-from enginehooks.engine_side import EngineSide
-from enginehooks.manifest import TensorSpec
+from enginehooks.core.dtypes import dtype_name
+from enginehooks.engine.contract import VERBS, EngineBinding, method_name
+from enginehooks.engine.expectations import (
+    CheckpointExpectations,
+    Expectations,
+    checkpoint_specs,
+    resolve_model_dir,
+)
+from enginehooks.engine.side import EngineSide
+from enginehooks.transports.base import Target
 
 
-class _VLLMTarget:
+class VLLMTarget(Target):
     """Applies tensors to the worker's model through vLLM's own reload path."""
 
     def __init__(self, worker: Any) -> None:
@@ -72,56 +77,53 @@ class _VLLMTarget:
         return True
 
 
+class VLLMBinding(EngineBinding):
+    """What a vLLM worker supplies to the engine contract."""
+
+    engine = "vllm"
+
+    def __init__(self, worker: Any) -> None:
+        self.worker = worker
+        self.worker_rank = int(getattr(worker, "rank", 0))
+        self._target = VLLMTarget(worker)
+
+    def target(self) -> Target:
+        return self._target
+
+    def dtype(self) -> str:
+        return dtype_name(self.worker.vllm_config.model_config.dtype)
+
+    def expectations(self) -> Expectations:
+        mc = self.worker.vllm_config.model_config
+        tie = bool(getattr(mc.hf_config, "tie_word_embeddings", False))
+        return CheckpointExpectations(checkpoint_specs(
+            resolve_model_dir(mc.model), engine_dtype=self.dtype(), tie_word_embeddings=tie))
+
+    def readable(self) -> Mapping[str, torch.Tensor]:
+        # On CPU linear layers are prepacked and not readable; embeddings and norms are.
+        return dict(self.worker.model_runner.get_model().named_parameters())
+
+
 class WorkerExtension:
-    """Mixed into vLLM's worker; see the module docstring."""
+    """Mixed into vLLM's worker; see the module docstring. Its methods are the engine
+    contract's verbs (`enginehooks_<verb>`), generated below from `VERBS`."""
 
     def _enginehooks_side(self) -> EngineSide:
-        side = getattr(self, "_enginehooks_state", None)
+        side: EngineSide | None = getattr(self, "_enginehooks_state", None)
         if side is None:
-            side = EngineSide(
-                _VLLMTarget(self),
-                self._enginehooks_expected,
-                device=_VLLMTarget(self).device,
-                worker_rank=int(getattr(self, "rank", 0)),
-            )
+            side = EngineSide(VLLMBinding(self))
             self._enginehooks_state = side
         return side
 
-    def _enginehooks_dtype(self) -> str:
-        return dtype_name(self.vllm_config.model_config.dtype)
 
-    def _enginehooks_expected(self) -> dict[str, TensorSpec]:
-        mc = self.vllm_config.model_config
-        tie = bool(getattr(mc.hf_config, "tie_word_embeddings", False))
-        return checkpoint_specs(
-            resolve_model_dir(mc.model), engine_dtype=self._enginehooks_dtype(),
-            tie_word_embeddings=tie,
-        )
+def _worker_method(verb: str) -> Any:
+    def method(self: Any, *args: Any) -> Any:
+        return self._enginehooks_side().call(verb, *args)
 
-    # -- RPCs -------------------------------------------------------------------------
-    def enginehooks_info(self) -> dict[str, Any]:
-        info = self._enginehooks_side().info()
-        info["dtype"] = self._enginehooks_dtype()
-        info["engine"] = "vllm"
-        return info
+    method.__name__ = method.__qualname__ = method_name(verb)
+    method.__doc__ = f"The engine contract's `{verb}` verb (enginehooks.engine.contract)."
+    return method
 
-    def enginehooks_join(self, endpoint: str, rank_offset: str | int) -> dict[str, Any]:
-        side = self._enginehooks_side()
-        side.expected()  # read the checkpoint layout now, before the model path can move
-        return side.join(endpoint, int(rank_offset) + side.worker_rank)
 
-    def enginehooks_leave(self) -> dict[str, Any]:
-        self._enginehooks_side().leave()
-        return {"left": True}
-
-    def enginehooks_check(self, manifest: str) -> list[str]:
-        return self._enginehooks_side().check(manifest)
-
-    def enginehooks_receive(self, manifest: str) -> dict[str, Any]:
-        return self._enginehooks_side().receive(manifest)
-
-    def enginehooks_digests(self, names: str) -> dict[str, Any]:
-        """crc32 of parameters vLLM keeps in checkpoint layout (embeddings, norms; on
-        CPU linear layers are prepacked and not readable), for bit-exact checks."""
-        params = dict(self.model_runner.get_model().named_parameters())
-        return readable_digests(params, self._enginehooks_side().expected(), json.loads(names))
+for _verb in VERBS:
+    setattr(WorkerExtension, method_name(_verb), _worker_method(_verb))

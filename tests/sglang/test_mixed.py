@@ -10,18 +10,18 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from conftest import (
+
+from enginehooks import WeightSync
+from enginehooks.sglang_ext import SGLangServer
+from enginehooks.testing.tiny import load_tiny as load_hf
+from enginehooks.testing.tiny import perturb
+from enginehooks.vllm_ext import VLLMServer
+from tests.sglang.helpers import (
     VLLM_PYTHON,
     SGLangServerProcess,
     VLLMServerProcess,
     hf_reference,
-    load_hf,
-    perturb,
 )
-
-from enginehooks import WeightSync
-from enginehooks.sglang_ext import SGLangServer
-from enginehooks.vllm_ext import VLLMServer
 
 
 @pytest.fixture(scope="module")

@@ -12,10 +12,12 @@ from typing import Any
 
 import pytest
 import torch
-from conftest import SGLangServerProcess, hf_reference, load_hf, perturb
 
 from enginehooks import ManifestError, PushTimeout, ReplicaError, WeightSync
 from enginehooks.sglang_ext import SGLangServer
+from enginehooks.testing.tiny import load_tiny as load_hf
+from enginehooks.testing.tiny import perturb
+from tests.sglang.helpers import SGLangServerProcess, hf_reference
 
 
 def assert_server_matches(srv: SGLangServerProcess, handle: SGLangServer, model: Any,
@@ -59,7 +61,7 @@ def test_bad_manifest_refused_server_keeps_serving(sglang_server: SGLangServerPr
 
             class Bad:
                 def specs(self, sd: dict[str, torch.Tensor] = sd) -> list[Any]:
-                    from enginehooks.manifest import TensorSpec
+                    from enginehooks.core.manifest import TensorSpec
 
                     return [TensorSpec(n, "float32", tuple(t.shape)) for n, t in sd.items()]
 
@@ -110,7 +112,7 @@ def test_push_under_traffic_with_pause(sglang_server: SGLangServerProcess,
     generation afterwards is exactly HF's on the new weights."""
     from concurrent.futures import ThreadPoolExecutor
 
-    from enginehooks.http import request_json
+    from enginehooks.control._http import request_json
 
     model = perturb(load_hf(model_dirs["llama"]), seed=65)
     handle = SGLangServer(sglang_server.url, name="sglang-busy", pause_mode="retract")
@@ -137,7 +139,7 @@ def test_server_with_api_key(model_dirs: dict[str, Path], logs_dir: Path) -> Non
     """A server started with `--api-key`: the plugin's route is behind SGLang's own key
     check; a handle without the key is refused with a clear error (and nothing moves),
     the handle with it pushes."""
-    from enginehooks.sglang_ext.server import SGLangServerProcess as Server
+    from enginehooks.testing.servers import SGLangServerProcess as Server
 
     with Server(model_dirs["llama"], logs_dir / "sglang-api-key.log",
                 extra_args=["--api-key", "test-key-123"]) as srv:

@@ -10,7 +10,7 @@ from typing import Any
 import torch
 
 from enginehooks import hookimpl
-from enginehooks.buckets import Unpacker, message_bytes, pack
+from enginehooks.core.buckets import Unpacker, message_bytes, pack
 from enginehooks.transports.base import Receiver, Sender, SendStats, Transport
 
 _QUEUES: dict[str, queue.Queue] = {}

@@ -1,0 +1,73 @@
+"""Engine handles: the control plane between a `WeightSync` and one engine replica.
+
+A handle turns the verbs of the engine contract (`enginehooks.engine.contract`) into
+the engine's own RPC mechanism (vLLM `collective_rpc`, its HTTP route, SGLang's
+scheduler RPC). Every call takes a timeout, and takes and returns JSON-able values.
+"""
+
+from __future__ import annotations
+
+import json
+from abc import ABC, abstractmethod
+from typing import Any
+
+from enginehooks.core.errors import ManifestError
+from enginehooks.engine.contract import CHECK, DIGESTS, INFO, JOIN, LEAVE, RECEIVE, method_name
+
+
+class EngineHandle(ABC):
+    """One engine replica, as seen from the trainer. Subclasses implement `rpc` and the
+    engine-level controls; the update verbs are shared."""
+
+    #: label used in reports and errors
+    name: str = "engine"
+
+    @abstractmethod
+    def rpc(self, method: str, *args: Any, timeout_s: float) -> list[Any]:
+        """Call `method` on every worker of the replica; one result per worker."""
+
+    @abstractmethod
+    def flush_cache(self, timeout_s: float) -> None:
+        """Drop cached prefixes computed with old weights."""
+
+    def pause(self, timeout_s: float) -> None:  # noqa: B027 - optional
+        """Stop scheduling new work so no request sees torn weights."""
+
+    def resume(self, timeout_s: float) -> None:  # noqa: B027 - optional
+        """Undo `pause`."""
+
+    def close(self) -> None:  # noqa: B027 - optional
+        """Release client resources (HTTP sessions); the engine keeps running."""
+
+    # -- shared verbs -------------------------------------------------------------------
+    def info(self, timeout_s: float) -> list[dict[str, Any]]:
+        return self.rpc(method_name(INFO), timeout_s=timeout_s)
+
+    def join(self, endpoint: dict[str, Any], rank_offset: int, timeout_s: float) -> None:
+        self.rpc(method_name(JOIN), json.dumps(endpoint), rank_offset, timeout_s=timeout_s)
+
+    def leave(self, timeout_s: float) -> None:
+        self.rpc(method_name(LEAVE), timeout_s=timeout_s)
+
+    def check(self, manifest_json: str, timeout_s: float) -> None:
+        """Raise `ManifestError` listing every worker's problems with the manifest."""
+        problems = sorted({p for ps in self.rpc(method_name(CHECK), manifest_json,
+                                                timeout_s=timeout_s) for p in ps})
+        if problems:
+            raise ManifestError(f"replica {self.name!r} refused the update: " + "; ".join(problems))
+
+    def receive(self, manifest_json: str, timeout_s: float) -> list[dict[str, Any]]:
+        return self.rpc(method_name(RECEIVE), manifest_json, timeout_s=timeout_s)
+
+    def version(self, timeout_s: float = 30.0) -> int | str | None:
+        """The weight version every worker holds; None if they differ or any is torn."""
+        infos = self.info(timeout_s)
+        versions = {json.dumps(i.get("version")) for i in infos}
+        if len(versions) != 1 or any(i.get("state") == "torn" for i in infos):
+            return None
+        return infos[0].get("version")
+
+    def digests(self, names: list[str], timeout_s: float = 60.0) -> dict[str, Any]:
+        """Digests of engine-side weights that the engine keeps in checkpoint layout
+        (worker 0), for bit-exact checks without moving the tensors."""
+        return self.rpc(method_name(DIGESTS), json.dumps(names), timeout_s=timeout_s)[0]

@@ -1,0 +1,338 @@
+"""`WeightSync`: pushes one weight version from a trainer into every registered replica.
+
+The coordinator lives on the trainer's sender rank. It never blocks on an engine
+without a deadline: each replica call runs on its own thread as a future, the sender
+waits on its collectives and on those futures together, and the first failure
+anywhere ends the push with an error naming the replica, within the timeout.
+
+Phases of a push (each timed through the `run_phase` hook):
+  plan      names/dtypes/shapes -> manifest (no tensor is produced)
+  group     form the transport group if membership changed
+  check     every replica validates the manifest against its model: before data moves
+  transfer  sender streams buckets while every replica receives and applies
+  finish    replicas flush prefix caches and resume
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from concurrent.futures import FIRST_EXCEPTION, Future, wait
+from typing import Any
+
+import torch
+
+from enginehooks.control._futures import spawn
+from enginehooks.control.handles import EngineHandle
+from enginehooks.control.report import PushReport, ReplicaResult
+from enginehooks.core.checksums import check_name
+from enginehooks.core.dtypes import torch_dtype
+from enginehooks.core.errors import EngineHooksError, PushTimeout, ReplicaError, TransportError
+from enginehooks.core.manifest import Manifest, plan
+from enginehooks.plugins import get_plugin_manager, get_transport
+from enginehooks.trainer_side.contract import TrainerAdapter, adapter_for
+from enginehooks.transports.base import Abort, GroupRequest, Sender
+
+DEFAULT_BUCKET_BYTES = 256 << 20
+
+
+class WeightSync:
+    """Coordinates pushes from this (sender) trainer rank to engine replicas.
+
+    Args:
+        transport: a registered transport name ("gloo", "nccl", "disk", plugins').
+        host, port: where the rendezvous store listens (loopback by default; port 0
+            picks a free one). Engines must reach it.
+        bucket_bytes: size of one bucket; two buckets per side bound the extra memory.
+        timeout_s: the longest any one phase may take; every wait uses it.
+        checksum: bucket digest the receivers verify: "auto" (the transport's default:
+            xxh3 for host buffers, sum64 computed on the GPU for nccl/cuda_ipc), "xxh3",
+            "crc32", "sum64", or None.
+        dtype: the dtype to send; None asks the replicas (they must agree).
+        device: where the sender's buffers live (the trainer's GPU for nccl).
+        pause: pause generation around the transfer (servers with in-flight requests).
+        transport_options: passed to the transport's sender (disk: {"root": folder}).
+    """
+
+    def __init__(
+        self,
+        transport: str = "gloo",
+        *,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+        timeout_s: float = 120.0,
+        checksum: str | None = "auto",
+        dtype: torch.dtype | str | None = None,
+        device: torch.device | str | None = None,
+        pause: bool = False,
+        transport_options: dict[str, Any] | None = None,
+    ) -> None:
+        self.transport_name = transport
+        self.transport = get_transport(transport)
+        if checksum == "auto":
+            checksum = self.transport.default_checksum
+        check_name(checksum)
+        self.host, self.port = host, port
+        self.bucket_bytes = int(bucket_bytes)
+        self.timeout_s = float(timeout_s)
+        self.checksum = checksum
+        self.dtype = torch_dtype(dtype) if isinstance(dtype, str) else dtype
+        self.device = device
+        self.pause = pause
+        self.transport_options = dict(transport_options or {})
+        self._replicas: list[EngineHandle] = []
+        self._sender: Sender | None = None
+        self._members: list[EngineHandle] = []
+        self._worker_counts: dict[int, int] = {}
+        self._lock = threading.Lock()  # one push at a time
+        self._pm = get_plugin_manager()
+
+    # -- membership ---------------------------------------------------------------------
+    def add_replica(self, handle: EngineHandle) -> None:
+        """Register a replica; the group is rebuilt at the next push."""
+        with self._lock:
+            if handle not in self._replicas:
+                self._replicas.append(handle)
+
+    def remove_replica(self, handle: EngineHandle) -> None:
+        with self._lock:
+            if handle in self._replicas:
+                self._replicas.remove(handle)
+
+    @property
+    def replicas(self) -> list[EngineHandle]:
+        return list(self._replicas)
+
+    # -- the push -------------------------------------------------------------------------
+    def push(self, model: Any, version: int | str) -> PushReport:
+        """Push `model`'s weights as `version` to every replica; raise on any failure.
+
+        `model` is anything a registered trainer adapter accepts (an `nn.Module`, an HF
+        model), or an adapter itself. The report is returned on success and attached
+        to the raised error (`error.report`) on failure.
+        """
+        with self._lock:
+            if not self._replicas:
+                raise EngineHooksError("push() with no replica registered (add_replica first)")
+            report = PushReport(version=version, transport=self.transport_name)
+            report.replicas = [ReplicaResult(r.name) for r in self._replicas]
+            try:
+                self._push(model, version, report)
+            except BaseException as e:
+                report.error = f"{type(e).__name__}: {e}"
+                if isinstance(e, EngineHooksError):
+                    e.report = report
+                raise
+            finally:
+                self._pm.hook.push_finished(report=report)
+            return report
+
+    def _phase(self, name: str, report: PushReport, run: Callable[[], Any]) -> Any:
+        return self._pm.hook.run_phase(phase=name, report=report, run=run)
+
+    def _push(self, model: Any, version: int | str, report: PushReport) -> None:
+        def make_plan() -> tuple[TrainerAdapter, Manifest]:
+            adapter = adapter_for(model, dtype=self.send_dtype())
+            manifest = plan(
+                adapter.specs(), weight_version=version, bucket_bytes=self.bucket_bytes,
+                checksum=self.checksum, split=self.transport.split,
+                meta={"transport": self.transport_name},
+            )
+            return adapter, manifest
+
+        adapter, manifest = self._phase("plan", report, make_plan)
+        report.bytes, report.buckets = manifest.total_bytes, len(manifest.buckets)
+        report.tensors = len(manifest.tensors)
+        try:
+            self._group_check_transfer(adapter, manifest, report)
+        except BaseException as e:
+            # Sharded trainers: the other ranks iterate the same stream in lockstep and
+            # wait for the sender's go; tell them this push is off, with the reason, so
+            # they return instead of blocking in a collective (trainer_side.lockstep).
+            adapter.cancel(f"{type(e).__name__}: {e}")
+            raise
+
+    def _group_check_transfer(self, adapter: TrainerAdapter, manifest: Manifest,
+                              report: PushReport) -> None:
+        self._phase("group", report, self._ensure_group)
+        manifest_json = manifest.to_json()
+        self._phase("check", report, lambda: self._all(
+            report, "check", lambda r: r.check(manifest_json, self.timeout_s)))
+        if self.pause:
+            self._all(report, "pause", lambda r: r.pause(self.timeout_s))
+        try:
+            self._phase("transfer", report, lambda: self._transfer(manifest, adapter, report))
+            # Flush while still paused: no request may reuse a prefix computed with the
+            # old weights, and some engines refuse a flush while requests run.
+            self._phase("finish", report, lambda: self._all(
+                report, "finish", lambda r: r.flush_cache(self.timeout_s)))
+        finally:
+            if self.pause:
+                self._all(report, "resume", lambda r: r.resume(self.timeout_s))
+
+    def send_dtype(self) -> torch.dtype | None:
+        """The dtype the trainer sends: `dtype=` if given, else the replicas' (which
+        must agree). Sharded trainers use it to cast shards before gathering."""
+        if self.dtype is not None:
+            return self.dtype
+        scratch = PushReport(version="", transport=self.transport_name)
+        infos = self._all(scratch, "info", lambda r: r.info(self.timeout_s))
+        dtypes = {i["dtype"] for per_replica in infos for i in per_replica if i.get("dtype")}
+        if len(dtypes) > 1:
+            raise EngineHooksError(
+                f"replicas run different dtypes {sorted(dtypes)}: pass WeightSync(dtype=...)"
+            )
+        return torch_dtype(dtypes.pop()) if dtypes else None
+
+    # -- concurrency helpers ------------------------------------------------------------
+    def _all(self, report: PushReport, what: str, call: Callable[[EngineHandle], Any],
+             replicas: list[EngineHandle] | None = None) -> list[Any]:
+        """Run `call` on every replica concurrently; wait with the timeout; raise the
+        first failure, naming its replica. Results in replica order."""
+        reps = self._replicas if replicas is None else replicas
+        futs = [spawn(call, r, name=f"enginehooks-{what}-{r.name}") for r in reps]
+        return self._collect(report, what, reps, futs, self.timeout_s)
+
+    def _collect(self, report: PushReport, what: str, reps: list[EngineHandle],
+                 futs: list[Future[Any]], timeout_s: float) -> list[Any]:
+        done, not_done = wait(futs, timeout=timeout_s, return_when=FIRST_EXCEPTION)
+        for r, f in zip(reps, futs):
+            e = f.exception() if f in done else None
+            if e is None:
+                continue
+            self._mark(report, r, f"{what}: {type(e).__name__}: {e}")
+            if isinstance(e, EngineHooksError):
+                # Our own errors keep their type (a refused manifest stays a
+                # ManifestError); they learn which replica raised them.
+                e.replica = e.replica or r.name
+                raise e
+            raise ReplicaError(r.name, f"{what} failed: {type(e).__name__}: {e}") from e
+        if not_done:
+            late = [r.name for r, f in zip(reps, futs) if f in not_done]
+            for r, f in zip(reps, futs):
+                if f in not_done:
+                    self._mark(report, r, f"{what}: no answer within {timeout_s}s")
+            raise PushTimeout(f"{what}: replicas {late} did not answer within {timeout_s}s")
+        return [f.result() for f in futs]
+
+    def _mark(self, report: PushReport, r: EngineHandle, error: str) -> None:
+        for res in report.replicas:
+            if res.name == r.name and res.error is None:
+                res.ok, res.error = False, error
+
+    # -- group ----------------------------------------------------------------------------
+    def _ensure_group(self) -> None:
+        sender = self._sender
+        if sender is not None and self._members == self._replicas and not sender.broken:
+            return
+        self._close_group()
+        scratch = PushReport(version="", transport=self.transport_name)
+        counts = [len(i) for i in self._all(scratch, "info", lambda r: r.info(self.timeout_s))]
+        world = 1 + sum(counts)
+        options = {"host": self.host, "port": self.port, "timeout_s": self.timeout_s,
+                   "device": self.device, **self.transport_options}
+        sender = self._pm.hook.update_group(
+            request=GroupRequest.join_sender(self.transport_name, options))
+        endpoint = dict(sender.endpoint(), world_size=world)
+        offsets, acc = [], 1
+        for c in counts:
+            offsets.append(acc)
+            acc += c
+        futs = [spawn(r.join, endpoint, off, self.timeout_s, name=f"enginehooks-join-{r.name}")
+                for r, off in zip(self._replicas, offsets)]
+        try:
+            sender.connect(world)
+        except BaseException:
+            # Report which replica kept the group from forming, if one said why.
+            self._collect(scratch, "join", self._replicas, futs, 0.1)
+            sender.close()
+            raise
+        try:
+            self._collect(scratch, "join", self._replicas, futs, self.timeout_s)
+        except BaseException:
+            sender.close()
+            raise
+        self._sender, self._members = sender, list(self._replicas)
+
+    def _close_group(self, wait_for_leaves: bool = True) -> None:
+        """Leave on every member and close the sender. Best effort and bounded: a dead
+        replica must not keep the group from closing; after a failure the leaves are
+        not waited for at all (the push must fail within its timeout)."""
+        sender, members = self._sender, self._members
+        self._sender, self._members = None, []
+        if sender is None:
+            return
+        futs = [spawn(r.leave, self.timeout_s) for r in members]
+        if wait_for_leaves:
+            wait(futs, timeout=self.timeout_s)
+        self._pm.hook.update_group(
+            request=GroupRequest.leave(self.transport_name, "sender", sender))
+
+    # -- transfer -------------------------------------------------------------------------
+    def _transfer(self, manifest: Manifest, adapter: TrainerAdapter, report: PushReport) -> None:
+        sender = self._sender
+        if sender is None:
+            raise TransportError("no transport group formed before the transfer")
+        abort = Abort()
+        reps = list(self._replicas)
+
+        def start_receivers(m: Manifest) -> list[Future[Any]]:
+            text = m.to_json()
+            futs = [spawn(r.receive, text, self.timeout_s, name=f"enginehooks-recv-{r.name}")
+                    for r in reps]
+            for r, f in zip(reps, futs):
+                f.add_done_callback(lambda f, r=r: abort.fail(
+                    ReplicaError(r.name, f"{type(f.exception()).__name__}: {f.exception()}"))
+                    if f.exception() is not None else None)
+            return futs
+
+        futs: list[Future[Any]] = []
+        if self.transport.streaming:
+            futs = start_receivers(manifest)
+        try:
+            stats = self._pm.hook.send_weights(
+                transport=self.transport_name, sender=sender, manifest=manifest,
+                stream=adapter.stream(), abort=abort,
+            )
+        except BaseException as e:
+            # A replica's own error says more than the sender's "aborted": prefer it. The
+            # receivers learn of a sender-side failure through the abort notice, so give
+            # them a moment to report before the group is torn down under them.
+            cause: BaseException | None = None
+            if futs:
+                done, _ = wait(futs, timeout=min(5.0, self.timeout_s), return_when=FIRST_EXCEPTION)
+                for r, f in zip(reps, futs):
+                    if f in done and f.exception() is not None:
+                        self._mark(report, r, str(f.exception()))
+                        # The sender's own error (the trainer's stream broke) is the
+                        # cause; a data-plane error is better told by the replica.
+                        if cause is None and isinstance(e, TransportError):
+                            cause = ReplicaError(r.name, f"receive failed: {f.exception()}")
+            # Whatever failed, the group's state is unknown now: rebuild it next time.
+            self._close_group(wait_for_leaves=False)
+            if cause is not None:
+                raise cause from e
+            raise
+        if not self.transport.streaming:
+            futs = start_receivers(stats.manifest or manifest)
+        try:
+            results = self._collect(report, "receive", reps, futs, self.timeout_s)
+        except BaseException:
+            self._close_group(wait_for_leaves=False)
+            raise
+        for res, out in zip(report.replicas, results):
+            res.ok = True
+            res.seconds = max((w.get("seconds", 0.0) for w in out), default=0.0)
+            res.stats = {"workers": out}
+
+    def close(self) -> None:
+        """Leave the group on every replica and close the sender (bounded by timeouts)."""
+        with self._lock:
+            self._close_group()
+
+    def __enter__(self) -> WeightSync:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

@@ -1,0 +1,260 @@
+"""Packing a lazy `(name, tensor)` stream into byte buckets, and unpacking them.
+
+The sender fills one bucket buffer while the transport ships the other; the receiver
+turns a filled buffer back into zero-copy views (rejoining tensors that were cut across
+buckets). Every bucket buffer ends in a small trailer (`TRAILER_BYTES`) that says which
+update and which bucket it is, whether the sender aborted, and the payload's digest,
+so a receiver never applies bytes it cannot vouch for.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Callable, Iterable, Iterator
+
+import torch
+
+from enginehooks.core.checksums import digest
+from enginehooks.core.dtypes import dtype_name, torch_dtype
+from enginehooks.core.errors import ChecksumError, ManifestError, SenderAborted, TransportError
+from enginehooks.core.manifest import ALIGN, Manifest, TensorEntry
+
+TRAILER_BYTES = 64
+_MAGIC = 0x45484231  # "EHB1"
+STATUS_OK = 0
+STATUS_ABORT = 1
+_MASK64 = (1 << 64) - 1
+
+
+def message_bytes(payload: int) -> int:
+    """Bytes a sealed bucket of `payload` bytes occupies in a transport buffer: the
+    payload, padding to `ALIGN`, and the trailer (which sits at the end)."""
+    return (payload + ALIGN - 1) // ALIGN * ALIGN + TRAILER_BYTES
+
+
+def buffer_bytes(manifest: Manifest) -> int:
+    """Size of one transport buffer for this manifest: its largest sealed bucket."""
+    return max((message_bytes(b.nbytes) for b in manifest.buckets), default=TRAILER_BYTES)
+
+
+def manifest_id(manifest: Manifest) -> int:
+    """A 63-bit fingerprint of the manifest, stamped on every bucket of its update."""
+    h = hashlib.blake2b(manifest.to_json().encode(), digest_size=8).digest()
+    return int.from_bytes(h, "little") >> 1
+
+
+def _to_i64(v: int) -> int:
+    v &= _MASK64
+    return v - (1 << 64) if v >= 1 << 63 else v
+
+
+def write_trailer(
+    buf: torch.Tensor, *, mid: int, index: int, nbytes: int, dig: int, status: int = STATUS_OK
+) -> None:
+    fields = torch.tensor(
+        [_MAGIC, status, mid, index, nbytes, _to_i64(dig), 0, 0], dtype=torch.int64
+    )
+    buf[-TRAILER_BYTES:].copy_(fields.view(torch.uint8), non_blocking=False)
+
+
+def read_trailer(buf: torch.Tensor) -> tuple[int, int, int, int, int]:
+    """(status, manifest id, index, nbytes, digest) of a filled buffer."""
+    raw = buf[-TRAILER_BYTES:].cpu().view(torch.int64).tolist()
+    if raw[0] != _MAGIC:
+        raise TransportError("received a bucket without an enginehooks trailer (bad magic)")
+    return raw[1], raw[2], raw[3], raw[4], raw[5] & _MASK64
+
+
+def write_abort(buf: torch.Tensor, mid: int, index: int, reason: str) -> None:
+    """Turn `buf` into an abort notice carrying `reason`, for receivers of bucket `index`."""
+    msg = reason.encode("utf-8", "replace")[: max(0, buf.numel() - TRAILER_BYTES)]
+    if msg:
+        buf[: len(msg)].copy_(torch.frombuffer(bytearray(msg), dtype=torch.uint8))
+    write_trailer(buf, mid=mid, index=index, nbytes=len(msg), dig=0, status=STATUS_ABORT)
+
+
+def as_bytes(t: torch.Tensor) -> torch.Tensor:
+    """A flat uint8 view of a contiguous tensor's bytes."""
+    flat = t.reshape(-1)
+    if flat.dtype == torch.bool:
+        return flat.view(torch.uint8)
+    return flat.view(torch.uint8) if flat.numel() else flat.new_empty(0, dtype=torch.uint8)
+
+
+def check_tensor(entry: TensorEntry, name: str, t: torch.Tensor) -> None:
+    """The stream must yield exactly what the manifest planned, in the same order."""
+    if name != entry.name:
+        raise ManifestError(f"stream yielded {name!r} where the manifest expects {entry.name!r}")
+    if dtype_name(t.dtype) != entry.dtype or tuple(t.shape) != entry.shape:
+        raise ManifestError(
+            f"tensor {name!r}: stream yielded {dtype_name(t.dtype)}{list(t.shape)}, "
+            f"manifest expects {entry.dtype}{list(entry.shape)}"
+        )
+
+
+def pack(
+    manifest: Manifest,
+    stream: Iterable[tuple[str, torch.Tensor]],
+    next_buffer: Callable[[int], torch.Tensor],
+) -> Iterator[tuple[int, torch.Tensor]]:
+    """Fill buckets in order from `stream`; yield `(index, buffer)` once each is complete.
+
+    `next_buffer(index)` hands out a free buffer of at least `buffer_bytes(manifest)`;
+    the caller decides when a buffer is free again (after its send completed), which is
+    what bounds memory to the buffers it owns. The stream is consumed one tensor at a
+    time and checked against the plan as it goes.
+    """
+    mid = manifest_id(manifest)
+    it = iter(stream)
+    n_buckets = len(manifest.buckets)
+
+    def seal(i: int, b: torch.Tensor) -> tuple[int, torch.Tensor]:
+        nbytes = manifest.buckets[i].nbytes
+        write_trailer(b, mid=mid, index=i, nbytes=nbytes, dig=digest(manifest.checksum, b[:nbytes]))
+        return i, b
+
+    if not n_buckets:  # only zero-size tensors: they travel in no bucket
+        for entry in manifest.tensors:
+            check_tensor(entry, *_next(it, entry))
+        _expect_end(it)
+        return
+    index, buf = 0, next_buffer(0)
+    for entry in manifest.tensors:
+        name, t = _next(it, entry)
+        check_tensor(entry, name, t)
+        data = as_bytes(t.contiguous())
+        for piece in entry.pieces:
+            while piece.bucket > index:
+                yield seal(index, buf)
+                index += 1
+                buf = next_buffer(index)
+            buf[piece.offset : piece.offset + piece.nbytes].copy_(
+                data[piece.start : piece.start + piece.nbytes]
+            )
+        del data, t
+    _expect_end(it)
+    while True:
+        yield seal(index, buf)
+        index += 1
+        if index == n_buckets:
+            return
+        buf = next_buffer(index)
+
+
+def _next(it: Iterator[tuple[str, torch.Tensor]], entry: TensorEntry) -> tuple[str, torch.Tensor]:
+    try:
+        return next(it)
+    except StopIteration:
+        raise ManifestError(f"stream ended before tensor {entry.name!r} of the manifest") from None
+
+
+def _expect_end(it: Iterator[tuple[str, torch.Tensor]]) -> None:
+    leftover = next(it, None)
+    if leftover is not None:
+        raise ManifestError(f"stream yielded {leftover[0]!r}, which the manifest does not plan")
+
+
+class Unpacker:
+    """Turns received buckets back into `(name, tensor)`, verifying each bucket first.
+
+    Tensors that live whole in one bucket come out as views of the buffer: the caller
+    must finish with them before the buffer is reused. Tensors cut across buckets are
+    rejoined into a fresh tensor on `device`, unless `into(name)` returns a
+    destination for them (a target that holds the weight in checkpoint layout, such as
+    a torch model): then each piece is copied straight into it and the destination
+    itself is yielded, which keeps the receiver's extra memory at its two buffers
+    instead of two buffers plus the largest split tensor (1.1 GB for a 7B model's
+    embedding).
+    """
+
+    def __init__(
+        self,
+        manifest: Manifest,
+        device: torch.device | str = "cpu",
+        into: Callable[[str], torch.Tensor | None] | None = None,
+    ) -> None:
+        self.manifest = manifest
+        self.mid = manifest_id(manifest)
+        self.device = torch.device(device)
+        self.into = into
+        self._per_bucket = manifest.by_bucket()
+        self._partial: dict[str, torch.Tensor] = {}
+        self._empty = [t for t in manifest.tensors if not t.pieces]
+
+    def empties(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """Zero-size tensors, which travel in no bucket (yielded with bucket 0)."""
+        for e in self._empty:
+            yield e.name, torch.empty(e.shape, dtype=torch_dtype(e.dtype), device=self.device)
+
+    def verify(self, index: int, buf: torch.Tensor, check_digest: bool = True) -> int:
+        """Check bucket `index`'s trailer and (unless `check_digest` is False) its
+        digest; return its payload size. The trailer check is cheap (64 bytes) and is
+        what a receiver needs before posting its next receive; the digest may follow
+        while that receive is in flight (`verify_digest`)."""
+        status, mid, got_index, nbytes, dig = read_trailer(buf)
+        if status == STATUS_ABORT:
+            reason = bytes(buf[:nbytes].cpu().numpy()).decode("utf-8", "replace")
+            raise SenderAborted(f"the sender aborted the update: {reason}")
+        if mid != self.mid:
+            raise TransportError(
+                f"bucket {got_index} belongs to another update (manifest id {mid:#x}, "
+                f"expected {self.mid:#x})"
+            )
+        if got_index != index or nbytes != self.manifest.buckets[index].nbytes:
+            raise TransportError(
+                f"expected bucket {index} of {self.manifest.buckets[index].nbytes} bytes, got "
+                f"bucket {got_index} of {nbytes} bytes"
+            )
+        if check_digest:
+            self._check_digest(index, buf, nbytes, dig)
+        return nbytes
+
+    def verify_digest(self, index: int, buf: torch.Tensor) -> None:
+        _status, _mid, _index, nbytes, dig = read_trailer(buf)
+        self._check_digest(index, buf, nbytes, dig)
+
+    def _check_digest(self, index: int, buf: torch.Tensor, nbytes: int, dig: int) -> None:
+        if self.manifest.checksum is None:
+            return
+        mine = digest(self.manifest.checksum, buf[:nbytes])
+        if mine != dig:
+            raise ChecksumError(
+                f"bucket {index}: {self.manifest.checksum} {mine:#x} != sender's {dig:#x}; "
+                f"tensors {[e.name for e, _ in self._per_bucket[index]][:4]}..."
+            )
+
+    def unpack(
+        self, index: int, buf: torch.Tensor, verified: bool = False
+    ) -> Iterator[tuple[str, torch.Tensor]]:
+        if not verified:
+            self.verify(index, buf)
+        if index == 0:
+            yield from self.empties()
+        for entry, piece in self._per_bucket[index]:
+            dt = torch_dtype(entry.dtype)
+            src = buf[piece.offset : piece.offset + piece.nbytes]
+            if len(entry.pieces) == 1:
+                yield entry.name, src.view(dt).view(entry.shape)
+                continue
+            whole = self._partial.get(entry.name)
+            if whole is None:
+                whole = self._destination(entry, dt)
+                self._partial[entry.name] = whole
+            whole[piece.start : piece.start + piece.nbytes].copy_(src)
+            if piece is entry.pieces[-1]:
+                del self._partial[entry.name]
+                yield entry.name, whole.view(dt).view(entry.shape)
+
+    def _destination(self, entry: TensorEntry, dt: torch.dtype) -> torch.Tensor:
+        """Flat bytes to rejoin `entry` in: the target's own tensor where it offers a
+        matching contiguous one, else a fresh buffer."""
+        if self.into is not None:
+            dest = self.into(entry.name)
+            if (
+                dest is not None
+                and dest.dtype == dt
+                and tuple(dest.shape) == entry.shape
+                and dest.is_contiguous()
+            ):
+                return as_bytes(dest)
+        return torch.empty(entry.nbytes, dtype=torch.uint8, device=self.device)

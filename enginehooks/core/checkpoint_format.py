@@ -1,0 +1,177 @@
+"""Module layout -> checkpoint format, by transformers' own save path, one layer at a time.
+
+Engines load checkpoints, and a checkpoint is what `save_pretrained` writes, which is
+not always the module's `state_dict()`: transformers 5 keeps MoE experts fused in the
+module (`mlp.experts.gate_up_proj`, one 3-D tensor per layer) and writes one tensor per
+expert; it renames some keys; and it drops tied duplicates (`lm_head.weight` of a tied
+model). `save_pretrained` does this with two functions, and so do we:
+
+1. `transformers.modeling_utils.remove_tied_weights_from_state_dict`: which aliases to
+   drop (from the model's own `_tied_weights_keys` and the tensors it really shares);
+2. `transformers.core_model_loading.revert_weight_conversion`: the reverse of the
+   conversion mapping `from_pretrained` applied (or the default one for the class).
+
+Both run first on META tensors of the module-layout names and shapes, to plan the
+update without producing a tensor; then on real tensors, one group at a time. A group
+is one layer (keys up to their first numeric segment, `model.layers.3`) or one
+top-level key; the plan checks that converting groups separately gives exactly what
+converting everything at once gives, and otherwise uses one group (correct, but the
+whole model is then produced at once: the plan says so in `LayoutPlan.grouped`).
+
+There is no per-architecture table here: what transformers cannot map raises a clear
+`ManifestError` while planning, before any data moves.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from enginehooks.core.errors import ManifestError
+
+_LAYER = re.compile(r"^(.*?\.\d+)(\.|$)")
+
+
+@dataclass(frozen=True)
+class Source:
+    """A tensor in module layout: its name (wrapper prefixes already removed), dtype
+    and global shape (a sharded tensor's full shape)."""
+
+    name: str
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class Group:
+    """Module-layout tensors converted together, and the checkpoint tensors they make
+    (name, dtype, shape, in the order the conversion yields them)."""
+
+    sources: tuple[str, ...]
+    outputs: tuple[Source, ...]
+
+
+@dataclass(frozen=True)
+class LayoutPlan:
+    groups: tuple[Group, ...]
+    #: False when the model's conversion spans layers and one group holds everything.
+    grouped: bool = True
+
+    def outputs(self) -> list[Source]:
+        return [o for g in self.groups for o in g.outputs]
+
+
+def pretrained_model(model: Any) -> Any | None:
+    """The `transformers.PreTrainedModel` inside `model` (through DDP's `.module`,
+    torch.compile's `._orig_mod`, FSDP1's `.module`), or None."""
+    try:
+        from transformers import PreTrainedModel
+    except ImportError:
+        return None
+    seen = 0
+    while model is not None and seen < 8:
+        if isinstance(model, PreTrainedModel):
+            return model
+        model = getattr(model, "_orig_mod", None) or getattr(model, "module", None)
+        seen += 1
+    return None
+
+
+def _group_key(name: str) -> str:
+    m = _LAYER.match(name)
+    return m.group(1) if m else name
+
+
+def _meta(sources: Iterable[Source]) -> dict[str, torch.Tensor]:
+    return {s.name: torch.empty(s.shape, dtype=s.dtype, device="meta") for s in sources}
+
+
+def _described(converted: Mapping[str, torch.Tensor]) -> tuple[Source, ...]:
+    return tuple(Source(n, t.dtype, tuple(t.shape)) for n, t in converted.items())
+
+
+class _SharedBy:
+    """The model as `remove_tied_weights_from_state_dict` sees it, with `identity`
+    telling which names are one tensor: for trainers whose module no longer holds its
+    original parameters (FSDP1 without `use_orig_params`)."""
+
+    def __init__(self, hf: Any, identity: Callable[[str], object]) -> None:
+        self._hf, self._identity = hf, identity
+
+    def get_parameter_or_buffer(self, name: str) -> object:
+        return self._identity(name)
+
+    def __getattr__(self, attr: str) -> Any:
+        return getattr(self._hf, attr)
+
+
+class CheckpointFormat:
+    """transformers' save-path conversion for one model (identity for a model that is
+    not a `PreTrainedModel`: its state-dict names are its checkpoint names).
+
+    `identity(name)`: optional; an object that is the same for names that share one
+    tensor, where the model cannot tell (see `_SharedBy`).
+    """
+
+    def __init__(self, model: Any, identity: Callable[[str], object] | None = None) -> None:
+        self.hf = pretrained_model(model)
+        self.identity = identity
+
+    def plan(self, sources: Sequence[Source]) -> LayoutPlan:
+        """Group `sources` (module layout, in state-dict order) and describe the
+        checkpoint tensors each group becomes. Produces no tensor."""
+        if self.hf is None:
+            return LayoutPlan(tuple(Group((s.name,), (s,)) for s in sources))
+        from transformers.modeling_utils import remove_tied_weights_from_state_dict
+
+        meta = _meta(sources)
+        for key in getattr(self.hf, "_keys_to_ignore_on_save", None) or ():
+            meta.pop(key, None)
+        owner = self.hf if self.identity is None else _SharedBy(self.hf, self.identity)
+        try:
+            kept = remove_tied_weights_from_state_dict(meta, owner)
+        except Exception as e:
+            raise ManifestError(
+                f"transformers cannot tell the tied weights of this "
+                f"{type(self.hf).__name__} ({type(e).__name__}: {e}); nothing was sent") from e
+        order: dict[str, list[str]] = {}
+        for name in kept:  # state-dict order, so layers stream in module order
+            order.setdefault(_group_key(name), []).append(name)
+        groups = tuple(
+            Group(tuple(names), _described(self._revert({n: kept[n] for n in names})))
+            for names in order.values())
+        whole = _described(self._revert(dict(kept)))
+        if _same(groups, whole):
+            return LayoutPlan(groups)
+        return LayoutPlan((Group(tuple(kept), whole),), grouped=False)
+
+    def convert(self, group: Group, tensors: Mapping[str, torch.Tensor]
+                ) -> list[tuple[str, torch.Tensor]]:
+        """The checkpoint tensors of `group` from its module-layout `tensors`, in the
+        planned order. Views where the conversion allows it (no copy is forced here)."""
+        if self.hf is None:
+            return [(n, tensors[n]) for n in group.sources]
+        missing = [n for n in group.sources if n not in tensors]
+        if missing:
+            raise ManifestError(f"the trainer produced no tensor for {missing[:4]}")
+        out = self._revert({n: tensors[n] for n in group.sources})
+        return [(o.name, out[o.name]) for o in group.outputs]
+
+    def _revert(self, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        from transformers.core_model_loading import revert_weight_conversion
+
+        try:
+            return dict(revert_weight_conversion(self.hf, state))
+        except Exception as e:
+            raise ManifestError(
+                f"transformers cannot convert this {type(self.hf).__name__} to its "
+                f"checkpoint format ({type(e).__name__}: {e}); nothing was sent") from e
+
+
+def _same(groups: Sequence[Group], whole: Sequence[Source]) -> bool:
+    parts = {o.name: o for g in groups for o in g.outputs}
+    return len(parts) == sum(len(g.outputs) for g in groups) and parts == {o.name: o for o in whole}

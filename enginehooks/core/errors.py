@@ -1,0 +1,59 @@
+"""Every error enginehooks raises derives from `EngineHooksError`.
+
+Each names what went wrong in words a user can act on (the tensor, the replica, the
+timeout), because the alternative in this field is a silent hang or a stale engine.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from enginehooks.control.report import PushReport
+
+
+class EngineHooksError(RuntimeError):
+    """Base class of all enginehooks errors.
+
+    `report`: the push's report, when the error ended a `WeightSync.push`.
+    `replica`: the replica the error came from, when one did.
+    """
+
+    report: PushReport | None = None
+    replica: str | None = None
+
+
+class ConfigError(EngineHooksError, ValueError):
+    """An argument or option is invalid (raised before anything happens)."""
+
+
+class ManifestError(EngineHooksError, ValueError):
+    """A manifest is malformed, or does not match the model that should receive it."""
+
+
+class TransportError(EngineHooksError):
+    """The data plane failed: a peer left, a collective timed out, a checksum differed."""
+
+
+class ChecksumError(TransportError):
+    """A received bucket's bytes do not match the digest its sender computed."""
+
+
+class SenderAborted(TransportError):
+    """The sender gave up in the middle of an update and told the receivers so."""
+
+
+class PushTimeout(EngineHooksError, TimeoutError):
+    """A replica, or the data plane, did not finish within the configured timeout."""
+
+
+class ReplicaError(EngineHooksError):
+    """A replica reported a failure; `replica` names it and the message carries its error."""
+
+    def __init__(self, replica: str, message: str) -> None:
+        super().__init__(f"replica {replica!r}: {message}")
+        self.replica: str | None = replica
+
+
+class PluginError(EngineHooksError):
+    """A plugin is missing, or two plugins registered the same name."""

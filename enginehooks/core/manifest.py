@@ -1,0 +1,338 @@
+"""The manifest: everything a receiver must know about one update before a byte moves.
+
+A manifest is plain JSON-able data (never pickle: it crosses sockets and HTTP bodies)
+and is validated on load, so a receiver can refuse a bad update while the sender is
+still waiting to enter the collective. It is planned from names, dtypes and shapes
+alone: the trainer never has to gather or materialise a tensor to plan an update.
+
+Layout: tensors are laid into buckets of at most `bucket_bytes` in stream order, each
+start aligned to `ALIGN` bytes (so a bucket slice can be viewed as any dtype, and GPU
+copies stay vectorised). A tensor larger than a bucket is cut into pieces that fill
+whole buckets and is rejoined by the receiver.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from enginehooks.core.errors import ManifestError
+
+FORMAT_VERSION = 1
+ALIGN = 64
+
+# Bytes per element of every dtype a manifest may carry (torch names without "torch.").
+DTYPE_SIZES: dict[str, int] = {
+    "float64": 8,
+    "float32": 4,
+    "float16": 2,
+    "bfloat16": 2,
+    "float8_e4m3fn": 1,
+    "float8_e5m2": 1,
+    "int64": 8,
+    "int32": 4,
+    "int16": 2,
+    "int8": 1,
+    "uint8": 1,
+    "bool": 1,
+}
+
+
+def _align(n: int) -> int:
+    return (n + ALIGN - 1) // ALIGN * ALIGN
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    """Name, dtype and shape of one tensor of the stream, known before it is produced."""
+
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * DTYPE_SIZES[self.dtype]
+
+
+@dataclass(frozen=True)
+class Piece:
+    """A run of `nbytes` bytes of a tensor, from byte `start` of the tensor, at `offset`
+    of bucket `bucket`."""
+
+    bucket: int
+    offset: int
+    start: int
+    nbytes: int
+
+
+@dataclass(frozen=True)
+class TensorEntry:
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    pieces: tuple[Piece, ...]
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * DTYPE_SIZES[self.dtype]
+
+    @property
+    def spec(self) -> TensorSpec:
+        return TensorSpec(self.name, self.dtype, self.shape)
+
+
+@dataclass(frozen=True)
+class BucketEntry:
+    """One bucket: its payload size, and its digest where the sender knew it in advance
+    (disk shards). Streamed transports carry each bucket's digest in-band instead."""
+
+    index: int
+    nbytes: int
+    checksum: str | None = None
+
+
+@dataclass(frozen=True)
+class Manifest:
+    weight_version: int | str
+    bucket_bytes: int
+    tensors: tuple[TensorEntry, ...]
+    buckets: tuple[BucketEntry, ...]
+    checksum: str | None = "crc32"
+    format_version: int = FORMAT_VERSION
+    meta: Mapping[str, Any] = field(default_factory=dict)
+
+    # -- derived views -------------------------------------------------------------
+    @property
+    def total_bytes(self) -> int:
+        return sum(t.nbytes for t in self.tensors)
+
+    def by_bucket(self) -> list[list[tuple[TensorEntry, Piece]]]:
+        """For each bucket, the (tensor, piece) pairs it holds, in offset order."""
+        out: list[list[tuple[TensorEntry, Piece]]] = [[] for _ in self.buckets]
+        for t in self.tensors:
+            for p in t.pieces:
+                out[p.bucket].append((t, p))
+        for lst in out:
+            lst.sort(key=lambda tp: tp[1].offset)
+        return out
+
+    def specs(self) -> list[TensorSpec]:
+        return [t.spec for t in self.tensors]
+
+    # -- serialisation -------------------------------------------------------------
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "format_version": self.format_version,
+            "weight_version": self.weight_version,
+            "bucket_bytes": self.bucket_bytes,
+            "checksum": self.checksum,
+            "meta": dict(self.meta),
+            "buckets": [[b.index, b.nbytes, b.checksum] for b in self.buckets],
+            "tensors": [
+                {
+                    "name": t.name,
+                    "dtype": t.dtype,
+                    "shape": list(t.shape),
+                    "pieces": [[p.bucket, p.offset, p.start, p.nbytes] for p in t.pieces],
+                }
+                for t in self.tensors
+            ],
+        }
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), separators=(",", ":"))
+
+    @classmethod
+    def from_json(cls, text: str | bytes) -> Manifest:
+        try:
+            data = json.loads(text)
+        except (TypeError, ValueError) as e:
+            raise ManifestError(f"manifest is not valid JSON: {e}") from None
+        return cls.from_dict(data)
+
+    @classmethod
+    def from_dict(cls, data: Any) -> Manifest:
+        """Build and validate; every error names the field or tensor at fault."""
+        if not isinstance(data, dict):
+            raise ManifestError("manifest must be a JSON object")
+        fv = data.get("format_version")
+        if fv != FORMAT_VERSION:
+            raise ManifestError(
+                f"manifest format_version {fv!r} is not supported (this enginehooks reads "
+                f"{FORMAT_VERSION})"
+            )
+        version = data.get("weight_version")
+        if not isinstance(version, (int, str)) or isinstance(version, bool):
+            raise ManifestError(f"weight_version must be an int or a str, got {version!r}")
+        bucket_bytes = _int(data.get("bucket_bytes"), "bucket_bytes", minimum=1)
+        checksum = data.get("checksum")
+        if checksum is not None and not isinstance(checksum, str):
+            raise ManifestError(f"checksum must be a name or null, got {checksum!r}")
+        meta = data.get("meta", {})
+        if not isinstance(meta, dict):
+            raise ManifestError("meta must be a JSON object")
+
+        raw_buckets = data.get("buckets")
+        if not isinstance(raw_buckets, list):
+            raise ManifestError("buckets must be a list")
+        buckets = []
+        for i, rb in enumerate(raw_buckets):
+            if not (isinstance(rb, list) and len(rb) == 3):
+                raise ManifestError(f"bucket {i}: expected [index, nbytes, checksum]")
+            if rb[0] != i:
+                raise ManifestError(f"bucket {i}: index {rb[0]!r} out of order")
+            nb = _int(rb[1], f"bucket {i} nbytes", minimum=0)
+            if nb > bucket_bytes and meta.get("unsplit") is not True:
+                raise ManifestError(f"bucket {i}: {nb} bytes exceed bucket_bytes {bucket_bytes}")
+            if rb[2] is not None and not isinstance(rb[2], str):
+                raise ManifestError(f"bucket {i}: checksum must be a string or null")
+            buckets.append(BucketEntry(i, nb, rb[2]))
+
+        raw_tensors = data.get("tensors")
+        if not isinstance(raw_tensors, list):
+            raise ManifestError("tensors must be a list")
+        tensors = []
+        seen: set[str] = set()
+        for rt in raw_tensors:
+            tensors.append(_tensor_from_dict(rt, buckets, seen))
+        m = cls(
+            weight_version=version,
+            bucket_bytes=bucket_bytes,
+            tensors=tuple(tensors),
+            buckets=tuple(buckets),
+            checksum=checksum,
+            meta=meta,
+        )
+        _check_no_overlap(m)
+        return m
+
+
+def _int(v: Any, what: str, minimum: int = 0) -> int:
+    if not isinstance(v, int) or isinstance(v, bool) or v < minimum:
+        raise ManifestError(f"{what} must be an integer >= {minimum}, got {v!r}")
+    return v
+
+
+def _tensor_from_dict(rt: Any, buckets: list[BucketEntry], seen: set[str]) -> TensorEntry:
+    if not isinstance(rt, dict):
+        raise ManifestError("each tensor must be a JSON object")
+    name = rt.get("name")
+    if not isinstance(name, str) or not name:
+        raise ManifestError(f"tensor name must be a non-empty string, got {name!r}")
+    if name in seen:
+        raise ManifestError(f"tensor {name!r} appears twice")
+    seen.add(name)
+    dtype = rt.get("dtype")
+    if dtype not in DTYPE_SIZES:
+        raise ManifestError(f"tensor {name!r}: unsupported dtype {dtype!r}")
+    shape = rt.get("shape")
+    if not isinstance(shape, list) or not all(
+        isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape
+    ):
+        raise ManifestError(f"tensor {name!r}: shape must be a list of integers >= 0")
+    raw_pieces = rt.get("pieces")
+    if not isinstance(raw_pieces, list):
+        raise ManifestError(f"tensor {name!r}: pieces must be a list")
+    pieces = []
+    expect_start = 0
+    for rp in raw_pieces:
+        if not (isinstance(rp, list) and len(rp) == 4):
+            raise ManifestError(f"tensor {name!r}: a piece must be [bucket, offset, start, nbytes]")
+        b, off, start, nb = (_int(x, f"tensor {name!r} piece field") for x in rp)
+        if b >= len(buckets):
+            raise ManifestError(f"tensor {name!r}: piece names bucket {b}, which does not exist")
+        if start != expect_start:
+            raise ManifestError(f"tensor {name!r}: pieces are not contiguous at byte {start}")
+        if off % DTYPE_SIZES[dtype]:
+            raise ManifestError(f"tensor {name!r}: piece offset {off} is not aligned")
+        if off + nb > buckets[b].nbytes:
+            raise ManifestError(f"tensor {name!r}: piece runs past the end of bucket {b}")
+        pieces.append(Piece(b, off, start, nb))
+        expect_start += nb
+    entry = TensorEntry(name, dtype, tuple(shape), tuple(pieces))
+    if expect_start != entry.nbytes:
+        raise ManifestError(
+            f"tensor {name!r}: pieces carry {expect_start} bytes but {dtype}{list(shape)} "
+            f"needs {entry.nbytes}"
+        )
+    return entry
+
+
+def _check_no_overlap(m: Manifest) -> None:
+    for index, pairs in enumerate(m.by_bucket()):
+        end = 0
+        for t, p in pairs:
+            if p.offset < end:
+                raise ManifestError(f"tensor {t.name!r} overlaps another in bucket {index}")
+            end = p.offset + p.nbytes
+
+
+def plan(
+    specs: Iterable[TensorSpec],
+    *,
+    weight_version: int | str,
+    bucket_bytes: int,
+    checksum: str | None = "crc32",
+    split: bool = True,
+    meta: Mapping[str, Any] | None = None,
+) -> Manifest:
+    """Lay `specs` into buckets in stream order.
+
+    With `split`, a tensor larger than `bucket_bytes` is cut into bucket-sized pieces;
+    without it (disk shards, where a file holds whole tensors) it gets a bucket of its own.
+    """
+    if bucket_bytes < ALIGN:
+        raise ManifestError(f"bucket_bytes must be at least {ALIGN}, got {bucket_bytes}")
+    tensors: list[TensorEntry] = []
+    sizes: list[int] = []
+    used = 0  # bytes used in the open bucket, sizes[-1] once a bucket is open
+
+    def open_bucket() -> None:
+        nonlocal used
+        sizes.append(0)
+        used = 0
+
+    seen: set[str] = set()
+    for s in specs:
+        if s.dtype not in DTYPE_SIZES:
+            raise ManifestError(f"tensor {s.name!r}: unsupported dtype {s.dtype!r}")
+        if s.name in seen:
+            raise ManifestError(f"tensor {s.name!r} appears twice in the stream")
+        seen.add(s.name)
+        n = s.nbytes
+        pieces: list[Piece] = []
+        if n <= bucket_bytes or not split:
+            start = _align(used)
+            if not sizes or (start + n > bucket_bytes and used > 0):
+                open_bucket()
+                start = 0
+            if n:
+                pieces.append(Piece(len(sizes) - 1, start, 0, n))
+                used = start + n
+                sizes[-1] = used
+        else:
+            done = 0
+            while done < n:
+                open_bucket()
+                take = min(bucket_bytes, n - done)
+                pieces.append(Piece(len(sizes) - 1, 0, done, take))
+                used = take
+                sizes[-1] = used
+                done += take
+        tensors.append(TensorEntry(s.name, s.dtype, tuple(s.shape), tuple(pieces)))
+    buckets = tuple(BucketEntry(i, nb) for i, nb in enumerate(sizes))
+    merged_meta = dict(meta or {})
+    if not split:
+        merged_meta["unsplit"] = True
+    return Manifest(
+        weight_version=weight_version,
+        bucket_bytes=bucket_bytes,
+        tensors=tuple(tensors),
+        buckets=buckets,
+        checksum=checksum,
+        meta=merged_meta,
+    )

@@ -1,0 +1,128 @@
+"""The engine contract: the verbs every replica answers, and what an engine supplies.
+
+A replica is reached through the engine's own RPC (vLLM `collective_rpc` to worker
+methods, SGLang's scheduler RPC, a local call) under the method names
+`enginehooks_<verb>`: vLLM asserts on names its worker already has, hence the prefix.
+Arguments and results are JSON-able; over HTTP they may arrive as strings, so they
+are decoded here, once. Every engine plugin exposes exactly `VERBS`, each forwarding
+to one `EngineSide` (`engine/side.py`) with `dispatch`; what differs per engine is the
+`EngineBinding` it supplies: the target that applies tensors, the expectations it
+derives from its own loader, its dtype, and its engine-level controls.
+"""
+
+from __future__ import annotations
+
+import json
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Mapping
+from typing import TYPE_CHECKING, Any, ClassVar
+
+import torch
+
+from enginehooks.core.errors import ConfigError
+
+if TYPE_CHECKING:
+    from enginehooks.engine.expectations import Expectations
+    from enginehooks.engine.side import EngineSide
+    from enginehooks.transports.base import Target
+
+PREFIX = "enginehooks_"
+
+INFO = "info"          # -> {rank, version, state, transport, device, dtype, engine, ...}
+JOIN = "join"          # (endpoint JSON, rank offset) -> {rank, transport}
+LEAVE = "leave"        # () -> {left: True}
+CHECK = "check"        # (manifest JSON) -> [problem, ...] (empty: the engine takes it)
+RECEIVE = "receive"    # (manifest JSON) -> stats of the applied update
+DIGESTS = "digests"    # (names JSON) -> {name: {dtype, shape, crc32}} of readable weights
+FLUSH = "flush"        # () -> {flushed: bool | None} (None: the handle flushes instead)
+
+VERBS: tuple[str, ...] = (INFO, JOIN, LEAVE, CHECK, RECEIVE, DIGESTS, FLUSH)
+
+
+def method_name(verb: str) -> str:
+    """The RPC method name of `verb` (`enginehooks_<verb>`)."""
+    if verb not in VERBS:
+        raise ConfigError(f"unknown engine verb {verb!r}; the contract has {VERBS}")
+    return PREFIX + verb
+
+
+def verb_of(method: str) -> str:
+    """The verb of an RPC method name; a clear error for anything else."""
+    verb = method.removeprefix(PREFIX)
+    if not method.startswith(PREFIX) or verb not in VERBS:
+        raise ConfigError(f"{method!r} is not an enginehooks method; the contract has "
+                          f"{[PREFIX + v for v in VERBS]}")
+    return verb
+
+
+def _json_value(v: Any) -> Any:
+    """A JSON argument that may arrive already decoded or as JSON text (HTTP)."""
+    return json.loads(v) if isinstance(v, (str, bytes)) else v
+
+
+def _text(v: Any) -> str:
+    return v if isinstance(v, str) else json.dumps(v)
+
+
+#: verb -> decoders of its positional arguments
+ARGUMENTS: dict[str, tuple[Callable[[Any], Any], ...]] = {
+    INFO: (),
+    JOIN: (_json_value, int),
+    LEAVE: (),
+    CHECK: (_text,),
+    RECEIVE: (_text,),
+    DIGESTS: (_json_value,),
+    FLUSH: (),
+}
+
+
+def dispatch(side: EngineSide, verb: str, args: tuple[Any, ...] | list[Any]) -> Any:
+    """Run `verb` on `side` with `args` decoded: what every engine's RPC method does."""
+    decoders = ARGUMENTS[verb]
+    if len(args) != len(decoders):
+        raise ConfigError(f"{PREFIX}{verb} takes {len(decoders)} arguments, got {len(args)}")
+    return getattr(side, verb)(*(d(a) for d, a in zip(decoders, args)))
+
+
+class EngineBinding(ABC):
+    """What one engine worker supplies to its `EngineSide`.
+
+    `engine` names the engine in `info`; `worker_rank` is this worker's index within
+    its replica (vLLM's worker rank, SGLang's TP rank): the worker's rank in a
+    transport group is the replica's offset plus it.
+    """
+
+    engine: ClassVar[str] = "engine"
+    worker_rank: int = 0
+
+    @abstractmethod
+    def target(self) -> Target:
+        """The object that applies tensors with the engine's own load path."""
+
+    @abstractmethod
+    def dtype(self) -> str:
+        """The dtype the engine runs (floating tensors travel in it)."""
+
+    @abstractmethod
+    def expectations(self) -> Expectations:
+        """What the engine's loader accepts, derived from the engine (see
+        `engine/expectations.py`)."""
+
+    def readable(self) -> Mapping[str, torch.Tensor]:
+        """Parameters the engine keeps in checkpoint layout, by checkpoint name, for
+        digests that move no tensor (embeddings, norms). Default: none."""
+        return {}
+
+    def after_update(self, version: int | str) -> dict[str, Any]:
+        """Engine-level work once an update is applied (cache flush, version record);
+        its JSON-able result joins the receive stats. Default: nothing."""
+        return {}
+
+    def flush(self) -> bool | None:
+        """Flush cached prefixes from inside the worker; None when the engine's handle
+        does it from outside (vLLM)."""
+        return None
+
+    def info(self) -> dict[str, Any]:
+        """Extra engine facts for `info` (e.g. the engine's own weight version)."""
+        return {}

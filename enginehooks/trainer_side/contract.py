@@ -1,0 +1,188 @@
+"""The trainer-side contract: what every adapter provides, and the one wire cast.
+
+An adapter turns a training model into the update an engine loads: a plan
+(`specs()`: names, dtypes, shapes, known without gathering anything) and a lazy
+stream (`stream()`: `(name, tensor)` pairs, exactly as planned, one at a time). The
+names and layouts are the checkpoint format, what `save_pretrained` would write; for
+Hugging Face models they come from transformers' own conversion
+(`core/checkpoint_format.py`), never from a table of ours.
+
+`WeightSync.push(model)` picks the adapter with `adapter_for`: the first registered
+adapter class (plugins' before the built-ins) whose `accepts(model)` is true.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from typing import Any, ClassVar
+
+import torch
+
+from enginehooks.core.checkpoint_format import CheckpointFormat, LayoutPlan, Source
+from enginehooks.core.dtypes import dtype_name
+from enginehooks.core.errors import PluginError
+from enginehooks.core.manifest import TensorSpec
+
+# Segments that wrappers insert into parameter names; checkpoints never hold them.
+WRAPPER_SEGMENTS: tuple[str, ...] = (
+    "_orig_mod.",  # torch.compile
+    "_checkpoint_wrapped_module.",  # activation checkpointing
+    "_fsdp_wrapped_module.",  # FSDP1
+    "_fpw_module.",  # FSDP1 flat-param wrapper
+)
+LEADING_PREFIXES: tuple[str, ...] = ("module.",)  # DDP / DataParallel
+
+
+def hf_name(name: str, strip: Sequence[str] = WRAPPER_SEGMENTS,
+            leading: Sequence[str] = LEADING_PREFIXES) -> str:
+    """`name` without the segments training wrappers add (torch.compile, activation
+    checkpointing, FSDP1, DDP): the model's own module-layout name."""
+    for seg in strip:
+        name = name.replace(seg, "")
+    changed = True
+    while changed:
+        changed = False
+        for p in leading:
+            if name.startswith(p):
+                name, changed = name[len(p):], True
+    return name
+
+
+class TrainerAdapter(ABC):
+    """A training model seen as an update stream.
+
+    Subclasses set `name`, implement `accepts`, `specs` and `stream`, and build tensors
+    through `to_wire` so the dtype rule exists once. Adapters whose stream is a
+    collective across trainer ranks (`LockstepAdapter`) also implement `cancel`.
+
+    Args of every built-in adapter: `model`, and `dtype`: the dtype floating tensors
+    travel in (the engine's; `WeightSync` passes it). Integer and bool tensors travel
+    as they are.
+    """
+
+    name: ClassVar[str] = "adapter"
+
+    def __init__(self, model: Any, *, dtype: torch.dtype | None = None) -> None:
+        self.model = model
+        self.dtype = dtype
+
+    @classmethod
+    @abstractmethod
+    def accepts(cls, model: Any) -> bool:
+        """Whether this adapter handles `model` (checked most recently registered first)."""
+
+    @abstractmethod
+    def specs(self) -> list[TensorSpec]:
+        """Plan one push: names, wire dtypes and shapes in stream order. Never gathers."""
+
+    @abstractmethod
+    def stream(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """The planned tensors, in order, contiguous, in their wire dtype."""
+
+    def cancel(self, reason: str) -> None:  # noqa: B027 - optional: single-process adapters
+        """The push failed on the sender before or while streaming: release whatever
+        waits on this stream (other trainer ranks). Idempotent."""
+
+    # -- the wire cast, the only place it is decided -----------------------------------
+    def wire_dtype(self, dtype: torch.dtype) -> torch.dtype:
+        """The dtype a tensor of `dtype` travels in: `self.dtype` for floating tensors."""
+        return self.dtype if (self.dtype is not None and dtype.is_floating_point) else dtype
+
+    def wire_spec(self, name: str, dtype: torch.dtype, shape: tuple[int, ...]) -> TensorSpec:
+        return TensorSpec(name, dtype_name(self.wire_dtype(dtype)), tuple(shape))
+
+    def to_wire(self, t: torch.Tensor) -> torch.Tensor:
+        """`t` detached, cast to its wire dtype and contiguous (a copy only if needed)."""
+        return t.detach().to(self.wire_dtype(t.dtype)).contiguous()
+
+
+def adapter_for(model: Any, **kwargs: Any) -> TrainerAdapter:
+    """Wrap `model` in the first registered adapter that accepts it; an adapter is
+    returned as it is."""
+    from enginehooks.plugins import trainer_adapters
+
+    if isinstance(model, TrainerAdapter):
+        return model
+    registered = trainer_adapters()
+    for cls in registered:
+        if not (isinstance(cls, type) and issubclass(cls, TrainerAdapter)):
+            raise PluginError(f"registered trainer adapter {cls!r} does not subclass "
+                              "enginehooks.trainer_side.TrainerAdapter")
+        if cls.accepts(model):
+            return cls(model, **kwargs)
+    raise PluginError(f"no trainer adapter accepts a {type(model).__name__}; installed: "
+                      f"{[c.name for c in registered]}")
+
+
+class CheckpointAdapter(TrainerAdapter):
+    """Base of the adapters whose model holds its tensors in module layout (plain and
+    HF modules, FSDP2, FSDP1, PEFT): they say what they hold (`_sources`) and produce
+    one group's tensors on demand (`_produce`, which may be a collective); this class
+    turns them into the checkpoint format with `CheckpointFormat`, one group (layer) at
+    a time, and casts them with the contract's `to_wire`.
+
+    Extra memory while streaming: one group's module-layout tensors (gathered, for a
+    sharded trainer) plus the tensor being cast.
+
+    Args (besides `model`, `dtype`): `include(name) -> bool` filters checkpoint names;
+    `rename(name) -> name` maps state-dict keys to the model's own names before the
+    conversion (default: strip wrapper segments, `hf_name`).
+    """
+
+    def __init__(self, model: Any, *, dtype: torch.dtype | None = None,
+                 include: Callable[[str], bool] | None = None,
+                 rename: Callable[[str], str] = hf_name) -> None:
+        super().__init__(model, dtype=dtype)
+        self.include = include
+        self.rename = rename
+        self._format: CheckpointFormat | None = None
+        self._layout: LayoutPlan | None = None
+
+    # -- what subclasses provide ------------------------------------------------------
+    @abstractmethod
+    def _sources(self) -> list[Source]:
+        """Module-layout tensors (renamed), dtypes and global shapes, in state-dict
+        order; nothing is gathered."""
+
+    @abstractmethod
+    def _produce(self, names: Sequence[str]) -> Mapping[str, torch.Tensor]:
+        """The full tensors of `names` (one group). May run collectives: every trainer
+        rank calls it with the same names. May return them already in their wire dtype."""
+
+    def _checkpoint_format(self) -> CheckpointFormat:
+        return CheckpointFormat(self.model)
+
+    # -- plan and stream ----------------------------------------------------------------
+    def _keep(self, name: str) -> bool:
+        return self.include is None or self.include(name)
+
+    def _replan(self) -> tuple[CheckpointFormat, LayoutPlan]:
+        fmt = self._format = self._format or self._checkpoint_format()
+        layout = self._layout = fmt.plan(self._sources())
+        return fmt, layout
+
+    def _plan(self) -> list[TensorSpec]:
+        _fmt, layout = self._replan()
+        return [self.wire_spec(o.name, o.dtype, o.shape) for o in layout.outputs()
+                if self._keep(o.name)]
+
+    def _items(self) -> Iterator[tuple[str, torch.Tensor]]:
+        fmt, layout = self._format, self._layout
+        if fmt is None or layout is None:
+            fmt, layout = self._replan()
+        with torch.no_grad():
+            for group in layout.groups:
+                wanted = [o.name for o in group.outputs if self._keep(o.name)]
+                if not wanted:
+                    continue
+                converted = dict(fmt.convert(group, self._produce(group.sources)))
+                for name in wanted:
+                    yield name, self.to_wire(converted.pop(name))
+                del converted
+
+    def specs(self) -> list[TensorSpec]:
+        return self._plan()
+
+    def stream(self) -> Iterator[tuple[str, torch.Tensor]]:
+        return self._items()

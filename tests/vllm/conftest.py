@@ -1,0 +1,33 @@
+"""vLLM-specific fixtures: a real vLLM OpenAI server with the worker extension (see
+shared/reference/engines-on-cpu.md for how vLLM runs on CPU)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from enginehooks.testing.engines import NEW_TOKENS, PROMPTS
+from enginehooks.testing.servers import VLLMServerProcess as _VLLMServer
+from tests.support import have
+
+if not have("vllm"):
+    pytest.skip("vLLM runs in its own environment (scripts/test.sh runs this there)",
+                allow_module_level=True)
+
+
+class VLLMServerProcess(_VLLMServer):
+    """The library's launcher, answering with the test prompts."""
+
+    def greedy(self, prompts: list[list[int]] = PROMPTS,  # type: ignore[override]
+               max_tokens: int = NEW_TOKENS) -> list[list[int]]:
+        return super().greedy(prompts, max_tokens)
+
+
+@pytest.fixture(scope="session")
+def vllm_server(model_dirs: dict[str, Path], tmp_path_factory: pytest.TempPathFactory
+                ) -> Iterator[VLLMServerProcess]:
+    log = tmp_path_factory.mktemp("logs") / "vllm.log"
+    with VLLMServerProcess(model_dirs["llama"], log) as srv:
+        yield srv
