@@ -27,7 +27,13 @@ from enginehooks.control.handles import EngineHandle
 from enginehooks.control.report import PushReport, ReplicaResult
 from enginehooks.core.checksums import check_name
 from enginehooks.core.dtypes import torch_dtype
-from enginehooks.core.errors import EngineHooksError, PushTimeout, ReplicaError, TransportError
+from enginehooks.core.errors import (
+    ConfigError,
+    EngineHooksError,
+    PushTimeout,
+    ReplicaError,
+    TransportError,
+)
 from enginehooks.core.manifest import Manifest, plan
 from enginehooks.plugins import get_plugin_manager, get_transport
 from enginehooks.trainer_side.contract import TrainerAdapter, adapter_for
@@ -133,7 +139,13 @@ class WeightSync:
 
     def _push(self, model: Any, version: int | str, report: PushReport) -> None:
         def make_plan() -> tuple[TrainerAdapter, Manifest]:
-            adapter = adapter_for(model, dtype=self.send_dtype())
+            if isinstance(model, TrainerAdapter):
+                adapter = model
+                if adapter.dtype is None and not adapter.dtypes:
+                    adapter.dtype, adapter.dtypes = self.wire_dtypes()
+            else:
+                default, exceptions = self.wire_dtypes()
+                adapter = adapter_for(model, dtype=default, dtypes=exceptions)
             manifest = plan(
                 adapter.specs(), weight_version=version, bucket_bytes=self.bucket_bytes,
                 checksum=self.checksum, split=self.transport.split,
@@ -172,18 +184,32 @@ class WeightSync:
                 self._all(report, "resume", lambda r: r.resume(self.timeout_s))
 
     def send_dtype(self) -> torch.dtype | None:
-        """The dtype the trainer sends: `dtype=` if given, else the replicas' (which
-        must agree). Sharded trainers use it to cast shards before gathering."""
-        if self.dtype is not None:
-            return self.dtype
+        """The dtype floating tensors travel in: `dtype=` if given, else the one the
+        replicas run (they must agree). Sharded trainers cast shards to it before
+        gathering."""
+        return self.wire_dtypes()[0]
+
+    def wire_dtypes(self) -> tuple[torch.dtype | None, dict[str, torch.dtype]]:
+        """(default, exceptions by checkpoint name): the dtype the replicas run and the
+        tensors their loaders put in parameters of another dtype (derived by each
+        engine from its own loader). `WeightSync(dtype=...)` overrides the default."""
         scratch = PushReport(version="", transport=self.transport_name)
-        infos = self._all(scratch, "info", lambda r: r.info(self.timeout_s))
-        dtypes = {i["dtype"] for per_replica in infos for i in per_replica if i.get("dtype")}
-        if len(dtypes) > 1:
-            raise EngineHooksError(
-                f"replicas run different dtypes {sorted(dtypes)}: pass WeightSync(dtype=...)"
-            )
-        return torch_dtype(dtypes.pop()) if dtypes else None
+        infos = [i for per_replica in self._all(scratch, "info", lambda r: r.info(self.timeout_s))
+                 for i in per_replica]
+        default = self.dtype
+        if default is None:
+            dtypes = {i["dtype"] for i in infos if i.get("dtype")}
+            if len(dtypes) > 1:
+                raise ConfigError(
+                    f"replicas run different dtypes {sorted(dtypes)}: pass WeightSync(dtype=...)")
+            default = torch_dtype(dtypes.pop()) if dtypes else None
+        exceptions: dict[str, torch.dtype] = {}
+        for info in infos:
+            for name, dt in (info.get("wire_dtypes") or {}).items():
+                if name in exceptions and exceptions[name] != torch_dtype(dt):
+                    raise ConfigError(f"replicas want tensor {name!r} in different dtypes")
+                exceptions[name] = torch_dtype(dt)
+        return default, exceptions
 
     # -- concurrency helpers ------------------------------------------------------------
     def _all(self, report: PushReport, what: str, call: Callable[[EngineHandle], Any],

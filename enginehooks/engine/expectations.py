@@ -2,18 +2,27 @@
 
 `EngineSide.check` refuses, before any byte moves, every update the engine's loader
 would refuse later for a name, shape or dtype reason. The engine plugins supply an
-`Expectations` object; this module holds the shared pieces.
+`Expectations` object; `LoaderExpectations` is the one real engines use: it runs the
+engine's OWN `load_weights` on a copy of its model whose parameters live on the meta
+device (no memory, no data), feeding it meta tensors of the update's names and shapes,
+and records which parameter every tensor lands in. Nothing here knows a model family:
+the engine's loader decides, and the checkpoint the engine started from is the
+baseline of what a complete update covers.
 """
 
 from __future__ import annotations
 
 import os
 from abc import ABC, abstractmethod
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
+import torch
 from safetensors import safe_open
 
+from enginehooks.core.dtypes import dtype_name, torch_dtype
 from enginehooks.core.errors import ManifestError
 from enginehooks.core.manifest import DTYPE_SIZES, TensorSpec
 
@@ -29,6 +38,10 @@ class Expectations(ABC):
     @abstractmethod
     def checkpoint_spec(self, name: str) -> TensorSpec | None:
         """The checkpoint-layout spec of `name` where the engine knows it (digests)."""
+
+    def wire_dtypes(self) -> dict[str, str]:
+        """Checkpoint name -> the dtype the engine wants it in, where known."""
+        return {}
 
 
 class CheckpointExpectations(Expectations):
@@ -83,15 +96,9 @@ _ST_DTYPES = {
 }
 
 
-def checkpoint_specs(
-    model_dir: str | os.PathLike[str], *, engine_dtype: str, tie_word_embeddings: bool = False
-) -> dict[str, TensorSpec]:
-    """HF name -> spec for every tensor in the folder's safetensors files.
-
-    Floating tensors are expected in `engine_dtype` (what the engine runs and what the
-    trainer must send); other dtypes as stored. With tied embeddings, `lm_head.weight`
-    is expected too: engines that keep a separate output head need it sent.
-    """
+def checkpoint_specs(model_dir: str | os.PathLike[str]) -> dict[str, TensorSpec]:
+    """Name -> spec (stored dtype, shape) of every tensor in the folder's safetensors
+    files; reading the headers touches no tensor data."""
     folder = Path(model_dir)
     files = sorted(folder.glob("*.safetensors"))
     if not files:
@@ -102,12 +109,208 @@ def checkpoint_specs(
             for name in st.keys():  # noqa: SIM118 - safe_open is not a mapping
                 sl = st.get_slice(name)
                 stored = _ST_DTYPES.get(sl.get_dtype(), "")
-                if stored not in DTYPE_SIZES:
-                    continue
-                floating = stored.startswith(("float", "bfloat"))
-                dtype = engine_dtype if floating and not stored.startswith("float8") else stored
-                specs[name] = TensorSpec(name, dtype, tuple(sl.get_shape()))
-    emb = specs.get("model.embed_tokens.weight")
-    if tie_word_embeddings and "lm_head.weight" not in specs and emb is not None:
-        specs["lm_head.weight"] = TensorSpec("lm_head.weight", emb.dtype, emb.shape)
+                if stored in DTYPE_SIZES:
+                    specs[name] = TensorSpec(name, stored, tuple(sl.get_shape()))
     return specs
+
+
+@dataclass
+class Landing:
+    """Where the engine's loader put one tensor: the parameters it loaded into (with
+    their dtypes and the elements it handed each), or the loader's error."""
+
+    params: dict[str, str] = field(default_factory=dict)  # parameter -> its dtype
+    numel: dict[str, int] = field(default_factory=dict)   # parameter -> elements handed over
+    error: str | None = None
+
+
+class _Recorder:
+    """Wraps every meta parameter's weight loader so the dry run sees which tensor the
+    engine loads where. Attribution is by the identity of the tensor handed to the
+    loader (or the view it was cut from), else by the tensor being fed right now."""
+
+    def __init__(self, model: torch.nn.Module, default_loader: Callable[..., Any]) -> None:
+        self.current: str | None = None
+        self.by_id: dict[int, str] = {}
+        self.landings: dict[str, Landing] = {}
+        for pname, param in model.named_parameters():
+            original = getattr(param, "weight_loader", default_loader)
+            param.weight_loader = self._wrap(pname, param, original)
+
+    def _wrap(self, pname: str, param: torch.Tensor, original: Callable[..., Any]) -> Callable[..., Any]:
+        def recording_loader(p: Any, loaded: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+            root = loaded._base if isinstance(loaded, torch.Tensor) and loaded._base is not None \
+                else loaded
+            name = self.by_id.get(id(root), self.current)
+            if name is not None and isinstance(loaded, torch.Tensor):
+                landing = self.landings.setdefault(name, Landing())
+                landing.params[pname] = dtype_name(param.dtype) if param.dtype in _NAMED else ""
+                landing.numel[pname] = landing.numel.get(pname, 0) + loaded.numel()
+            return original(p, loaded, *args, **kwargs)
+
+        recording_loader.__name__ = getattr(original, "__name__", "weight_loader")
+        return recording_loader
+
+    def feed(self, specs: Sequence[TensorSpec]) -> Iterator[tuple[str, torch.Tensor]]:
+        for s in specs:
+            t = torch.empty(s.shape, dtype=torch_dtype(s.dtype), device="meta")
+            self.by_id[id(t)] = s.name
+            self.current = s.name
+            self.landings.setdefault(s.name, Landing())
+            yield s.name, t
+        self.current = None
+
+
+_NAMED = {getattr(torch, n) for n in DTYPE_SIZES}
+
+
+class LoaderExpectations(Expectations):
+    """Expectations derived from the engine's own loader, dry-run on meta tensors.
+
+    Args:
+        skeleton: builds the engine's model class on the meta device, exactly as the
+            engine builds it (once; cached).
+        load: `load(model, weights)` runs the engine's `load_weights` as the engine's
+            update path would (inside its config context).
+        checkpoint: name -> spec of the checkpoint the engine started from (the
+            baseline: what a complete update covers, and the shapes it had).
+        default_loader: the engine's loader for parameters that declare none.
+        engine: the engine's name, for messages.
+
+    Problems it reports, each naming the tensor: the loader raises on it (unknown
+    name, wrong shape); the loader loads it into nothing (it would be silently
+    ignored) unless the engine's own checkpoint holds it too; its shape differs from
+    the engine's checkpoint; its dtype differs from the parameter it lands in; and an
+    engine parameter the update would leave (partly) on old values, with the checkpoint
+    tensors that would have covered it.
+    """
+
+    def __init__(self, skeleton: Callable[[], torch.nn.Module],
+                 load: Callable[[torch.nn.Module, Iterator[tuple[str, torch.Tensor]]], Any],
+                 checkpoint: Mapping[str, TensorSpec], *,
+                 default_loader: Callable[..., Any], engine: str) -> None:
+        self._skeleton_fn, self._load = skeleton, load
+        self.checkpoint = dict(checkpoint)
+        self.default_loader = default_loader
+        self.engine = engine
+        self._recorder: _Recorder | None = None
+        self._model: torch.nn.Module | None = None
+        self._cache: dict[tuple[str, str, tuple[int, ...]], Landing] = {}
+        self._baseline: dict[str, Landing] | None = None
+
+    def checkpoint_spec(self, name: str) -> TensorSpec | None:
+        return self.checkpoint.get(name)
+
+    # -- the dry run ----------------------------------------------------------------------
+    def _ready(self) -> tuple[torch.nn.Module, _Recorder]:
+        if self._model is None or self._recorder is None:
+            self._model = self._skeleton_fn()
+            self._recorder = _Recorder(self._model, self.default_loader)
+        return self._model, self._recorder
+
+    def landings(self, specs: Sequence[TensorSpec]) -> dict[str, Landing]:
+        """Where each tensor of `specs` lands (cached per name, dtype and shape)."""
+        todo = [s for s in specs if (s.name, s.dtype, tuple(s.shape)) not in self._cache]
+        model, rec = self._ready()
+        while todo:
+            rec.landings, rec.by_id = {}, {}
+            try:
+                with torch.no_grad():
+                    self._load(model, rec.feed(todo))
+                done, todo = todo, []
+            except Exception as e:
+                culprit = rec.current
+                index = next((i for i, s in enumerate(todo) if s.name == culprit), None)
+                if index is None:  # failed outside any tensor (e.g. after the last one)
+                    for s in todo:
+                        rec.landings.setdefault(s.name, Landing()).error = _first_line(e)
+                    done, todo = todo, []
+                else:
+                    rec.landings.setdefault(culprit, Landing()).error = _first_line(e)
+                    done, todo = todo[: index + 1], todo[index + 1:]
+            for s in done:
+                self._cache[(s.name, s.dtype, tuple(s.shape))] = rec.landings.get(s.name, Landing())
+        return {s.name: self._cache[(s.name, s.dtype, tuple(s.shape))] for s in specs}
+
+    def baseline(self) -> dict[str, Landing]:
+        """Where the engine's own checkpoint lands: the coverage a complete update needs."""
+        if self._baseline is None:
+            self._baseline = self.landings(list(self.checkpoint.values()))
+        return self._baseline
+
+    def wire_dtypes(self) -> dict[str, str]:
+        """Checkpoint name -> the dtype of the parameter it lands in, for floating
+        tensors (what the trainer should send each one as)."""
+        out = {}
+        for name, landing in self.baseline().items():
+            dts = {d for d in landing.params.values() if d}
+            spec = self.checkpoint[name]
+            if len(dts) == 1 and torch_dtype(spec.dtype).is_floating_point:
+                out[name] = dts.pop()
+        return out
+
+    # -- the verdict ------------------------------------------------------------------------
+    def problems(self, specs: Sequence[TensorSpec]) -> list[str]:
+        problems: list[str] = []
+        base = self.baseline()
+        for s in specs:
+            ck = self.checkpoint.get(s.name)
+            if ck is not None and tuple(ck.shape) != tuple(s.shape):
+                problems.append(f"tensor {s.name!r}: shape {list(s.shape)} but the {self.engine} "
+                                f"engine's checkpoint has {list(ck.shape)}")
+        if problems:
+            return problems + self._missing(specs, base)
+        landed = self.landings(specs)
+        for s in specs:
+            landing = landed[s.name]
+            if landing.error is not None:
+                problems.append(f"tensor {s.name!r}: the {self.engine} loader refuses it "
+                                f"({landing.error})")
+            elif not landing.params:
+                if s.name not in self.checkpoint:
+                    problems.append(f"unknown tensor {s.name!r}: the {self.engine} loader loads it "
+                                    "into no parameter (it would be ignored)")
+            else:
+                want = {d for d in landing.params.values() if d}
+                floating = torch_dtype(s.dtype).is_floating_point
+                if floating and want and s.dtype not in want:
+                    problems.append(f"tensor {s.name!r}: dtype {s.dtype} but the engine runs "
+                                    f"{sorted(want)[0]} for it")
+                ck = self.checkpoint.get(s.name)
+                if not floating and ck is not None and ck.dtype != s.dtype:
+                    problems.append(f"tensor {s.name!r}: dtype {s.dtype} but the engine's "
+                                    f"checkpoint has {ck.dtype}")
+        return problems + self._missing(specs, base, landed)
+
+    def _missing(self, specs: Sequence[TensorSpec], base: Mapping[str, Landing],
+                 landed: Mapping[str, Landing] | None = None) -> list[str]:
+        """Engine parameters the update would cover less than the engine's checkpoint
+        did (vLLM and SGLang reload whole layers: a partial layer keeps old values)."""
+        want: dict[str, int] = {}
+        for landing in base.values():
+            for p, n in landing.numel.items():
+                want[p] = want.get(p, 0) + n
+        got: dict[str, int] = {}
+        for landing in (landed or {}).values():
+            for p, n in landing.numel.items():
+                got[p] = got.get(p, 0) + n
+        if landed is None:  # shapes already refused: name what is absent by name
+            sent = {s.name for s in specs}
+            absent = sorted(n for n in self.checkpoint if n not in sent and base[n].params)
+        else:
+            short = {p for p, n in want.items() if got.get(p, 0) < n}
+            sent = {s.name for s in specs}
+            absent = sorted(n for n, landing in base.items()
+                            if n not in sent and short.intersection(landing.params))
+            if short and not absent:
+                return [f"the update leaves engine parameters {sorted(short)[:5]} partly on old "
+                        "values (an update must carry whole layers)"]
+        if not absent:
+            return []
+        return [f"{len(absent)} tensors the {self.engine} engine loads are missing from the update "
+                f"(engines reload whole layers), first: {absent[:5]}"]
+
+
+def _first_line(e: BaseException) -> str:
+    text = f"{type(e).__name__}: {e}".strip().splitlines()[0]
+    return text[:300]

@@ -55,6 +55,7 @@ class EngineSide:
 
     # -- the verbs ----------------------------------------------------------------------
     def info(self) -> dict[str, Any]:
+        dtype = self.binding.dtype()
         return {
             "rank": self.worker_rank,
             "version": self.version,
@@ -62,7 +63,10 @@ class EngineSide:
             "transport": self.transport,
             "device": str(self.device),
             "last_error": self.last_error,
-            "dtype": self.binding.dtype(),
+            "dtype": dtype,
+            # tensors the engine's loader puts in parameters of another dtype
+            "wire_dtypes": {n: d for n, d in self.expectations().wire_dtypes().items()
+                            if d != dtype},
             "engine": self.binding.engine,
             **self.binding.info(),
         }

@@ -34,8 +34,8 @@ from enginehooks.core.dtypes import dtype_name
 from enginehooks.core.errors import ConfigError
 from enginehooks.engine.contract import PREFIX, VERBS, EngineBinding, method_name
 from enginehooks.engine.expectations import (
-    CheckpointExpectations,
     Expectations,
+    LoaderExpectations,
     checkpoint_specs,
     resolve_model_dir,
 )
@@ -116,13 +116,28 @@ class SGLangBinding(EngineBinding):
         return dtype_name(_model_runner(self.sched).model_config.dtype)
 
     def expectations(self) -> Expectations:
-        """HF-format tensors an update must carry: read from the checkpoint the engine
-        loaded (SGLang fuses qkv / gate_up, so its own parameters do not say)."""
-        mc = _model_runner(self.sched).model_config
-        tie = bool(getattr(mc.hf_config, "tie_word_embeddings", False))
-        path = getattr(self.sched.server_args, "model_path", None) or mc.model_path
-        return CheckpointExpectations(checkpoint_specs(
-            resolve_model_dir(path), engine_dtype=self.dtype(), tie_word_embeddings=tie))
+        """SGLang's own `load_weights`, dry-run on a meta-device copy of the model
+        (built as SGLang's loader builds it), against the checkpoint it started from."""
+        from sglang.srt.model_loader.weight_utils import default_weight_loader
+
+        mr = _model_runner(self.sched)
+        path = getattr(self.sched.server_args, "model_path", None) or mr.model_config.model_path
+        return LoaderExpectations(
+            self._skeleton, lambda model, weights: model.load_weights(weights),
+            checkpoint_specs(resolve_model_dir(path)), default_loader=default_weight_loader,
+            engine="SGLang")
+
+    def _skeleton(self) -> torch.nn.Module:
+        # SGLang's DefaultModelLoader.load_model minus the weights, on the meta device.
+        from sglang.srt.configs.load_config import LoadConfig
+        from sglang.srt.model_loader.loader import _get_quantization_config, _initialize_model
+        from sglang.srt.model_loader.utils import set_default_torch_dtype
+
+        mr = _model_runner(self.sched)
+        load_config = getattr(mr, "load_config", None) or LoadConfig(load_format="auto")
+        quant = _get_quantization_config(mr.model_config, load_config)
+        with set_default_torch_dtype(mr.model_config.dtype), torch.device("meta"):
+            return _initialize_model(mr.model_config, load_config, quant)
 
     def readable(self) -> Mapping[str, torch.Tensor]:
         # qkv / gate_up are fused; embeddings and norms keep their checkpoint layout.

@@ -10,12 +10,15 @@ and version, so a suite can list them instead of skipping them silently.
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import importlib.metadata
 import multiprocessing
 import os
+import signal
 import sys
 import threading
+import time
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -122,6 +125,7 @@ class VLLMInProcess(RunningEngine):
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
 
+        self.llm.reset_prefix_cache()  # cold cache, as the exact oracle compares
         sp = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True, logprobs=0)
         outs = self.llm.generate([TokensPrompt(prompt_token_ids=list(p)) for p in prompts], sp,
                                  use_tqdm=False)
@@ -136,18 +140,10 @@ class VLLMInProcess(RunningEngine):
         llm, self.llm = getattr(self, "llm", None), None
         if llm is None:
             return
-        try:
+        with contextlib.suppress(Exception):  # already down
             llm.llm_engine.engine_core.shutdown()
-        except Exception:  # already down
-            pass
-        del llm
+        del llm  # the process's distributed state stays: other engines here share it
         gc.collect()
-        try:
-            from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
-
-            cleanup_dist_env_and_memory()
-        except Exception:
-            pass
 
 
 # -- SGLang --------------------------------------------------------------------------------
@@ -160,7 +156,9 @@ SGLANG_ENGINE_ARGS: dict[str, Any] = dict(
 class SGLangInProcess(RunningEngine):
     """`sglang.Engine` on CPU (its scheduler runs in a child process; the enginehooks
     plugin loads there by itself). Started under a deadline: when SGLang's child dies
-    during start-up, its parent can wait forever."""
+    during start-up, its parent can wait forever. When a child crashes, SGLang itself
+    sends SIGQUIT to this process: start engines that might not run (the conformance
+    matrix) in a child process (`fresh_generate`)."""
 
     engine = "sglang"
 
@@ -179,34 +177,35 @@ class SGLangInProcess(RunningEngine):
             import sglang
         except ImportError as e:
             raise EngineUnavailable(f"SGLang is not installed here: {e}") from e
-        box: dict[str, Any] = {}
+        # In the main thread (SGLang's engine installs signal handlers and kills
+        # children started elsewhere), under an alarm: when a child dies during
+        # start-up, SGLang's parent can otherwise wait forever.
+        def expired(signum: int, frame: Any) -> None:
+            raise TimeoutError(f"no SGLang engine within {start_timeout_s}s")
 
-        def start() -> None:
-            try:
-                box["engine"] = sglang.Engine(model_path=str(model_dir), dtype=dtype,
-                                              **{**SGLANG_ENGINE_ARGS, **(engine_args or {})})
-            except BaseException as e:
-                box["error"] = e
-
-        t = threading.Thread(target=start, name="enginehooks-sglang-start", daemon=True)
-        t.start()
-        t.join(start_timeout_s)
-        if "engine" not in box:
+        use_alarm = threading.current_thread() is threading.main_thread()
+        previous = signal.signal(signal.SIGALRM, expired) if use_alarm else None
+        if use_alarm:
+            signal.alarm(int(start_timeout_s))
+        try:
+            self.engine_obj = sglang.Engine(model_path=str(model_dir), dtype=dtype,
+                                            **{**SGLANG_ENGINE_ARGS, **(engine_args or {})})
+        except Exception as e:
             for child in multiprocessing.active_children():
                 child.kill()
-            err = box.get("error")
-            raise EngineUnavailable(
-                f"sglang {version_of('sglang')} cannot start {model_dir}: "
-                + (f"{type(err).__name__}: {err}" if err else f"no engine within {start_timeout_s}s"))
-        self.engine_obj = box["engine"]
+            raise EngineUnavailable(f"sglang {version_of('sglang')} cannot start {model_dir}: "
+                                    f"{type(e).__name__}: {e}") from e
+        finally:
+            if use_alarm:
+                signal.alarm(0)
+                signal.signal(signal.SIGALRM, previous)
 
     def handle(self, name: str | None = None) -> EngineHandle:
         from enginehooks.sglang_ext import SGLangEngine
 
         return SGLangEngine(self.engine_obj, name=name or "sglang")
 
-    def generate(self, prompts: Sequence[Sequence[int]] = PROMPTS,
-                 max_tokens: int = NEW_TOKENS) -> list[Generation]:
+    def _generate(self, prompts: Sequence[Sequence[int]], max_tokens: int) -> list[Generation]:
         sp = {"temperature": 0.0, "max_new_tokens": max_tokens, "ignore_eos": True}
         outs = self.engine_obj.generate(input_ids=[list(p) for p in prompts], sampling_params=sp,
                                         return_logprob=True)
@@ -219,9 +218,28 @@ class SGLangInProcess(RunningEngine):
 
     def close(self) -> None:
         eng, self.engine_obj = getattr(self, "engine_obj", None), None
-        if eng is not None:
+        if eng is None:
+            return
+        # SGLang's watchdog thread SIGQUITs this process when one of its children
+        # exits non-zero, which its own shutdown does (kill -9): ignore SIGQUIT until
+        # the watchdog's next tick has passed.
+        main = threading.current_thread() is threading.main_thread()
+        previous = signal.signal(signal.SIGQUIT, signal.SIG_IGN) if main else None
+        try:
             eng.shutdown()
-        gc.collect()
+            gc.collect()
+            if main:
+                time.sleep(2.5)  # the watchdog polls every second
+        finally:
+            if main:
+                signal.signal(signal.SIGQUIT, previous)
+
+    def generate(self, prompts: Sequence[Sequence[int]] = PROMPTS,
+                 max_tokens: int = NEW_TOKENS) -> list[Generation]:
+        # From a cold prefix cache: a cached prefix takes another kernel path, whose
+        # logprobs differ in the last bits; the exact oracle compares cold engines.
+        self.engine_obj.flush_cache()
+        return self._generate(prompts, max_tokens)
 
 
 # -- a torch module ---------------------------------------------------------------------
@@ -277,3 +295,51 @@ DRIVERS: dict[str, type[RunningEngine]] = {
 def start_engine(engine: str, model_dir: str | Path, *, dtype: str = "float32",
                  engine_args: dict[str, Any] | None = None) -> RunningEngine:
     return DRIVERS[engine](model_dir, dtype=dtype, engine_args=engine_args)  # type: ignore[call-arg]
+
+
+def fresh_generate(engine: str, model_dir: str | Path, *, dtype: str = "float32",
+                   engine_args: dict[str, Any] | None = None,
+                   prompts: Sequence[Sequence[int]] = PROMPTS, max_tokens: int = NEW_TOKENS,
+                   timeout_s: float = 300.0) -> list[Generation]:
+    """Greedy outputs of `engine` freshly started from `model_dir`, in a child process:
+    the exact oracle's reference. (Engines in one process share global state, e.g.
+    vLLM's distributed groups, so a second engine shut down there breaks the first.)"""
+    import json
+    import subprocess
+
+    request = json.dumps({"engine": engine, "model_dir": str(model_dir), "dtype": dtype,
+                          "engine_args": engine_args or {}, "prompts": [list(p) for p in prompts],
+                          "max_tokens": max_tokens})
+    try:
+        out = subprocess.run([sys.executable, "-m", "enginehooks.testing.engines"], input=request,
+                             capture_output=True, text=True, timeout=timeout_s)
+    except subprocess.TimeoutExpired as e:
+        raise EngineUnavailable(f"{engine} on {model_dir}: no answer within {timeout_s}s") from e
+    lines = [ln for ln in out.stdout.splitlines() if ln.startswith("{")]
+    reply = json.loads(lines[-1]) if lines else {"error": out.stderr[-3000:]}
+    if "error" in reply:
+        raise EngineUnavailable(reply["error"])
+    return [Generation(tuple(g["tokens"]), tuple(g["logprobs"]), g["version"])
+            for g in reply["generations"]]
+
+
+def _serve_one_request() -> None:
+    """`python -m enginehooks.testing.engines`: read one JSON request on stdin, start the
+    engine, print its generations as one JSON line (floats round-trip exactly)."""
+    import json
+
+    req = json.loads(sys.stdin.read())
+    try:
+        with start_engine(req["engine"], req["model_dir"], dtype=req["dtype"],
+                          engine_args=req["engine_args"]) as running:
+            gens = running.generate(req["prompts"], req["max_tokens"])
+        print(json.dumps({"generations": [
+            {"tokens": list(g.tokens), "logprobs": list(g.logprobs), "version": g.version}
+            for g in gens]}), flush=True)
+    except EngineUnavailable as e:
+        print(json.dumps({"error": str(e)}), flush=True)
+    os._exit(0)  # engines may leave non-daemon threads behind
+
+
+if __name__ == "__main__":
+    _serve_one_request()

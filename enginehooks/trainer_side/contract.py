@@ -56,16 +56,19 @@ class TrainerAdapter(ABC):
     through `to_wire` so the dtype rule exists once. Adapters whose stream is a
     collective across trainer ranks (`LockstepAdapter`) also implement `cancel`.
 
-    Args of every built-in adapter: `model`, and `dtype`: the dtype floating tensors
-    travel in (the engine's; `WeightSync` passes it). Integer and bool tensors travel
-    as they are.
+    Args of every built-in adapter: `model`; `dtype`: the dtype floating tensors travel
+    in (the engine's; `WeightSync` passes it); `dtypes`: per checkpoint name, the
+    exceptions the engine reports (a parameter it keeps in float32 while it runs
+    bfloat16). Integer and bool tensors travel as they are.
     """
 
     name: ClassVar[str] = "adapter"
 
-    def __init__(self, model: Any, *, dtype: torch.dtype | None = None) -> None:
+    def __init__(self, model: Any, *, dtype: torch.dtype | None = None,
+                 dtypes: Mapping[str, torch.dtype] | None = None) -> None:
         self.model = model
         self.dtype = dtype
+        self.dtypes: dict[str, torch.dtype] = dict(dtypes or {})
 
     @classmethod
     @abstractmethod
@@ -85,16 +88,21 @@ class TrainerAdapter(ABC):
         waits on this stream (other trainer ranks). Idempotent."""
 
     # -- the wire cast, the only place it is decided -----------------------------------
-    def wire_dtype(self, dtype: torch.dtype) -> torch.dtype:
-        """The dtype a tensor of `dtype` travels in: `self.dtype` for floating tensors."""
-        return self.dtype if (self.dtype is not None and dtype.is_floating_point) else dtype
+    def wire_dtype(self, dtype: torch.dtype, name: str | None = None) -> torch.dtype:
+        """The dtype a floating tensor travels in: the engine's exception for `name`,
+        else `self.dtype`; other tensors keep `dtype`."""
+        if not dtype.is_floating_point:
+            return dtype
+        if name is not None and name in self.dtypes:
+            return self.dtypes[name]
+        return self.dtype if self.dtype is not None else dtype
 
     def wire_spec(self, name: str, dtype: torch.dtype, shape: tuple[int, ...]) -> TensorSpec:
-        return TensorSpec(name, dtype_name(self.wire_dtype(dtype)), tuple(shape))
+        return TensorSpec(name, dtype_name(self.wire_dtype(dtype, name)), tuple(shape))
 
-    def to_wire(self, t: torch.Tensor) -> torch.Tensor:
+    def to_wire(self, t: torch.Tensor, name: str | None = None) -> torch.Tensor:
         """`t` detached, cast to its wire dtype and contiguous (a copy only if needed)."""
-        return t.detach().to(self.wire_dtype(t.dtype)).contiguous()
+        return t.detach().to(self.wire_dtype(t.dtype, name)).contiguous()
 
 
 def adapter_for(model: Any, **kwargs: Any) -> TrainerAdapter:
@@ -131,9 +139,10 @@ class CheckpointAdapter(TrainerAdapter):
     """
 
     def __init__(self, model: Any, *, dtype: torch.dtype | None = None,
+                 dtypes: Mapping[str, torch.dtype] | None = None,
                  include: Callable[[str], bool] | None = None,
                  rename: Callable[[str], str] = hf_name) -> None:
-        super().__init__(model, dtype=dtype)
+        super().__init__(model, dtype=dtype, dtypes=dtypes)
         self.include = include
         self.rename = rename
         self._format: CheckpointFormat | None = None
@@ -178,7 +187,7 @@ class CheckpointAdapter(TrainerAdapter):
                     continue
                 converted = dict(fmt.convert(group, self._produce(group.sources)))
                 for name in wanted:
-                    yield name, self.to_wire(converted.pop(name))
+                    yield name, self.to_wire(converted.pop(name), name)
                 del converted
 
     def specs(self) -> list[TensorSpec]:

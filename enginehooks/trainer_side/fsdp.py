@@ -78,7 +78,7 @@ class FSDP2Adapter(LockstepAdapter, CheckpointAdapter):
         out: dict[str, torch.Tensor] = {}
         for name in names:
             t = state[name]
-            wire = self.wire_dtype(t.dtype)
+            wire = self.precast_dtype(t.dtype)
             if dt is not None and isinstance(t, dt):
                 local = t if t.dtype == wire else t.to(wire)  # local cast, then gather
                 out[name] = local.full_tensor()
@@ -176,7 +176,7 @@ class FSDP1Adapter(LockstepAdapter, CheckpointAdapter):
                     for fqn, name in mine:
                         p = unit.module.get_parameter(fqn)
                         # A copy: the unsharded storage is freed when the context exits.
-                        out[name] = p.detach().to(self.wire_dtype(p.dtype), copy=True)
+                        out[name] = p.detach().to(self.precast_dtype(p.dtype), copy=True)
             buffers = self._buffers()
             out.update({n: buffers[n] for n in names if n in buffers})
         return out

@@ -209,6 +209,15 @@ class LockstepAdapter(TrainerAdapter):
     def default_group(self) -> Any:
         return None
 
+    def precast_dtype(self, dtype: torch.dtype) -> torch.dtype:
+        """The dtype a module-layout tensor is cast to before its gather (a collective:
+        every rank must agree). Followers learn it from the sender's first flag; the
+        sender casts early only when every floating tensor travels in `self.dtype`
+        (no per-tensor exceptions), since exceptions name checkpoint tensors, which
+        exist only after the conversion."""
+        early = self.dtype if not self.dtypes else None
+        return early if (early is not None and dtype.is_floating_point) else dtype
+
     # -- the contract -------------------------------------------------------------------
     @property
     def lockstep(self) -> Lockstep:
@@ -277,7 +286,7 @@ class LockstepAdapter(TrainerAdapter):
             for index in range(n):
                 what = f"tensor {index} ({specs[index].name})"
                 if ls.is_sender:
-                    ls.go(index, n, fp, self.dtype)
+                    ls.go(index, n, fp, None if self.dtypes else self.dtype)
                 elif not ls.alone:
                     flag = ls.wait(index, what)
                     if index == 0:
@@ -363,8 +372,8 @@ def push(model: Any, version: int | str, *, sync: Any = None, **adapter_kwargs: 
         return None
     if sync is None:
         raise LockstepError(f"trainer rank {ls.rank} is the sender: pass sync=WeightSync(...)")
-    if adapter.dtype is None:
-        adapter.dtype = sync.send_dtype()
+    if adapter.dtype is None and not adapter.dtypes:
+        adapter.dtype, adapter.dtypes = sync.wire_dtypes()
     try:
         report = sync.push(adapter, version)
     except BaseException as e:

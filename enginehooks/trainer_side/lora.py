@@ -45,11 +45,12 @@ class PeftAdapter(CheckpointAdapter):
     name = "peft"
 
     def __init__(self, model: Any, *, dtype: torch.dtype | None = None,
+                 dtypes: Mapping[str, torch.dtype] | None = None,
                  include: Callable[[str], bool] | None = None,
                  rename: Callable[[str], str] = hf_name, merge: str = "delta") -> None:
         if merge not in ("delta", "inplace"):
             raise ConfigError(f"merge must be 'delta' or 'inplace', got {merge!r}")
-        super().__init__(model, dtype=dtype, include=include, rename=rename)
+        super().__init__(model, dtype=dtype, dtypes=dtypes, include=include, rename=rename)
         self.base = model.get_base_model()
         self.merge = merge
         from torch.distributed.tensor import DTensor

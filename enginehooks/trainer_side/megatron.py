@@ -95,5 +95,5 @@ class MegatronBridgeAdapter(LockstepAdapter):
     def _items(self) -> Iterator[tuple[str, torch.Tensor]]:
         with torch.no_grad():
             for name, t in self._export():
-                yield name, self.to_wire(t)
+                yield name, self.to_wire(t, name)
                 del t

@@ -55,8 +55,9 @@ class StateDictAdapter(TrainerAdapter):
     name = "state_dict"
 
     def __init__(self, tensors: Mapping[str, torch.Tensor], *,
-                 dtype: torch.dtype | None = None) -> None:
-        super().__init__(tensors, dtype=dtype)
+                 dtype: torch.dtype | None = None,
+                 dtypes: Mapping[str, torch.dtype] | None = None) -> None:
+        super().__init__(tensors, dtype=dtype, dtypes=dtypes)
         self.tensors = tensors
         self.produced = 0
 
@@ -72,4 +73,4 @@ class StateDictAdapter(TrainerAdapter):
         with torch.no_grad():
             for name, t in self.tensors.items():
                 self.produced += 1
-                yield name, self.to_wire(t)
+                yield name, self.to_wire(t, name)

@@ -9,21 +9,30 @@ are JSON text, and results are dicts or lists.
 Weights are applied through the worker's `reload_weights`, never `model.load_weights`:
 on CPU vLLM prepacks linear layers, and a plain `load_weights` either fails or returns
 success while generation stays on the old weights. `reload_weights` runs vLLM's
-layerwise reload, which also re-runs quantisation post-processing on GPU.
+layerwise reload, which also re-runs quantisation post-processing on GPU. Two layers it
+leaves stale are repaired after each update (`_repair_after_reload`, checked by the
+exact oracle): a module that only aliases another's weight (a tied output head), and,
+on CPU, fused-MoE experts, which vLLM prepacks for its CPU kernel only at first load.
+
+What an update may carry is decided by vLLM's own loader: the model class is built a
+second time on the meta device, exactly as vLLM builds it, and its `load_weights` is
+dry-run on meta tensors of the update (`engine.expectations.LoaderExpectations`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
+import copy
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import torch
 
 from enginehooks.core.dtypes import dtype_name
+from enginehooks.core.manifest import TensorSpec
 from enginehooks.engine.contract import VERBS, EngineBinding, method_name
 from enginehooks.engine.expectations import (
-    CheckpointExpectations,
     Expectations,
+    LoaderExpectations,
     checkpoint_specs,
     resolve_model_dir,
 )
@@ -34,20 +43,28 @@ from enginehooks.transports.base import Target
 class VLLMTarget(Target):
     """Applies tensors to the worker's model through vLLM's own reload path."""
 
-    def __init__(self, worker: Any) -> None:
+    def __init__(self, worker: Any, landed: Callable[[list[TensorSpec]], set[str]]) -> None:
         self.worker = worker
+        self.landed = landed
         self.device = torch.device(worker.device) if hasattr(worker, "device") else torch.device("cpu")
 
     def apply(self, tensors: Iterator[tuple[str, torch.Tensor]]) -> None:
         # Layerwise reload keeps the tensors it is given until their whole layer has
         # arrived, and the transport reuses bucket buffers: hand it copies, so at most
         # one layer's worth is held, never views into a buffer being overwritten.
-        copies = ((name, t.clone()) for name, t in tensors)
+        fed: list[TensorSpec] = []
+
+        def copies() -> Iterator[tuple[str, torch.Tensor]]:
+            for name, t in tensors:
+                fed.append(TensorSpec(name, dtype_name(t.dtype), tuple(t.shape)))
+                yield name, t.clone()
+
         try:
-            self.worker.reload_weights(weights_iterator=copies, is_checkpoint_format=True)
+            self.worker.reload_weights(weights_iterator=copies(), is_checkpoint_format=True)
         except BaseException:
             self._unwind_reload()
             raise
+        _repair_after_reload(self.worker.model_runner.get_model(), self.landed(fed))
 
     def _unwind_reload(self) -> None:
         """After a reload died mid-stream, finish vLLM's layerwise reload anyway.
@@ -73,8 +90,46 @@ class VLLMTarget(Target):
             logging.getLogger(__name__).exception("could not unwind vLLM's layerwise reload")
 
     def load_path(self, path: str) -> bool:
+        # From disk the update is a complete checkpoint: every parameter is reloaded.
         self.worker.reload_weights(weights_path=path, is_checkpoint_format=True)
+        model = self.worker.model_runner.get_model()
+        _repair_after_reload(model, {n for n, _ in model.named_parameters()})
         return True
+
+
+def _repair_after_reload(model: torch.nn.Module, loaded: set[str]) -> None:
+    """Re-run the post-load processing vLLM's layerwise reload skips, for the layers
+    whose parameters this update loaded (`loaded`: parameter names).
+
+    - A module whose every parameter is another module's (a tied output head): vLLM
+      reprocesses only the owner (its reload's documented limitation 2), so on CPU the
+      head keeps the packed copy of the old embedding. Its quant method's
+      `process_weights_after_loading` is re-run; for embeddings that only rebuilds the
+      packed copy.
+    - On CPU, fused-MoE experts: vLLM prepacks their weights for the CPU kernel at first
+      load only (`_setup_kernel` skips it on updates), so reloaded experts would be read
+      in the wrong layout. The experts' own `process_weights_after_loading` is re-run.
+    """
+    from vllm.platforms import current_platform
+
+    owners: dict[int, str] = {}
+    for mname, module in model.named_modules():
+        for pname, p in module.named_parameters(recurse=False):
+            owners.setdefault(id(p), f"{mname}.{pname}".lstrip("."))
+    cpu = current_platform.is_cpu()
+    with torch.no_grad():
+        for mname, module in model.named_modules():
+            own = [(f"{mname}.{n}".lstrip("."), p) for n, p in module.named_parameters(recurse=False)]
+            qm = getattr(module, "quant_method", None)
+            if qm is None or not own:
+                continue
+            aliases = [owners[id(p)] for full, p in own if owners[id(p)] != full]
+            if len(aliases) == len(own) and loaded.intersection(aliases):
+                qm.process_weights_after_loading(module)
+                continue
+            kernel = getattr(qm, "moe_kernel", None)
+            if cpu and kernel is not None and loaded.intersection(full for full, _ in own):
+                kernel.fused_experts.process_weights_after_loading(module)
 
 
 class VLLMBinding(EngineBinding):
@@ -85,7 +140,8 @@ class VLLMBinding(EngineBinding):
     def __init__(self, worker: Any) -> None:
         self.worker = worker
         self.worker_rank = int(getattr(worker, "rank", 0))
-        self._target = VLLMTarget(worker)
+        self._expectations: LoaderExpectations | None = None
+        self._target = VLLMTarget(worker, self._landed)
 
     def target(self) -> Target:
         return self._target
@@ -94,10 +150,46 @@ class VLLMBinding(EngineBinding):
         return dtype_name(self.worker.vllm_config.model_config.dtype)
 
     def expectations(self) -> Expectations:
-        mc = self.worker.vllm_config.model_config
-        tie = bool(getattr(mc.hf_config, "tie_word_embeddings", False))
-        return CheckpointExpectations(checkpoint_specs(
-            resolve_model_dir(mc.model), engine_dtype=self.dtype(), tie_word_embeddings=tie))
+        return self._loader_expectations()
+
+    def _loader_expectations(self) -> LoaderExpectations:
+        if self._expectations is None:
+            from vllm.model_executor.model_loader.weight_utils import default_weight_loader
+
+            mc = self.worker.vllm_config.model_config
+            self._expectations = LoaderExpectations(
+                self._skeleton, self._dry_load, checkpoint_specs(resolve_model_dir(mc.model)),
+                default_loader=default_weight_loader, engine="vLLM")
+        return self._expectations
+
+    def _landed(self, fed: list[TensorSpec]) -> set[str]:
+        """Parameter names the update's tensors land in (from the loader dry run)."""
+        return {p for landing in self._loader_expectations().landings(fed).values()
+                for p in landing.params}
+
+    def _skeleton_config(self) -> Any:
+        """The worker's config with a private layer registry: vLLM registers every
+        attention layer of a model it builds, and refuses a second one by name."""
+        cfg = copy.copy(self.worker.vllm_config)
+        cfg.compilation_config = copy.copy(cfg.compilation_config)
+        cfg.compilation_config.static_forward_context = {}
+        return cfg
+
+    def _skeleton(self) -> torch.nn.Module:
+        from vllm.config import set_current_vllm_config
+        from vllm.model_executor.model_loader.utils import initialize_model
+        from vllm.utils.torch_utils import set_default_torch_dtype
+
+        cfg = self._skeleton_config()
+        with set_current_vllm_config(cfg), set_default_torch_dtype(cfg.model_config.dtype), \
+                torch.device("meta"):
+            return initialize_model(vllm_config=cfg)
+
+    def _dry_load(self, model: torch.nn.Module, weights: Iterator[tuple[str, torch.Tensor]]) -> Any:
+        from vllm.config import set_current_vllm_config
+
+        with set_current_vllm_config(self._skeleton_config()):
+            return model.load_weights(weights)
 
     def readable(self) -> Mapping[str, torch.Tensor]:
         # On CPU linear layers are prepacked and not readable; embeddings and norms are.

@@ -24,7 +24,7 @@ from enginehooks.testing.engines import (
     PROMPTS,
     RunningEngine,
     first_difference,
-    start_engine,
+    fresh_generate,
 )
 from enginehooks.testing.tiny import hf_greedy, load_tiny, perturb
 from enginehooks.trainer_side import StateDictAdapter, TrainerAdapter, adapter_for
@@ -40,8 +40,7 @@ def fresh_outputs(engine: str, model: Any, like: Path, tmp: Path) -> list[Any]:
     for f in like.iterdir():  # the tokenizer
         if f.name.startswith(("tokenizer", "special_tokens")):
             shutil.copy(f, folder / f.name)
-    with start_engine(engine, folder) as fresh:
-        return fresh.generate()
+    return fresh_generate(engine, folder)
 
 
 def checkpoint_state(model: Any) -> dict[str, torch.Tensor]:
