@@ -33,10 +33,10 @@ import torch.distributed as dist
 
 from enginehooks import WeightSync
 from enginehooks.core.buckets import message_bytes
-from enginehooks.engine.local import LocalEngine
 from enginehooks.core.manifest import TensorSpec, plan
-from enginehooks.transports._rendezvous import client_store, master_store, new_group
+from enginehooks.engine.local import LocalEngine
 from enginehooks.testing.tiny import make_tiny_model
+from enginehooks.transports._rendezvous import client_store, master_store, new_group
 
 
 def cpu_model() -> str:

@@ -48,8 +48,8 @@ import torch  # noqa: E402
 
 from enginehooks.core.checksums import sum64_tensor  # noqa: E402
 from enginehooks.core.manifest import Manifest, TensorSpec, plan  # noqa: E402
-from enginehooks.transports._rendezvous import client_store, master_store, new_group  # noqa: E402
 from enginehooks.engine.targets import ModuleTarget  # noqa: E402
+from enginehooks.transports._rendezvous import client_store, master_store, new_group  # noqa: E402
 from enginehooks.transports.base import Abort  # noqa: E402
 
 GB = 1e9

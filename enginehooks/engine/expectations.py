@@ -302,6 +302,14 @@ class LoaderExpectations(Expectations):
             sent = {s.name for s in specs}
             absent = sorted(n for n, landing in base.items()
                             if n not in sent and short.intersection(landing.params))
+            excess = sorted(p for p, n in got.items() if n > want.get(p, n))
+            if excess:
+                # Loaders trim what does not fit: more elements than the engine's own
+                # checkpoint gave a parameter means a tensor of the wrong shape.
+                senders = sorted(n for n, landing in landed.items()
+                                 if set(landing.params).intersection(excess))
+                return [f"tensors {senders[:5]} give engine parameters {excess[:5]} more elements "
+                        f"than the {self.engine} engine's checkpoint does (wrong shapes)"]
             if short and not absent:
                 return [f"the update leaves engine parameters {sorted(short)[:5]} partly on old "
                         "values (an update must carry whole layers)"]

@@ -50,6 +50,10 @@ class FSDP2Adapter(LockstepAdapter, CheckpointAdapter):
     """
 
     name = "fsdp2"
+    # The lockstep flags wrap the checkpoint-format plan and stream (the lockstep base
+    # declares both abstract and comes first in the bases, so name them here).
+    _plan = CheckpointAdapter._plan
+    _items = CheckpointAdapter._items
 
     @classmethod
     def accepts(cls, model: Any) -> bool:
@@ -65,16 +69,16 @@ class FSDP2Adapter(LockstepAdapter, CheckpointAdapter):
                 return mesh.get_group() if mesh.ndim == 1 else None
         return None
 
-    def _state(self) -> dict[str, torch.Tensor]:
+    def _module_state(self) -> dict[str, torch.Tensor]:
         # FSDP2's state_dict holds the sharded DTensors (global shapes), no collective.
         return {self.rename(raw): t for raw, t in self.model.state_dict().items()}
 
     def _sources(self) -> list[Source]:
-        return [Source(n, t.dtype, tuple(t.shape)) for n, t in self._state().items()]
+        return [Source(n, t.dtype, tuple(t.shape)) for n, t in self._module_state().items()]
 
     def _produce(self, names: Sequence[str]) -> Mapping[str, torch.Tensor]:
         dt = _dtensor_type()
-        state = self._state()
+        state = self._module_state()
         out: dict[str, torch.Tensor] = {}
         for name in names:
             t = state[name]
@@ -97,6 +101,8 @@ class FSDP1Adapter(LockstepAdapter, CheckpointAdapter):
     """
 
     name = "fsdp1"
+    _plan = CheckpointAdapter._plan
+    _items = CheckpointAdapter._items
 
     @classmethod
     def accepts(cls, model: Any) -> bool:

@@ -33,16 +33,16 @@ class ModuleAdapter(CheckpointAdapter):
     def accepts(cls, model: Any) -> bool:
         return isinstance(model, nn.Module)
 
-    def _state(self) -> dict[str, torch.Tensor]:
+    def _module_state(self) -> dict[str, torch.Tensor]:
         # References, not copies; tied weights appear under both names here and the
         # checkpoint format decides which one travels.
         return {self.rename(raw): t for raw, t in self.model.state_dict(keep_vars=False).items()}
 
     def _sources(self) -> list[Source]:
-        return [Source(n, t.dtype, tuple(t.shape)) for n, t in self._state().items()]
+        return [Source(n, t.dtype, tuple(t.shape)) for n, t in self._module_state().items()]
 
     def _produce(self, names: Sequence[str]) -> Mapping[str, torch.Tensor]:
-        state = self._state()
+        state = self._module_state()
         return {n: state[n] for n in names}
 
 

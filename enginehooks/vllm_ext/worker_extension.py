@@ -183,7 +183,16 @@ class VLLMBinding(EngineBinding):
         cfg = self._skeleton_config()
         with set_current_vllm_config(cfg), set_default_torch_dtype(cfg.model_config.dtype), \
                 torch.device("meta"):
-            return initialize_model(vllm_config=cfg)
+            model = initialize_model(vllm_config=cfg)
+        # vLLM's Transformers backend creates some norms on the CPU even under a meta
+        # device context: move those parameters (their loader attributes stay). Never
+        # `model.to(...)`: vLLM caches modules such as rotary embeddings and shares them
+        # with the live model, whose buffers would move too.
+        live = {id(p) for p in self.worker.model_runner.get_model().parameters()}
+        for p in model.parameters():
+            if not p.is_meta and id(p) not in live:
+                p.data = p.data.to("meta")
+        return model
 
     def _dry_load(self, model: torch.nn.Module, weights: Iterator[tuple[str, torch.Tensor]]) -> Any:
         from vllm.config import set_current_vllm_config

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import signal
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -17,6 +16,7 @@ from enginehooks import ManifestError, PushTimeout, ReplicaError, WeightSync
 from enginehooks.sglang_ext import SGLangServer
 from enginehooks.testing.tiny import load_tiny as load_hf
 from enginehooks.testing.tiny import perturb
+from enginehooks.trainer_side import StateDictAdapter, adapter_for
 from tests.sglang.helpers import SGLangServerProcess, hf_reference
 
 
@@ -55,25 +55,12 @@ def test_bad_manifest_refused_server_keeps_serving(sglang_server: SGLangServerPr
         good, _ = sglang_server.greedy()
         for bad_name, bad in [("model.layers.0.mlp.not_a_weight", torch.zeros(4)),
                               ("model.layers.1.self_attn.k_proj.weight", torch.zeros(3, 64))]:
-            sd = dict(model.state_dict())
+            sd = dict(adapter_for(model).stream())  # the checkpoint format
             sd[bad_name] = bad
-            pulled: list[str] = []
-
-            class Bad:
-                def specs(self, sd: dict[str, torch.Tensor] = sd) -> list[Any]:
-                    from enginehooks.core.manifest import TensorSpec
-
-                    return [TensorSpec(n, "float32", tuple(t.shape)) for n, t in sd.items()]
-
-                def stream(self, sd: dict[str, torch.Tensor] = sd,
-                           pulled: list[str] = pulled) -> Iterator[tuple[str, torch.Tensor]]:
-                    for item in sd.items():
-                        pulled.append(item[0])
-                        yield item
-
+            adapter = StateDictAdapter(sd)
             with pytest.raises(ManifestError, match=bad_name.replace(".", r"\.")):
-                sync.push(Bad(), version="bad")
-            assert pulled == [], "data moved before the manifest was validated"
+                sync.push(adapter, version="bad")
+            assert adapter.produced == 0, "data moved before the manifest was validated"
     tokens, versions = sglang_server.greedy()
     assert tokens == good and versions == {"good"}
     assert handle.version() == "good"

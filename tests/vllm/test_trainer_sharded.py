@@ -138,7 +138,7 @@ def scenario_fsdp2(rank: int, extra: dict[str, Any], out: Path) -> dict[str, Any
     from enginehooks import ManifestError, WeightSync
     from enginehooks.testing.tiny import load_tiny as load_hf
     from enginehooks.testing.tiny import perturb
-    from enginehooks.trainer_side import FSDP2Adapter, PushAborted, hf_name, push
+    from enginehooks.trainer_side import FSDP2Adapter, PushAborted, push
 
     model = perturb(load_hf(Path(extra["model"])), seed=71)
     for layer in model.model.layers:
@@ -157,9 +157,9 @@ def scenario_fsdp2(rank: int, extra: dict[str, Any], out: Path) -> dict[str, Any
     # 1. a normal push
     push(FSDP2Adapter(model, **opts), 1, sync=sync)
 
-    # 2. the replica refuses the manifest (unknown names): the sender fails in `check`,
+    # 2. the replica refuses the manifest (a tensor missing): the sender fails in `check`,
     #    the follower must be released with the sender's reason, not left in a gather.
-    bad = FSDP2Adapter(model, rename=lambda n: "bogus." + hf_name(n), **opts)
+    bad = FSDP2Adapter(model, include=lambda n: n != "model.norm.weight", **opts)
     t0 = time.monotonic()
     try:
         push(bad, 2, sync=sync)
