@@ -138,7 +138,9 @@ class _Recorder:
             param.weight_loader = self._wrap(pname, param, original)
 
     def _wrap(self, pname: str, param: torch.Tensor, original: Callable[..., Any]) -> Callable[..., Any]:
-        def recording_loader(p: Any, loaded: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        def recording_loader(*args: Any, **kwargs: Any) -> Any:
+            # Loaders take (param, loaded_weight, ...) positionally or by keyword.
+            loaded = kwargs.get("loaded_weight", args[1] if len(args) > 1 else None)
             root = loaded._base if isinstance(loaded, torch.Tensor) and loaded._base is not None \
                 else loaded
             name = self.by_id.get(id(root), self.current)
@@ -146,7 +148,7 @@ class _Recorder:
                 landing = self.landings.setdefault(name, Landing())
                 landing.params[pname] = dtype_name(param.dtype) if param.dtype in _NAMED else ""
                 landing.numel[pname] = landing.numel.get(pname, 0) + loaded.numel()
-            return original(p, loaded, *args, **kwargs)
+            return original(*args, **kwargs)
 
         recording_loader.__name__ = getattr(original, "__name__", "weight_loader")
         return recording_loader

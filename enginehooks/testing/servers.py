@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import IO, Any
 
 from enginehooks.control._http import request_json
+from enginehooks.testing.generation import NEW_TOKENS, PROMPTS, Generation
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -112,14 +113,21 @@ class VLLMServerProcess(EngineServerProcess):
             env, log, f"http://{host}:{self.port}",
         )
 
-    def greedy(self, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
+    def generations(self, prompts: list[list[int]] | None = None,
+                    max_tokens: int | None = None) -> list[Generation]:
+        """Greedy tokens of each prompt (one request each) and their logprobs."""
         out = []
-        for p in prompts:
-            body = {"model": self.model, "prompt": p, "max_tokens": max_tokens,
-                    "temperature": 0, "ignore_eos": True, "return_token_ids": True}
+        for p in prompts or PROMPTS:
+            body = {"model": self.model, "prompt": p, "max_tokens": max_tokens or NEW_TOKENS,
+                    "temperature": 0, "ignore_eos": True, "return_token_ids": True, "logprobs": 0}
             r = request_json(f"{self.url}/v1/completions", body, timeout_s=60, who=self.url)
-            out.append(list(r["choices"][0]["token_ids"]))
+            choice = r["choices"][0]
+            out.append(Generation(tuple(choice["token_ids"]),
+                                  tuple(float(x) for x in choice["logprobs"]["token_logprobs"])))
         return out
+
+    def greedy(self, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
+        return [list(g.tokens) for g in self.generations(prompts, max_tokens)]
 
 
 # -- SGLang --------------------------------------------------------------------
@@ -173,6 +181,20 @@ class SGLangServerProcess(EngineServerProcess):
             cpu_env(env), log, f"http://{host}:{self.port}",
         )
 
+    def generations(self, prompts: list[list[int]] | None = None,
+                    max_tokens: int | None = None) -> list[Generation]:
+        """Greedy tokens of each prompt, their logprobs and the weight version."""
+        sp = {"temperature": 0.0, "max_new_tokens": max_tokens or NEW_TOKENS, "ignore_eos": True}
+        out = []
+        for p in prompts or PROMPTS:
+            r = request_json(f"{self.url}/generate", {"input_ids": p, "sampling_params": sp,
+                                                      "return_logprob": True},
+                             timeout_s=60, who=self.url)
+            lps = r["meta_info"]["output_token_logprobs"]
+            out.append(Generation(tuple(r["output_ids"]), tuple(float(x[0]) for x in lps),
+                                  str(r["meta_info"].get("weight_version"))))
+        return out
+
     def generate(self, prompts: list[list[int]], max_tokens: int) -> list[dict[str, Any]]:
         sp = {"temperature": 0.0, "max_new_tokens": max_tokens, "ignore_eos": True}
         return [request_json(f"{self.url}/generate", {"input_ids": p, "sampling_params": sp},
@@ -180,3 +202,19 @@ class SGLangServerProcess(EngineServerProcess):
 
     def greedy(self, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
         return [list(o["output_ids"]) for o in self.generate(prompts, max_tokens)]
+
+
+#: engine -> its server launcher, and the trainer-side handle to such a server
+SERVERS: dict[str, type[EngineServerProcess]] = {
+    "vllm": VLLMServerProcess, "sglang": SGLangServerProcess,
+}
+
+
+def _handles() -> dict[str, Any]:
+    from enginehooks.sglang_ext import SGLangServer
+    from enginehooks.vllm_ext import VLLMServer
+
+    return {"vllm": VLLMServer, "sglang": SGLangServer}
+
+
+HANDLES = _handles()

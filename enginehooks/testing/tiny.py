@@ -12,6 +12,49 @@ from pathlib import Path
 from typing import Any
 
 
+def save_tokenizer(folder: str | os.PathLike[str], vocab_size: int = 256) -> None:
+    """A word-level tokenizer over `vocab_size` ids (prompts are token ids anyway)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<pad>": 0, "<s>": 1, "</s>": 2, "<unk>": 3}
+    for i in range(len(vocab), vocab_size):
+        vocab[f"w{i}"] = i
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok, unk_token="<unk>", pad_token="<pad>", bos_token="<s>",
+        eos_token="</s>",
+    )
+    fast.save_pretrained(folder)
+
+
+def save_tiny(folder: str | os.PathLike[str], config: Any, *, model_class: str | None = None,
+              seed: int = 0, dtype: str = "float32") -> Path:
+    """Build a random model of `config` (its AutoModelForCausalLM class, or the
+    transformers class named `model_class`), save it and a tokenizer into `folder`.
+    Every floating parameter and persistent buffer is drawn from N(0, 0.2)."""
+    import torch
+    import transformers
+    from transformers import AutoModelForCausalLM
+
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    torch.manual_seed(seed)
+    if model_class is None:
+        model = AutoModelForCausalLM.from_config(config, dtype=getattr(torch, dtype))
+    else:
+        model = getattr(transformers, model_class)._from_config(config, dtype=getattr(torch, dtype))
+    with torch.no_grad():
+        for t in model.state_dict().values():
+            if t.is_floating_point():
+                t.normal_(0.0, 0.2)
+    model.save_pretrained(folder, safe_serialization=True)
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    save_tokenizer(folder, getattr(text, "vocab_size", 256))
+    return folder
+
+
 def make_tiny_model(
     folder: str | os.PathLike[str],
     *,
@@ -25,19 +68,13 @@ def make_tiny_model(
     seed: int = 0,
     dtype: str = "float32",
 ) -> Path:
-    """Write config, safetensors weights and tokenizer of a random tiny model."""
-    import torch
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
-
-    folder = Path(folder)
-    folder.mkdir(parents=True, exist_ok=True)
+    """A random tiny Llama or Qwen2 (qkv bias) checkpoint with its tokenizer."""
     common: dict[str, Any] = dict(
         vocab_size=vocab_size, hidden_size=hidden_size, intermediate_size=hidden_size * 2,
         num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv_heads,
         head_dim=hidden_size // heads, max_position_embeddings=512,
         tie_word_embeddings=tie_word_embeddings, bos_token_id=1, eos_token_id=2,
-        pad_token_id=0, torch_dtype=dtype,
+        pad_token_id=0, dtype=dtype,
     )
     if arch == "llama":
         from transformers import LlamaConfig
@@ -49,24 +86,7 @@ def make_tiny_model(
         config = Qwen2Config(**common)
     else:
         raise ValueError(f"unknown tiny architecture {arch!r} (llama or qwen2)")
-    torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(config, torch_dtype=getattr(torch, dtype))
-    with torch.no_grad():
-        for p in model.parameters():
-            p.normal_(0.0, 0.2)
-    model.save_pretrained(folder, safe_serialization=True)
-
-    vocab = {"<pad>": 0, "<s>": 1, "</s>": 2, "<unk>": 3}
-    for i in range(len(vocab), vocab_size):
-        vocab[f"w{i}"] = i
-    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.Whitespace()
-    fast = PreTrainedTokenizerFast(
-        tokenizer_object=tok, unk_token="<unk>", pad_token="<pad>", bos_token="<s>",
-        eos_token="</s>",
-    )
-    fast.save_pretrained(folder)
-    return folder
+    return save_tiny(folder, config, seed=seed, dtype=dtype)
 
 
 def hf_greedy(model: Any, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
@@ -105,11 +125,13 @@ def load_tiny(path: str | os.PathLike[str]) -> Any:
 
 
 def perturb(model: Any, seed: int, scale: float = 0.3) -> Any:
-    """'Train' a model: a reproducible change to every weight."""
+    """'Train' a model: a reproducible change to every floating weight (parameters and
+    persistent buffers, such as a router's correction bias)."""
     import torch
 
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
-        for p in model.parameters():
-            p.add_(torch.randn(p.shape, generator=g) * scale)
+        for t in model.state_dict().values():
+            if t.is_floating_point():
+                t.add_(torch.randn(t.shape, generator=g).to(t.dtype) * scale)
     return model

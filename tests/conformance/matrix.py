@@ -1,0 +1,71 @@
+"""The conformance matrix: which cells exist, which one `make test` runs, which ones an
+engine cannot run (with the engine's reason), and how a cell is run (a child process).
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from tests.conformance.families import FAMILIES
+
+ENGINES = ("vllm", "sglang")
+DTYPES = ("float32", "bfloat16")
+
+
+@dataclass(frozen=True)
+class Cell:
+    family: str
+    engine: str
+    trainer: str  # plain | peft | fsdp2
+    dtype: str
+
+    def __str__(self) -> str:
+        return f"{self.engine}-{self.family}-{self.trainer}-{self.dtype}"
+
+
+def full() -> list[Cell]:
+    """Every family on both engines in both dtypes from a plain trainer; FSDP2 (2 ranks)
+    and PEFT-merged for one dense and one MoE family."""
+    cells = [Cell(f, e, "plain", d) for f in FAMILIES for e in ENGINES for d in DTYPES]
+    cells += [Cell(f, e, t, d) for t in ("peft", "fsdp2") for f in ("llama", "qwen3_moe")
+              for e in ENGINES for d in DTYPES]
+    return cells
+
+
+#: What `make test` runs: one MoE, one tied family without an output head, one family
+#: whose checkpoint holds fused qkv / gate_up, on both engines.
+SLICE = [Cell(f, e, "plain", "float32") for f in ("qwen3_moe", "gemma3_text", "phi3")
+         for e in ENGINES]
+
+#: (engine, family) -> why that engine cannot run the family on CPU here. A cell that
+#: fails to start outside this table fails the suite, and so does one listed here that
+#: starts after all (the table must stay true).
+CANNOT_RUN: dict[tuple[str, str], str] = {
+    ("sglang", "qwen2_moe"): "the shared-expert gate runs a Triton kernel, which has no CPU "
+                             "driver (RuntimeError: 0 active drivers)",
+}
+
+
+def run(cell: Cell, root: Path, workdir: Path, timeout_s: float = 1500.0) -> dict[str, Any]:
+    """Run one cell in a child process; its result as a dict (status pass / fail /
+    cannot run, detail, seconds)."""
+    req = json.dumps(dict(asdict(cell), root=str(root), workdir=str(workdir)))
+    try:
+        out = subprocess.run([sys.executable, "-m", "tests.conformance.cell"], input=req,
+                             capture_output=True, text=True, timeout=timeout_s,
+                             cwd=Path(__file__).resolve().parents[2])
+    except subprocess.TimeoutExpired:
+        return dict(asdict(cell), status="fail", detail=f"no result within {timeout_s}s")
+    lines = [ln for ln in out.stdout.splitlines() if ln.startswith("{")]
+    if lines:
+        return json.loads(lines[-1])
+    # The child died without a word: an engine took it down (SGLang SIGQUITs its parent
+    # when one of its processes dies). Its own log says why.
+    tail = [ln for ln in (out.stderr or "").splitlines() if ln.strip()][-12:]
+    return dict(asdict(cell), status="cannot run",
+                detail=f"the engine process died (exit {out.returncode}): " + " | ".join(tail))
