@@ -16,6 +16,7 @@ from enginehooks.markers import hookspec
 if TYPE_CHECKING:
     from enginehooks.control.report import PushReport
     from enginehooks.core.manifest import Manifest
+    from enginehooks.trainer_side.contract import TrainerAdapter
     from enginehooks.transports.base import (
         Abort,
         GroupRequest,
@@ -24,13 +25,14 @@ if TYPE_CHECKING:
         SendStats,
         Stream,
         Target,
+        Transport,
     )
 
 # -- registries: plugins add named things through a callback ---------------------------
 
 
 @hookspec
-def register_transports(register: Callable[[type], None]) -> None:
+def register_transports(register: Callable[[type[Transport]], None]) -> None:
     """Register transport classes: call `register(cls)` for each.
 
     `cls` subclasses `enginehooks.transports.base.Transport` and sets a unique `name`;
@@ -40,14 +42,14 @@ def register_transports(register: Callable[[type], None]) -> None:
 
 
 @hookspec
-def register_trainer_adapters(register: Callable[[type], None]) -> None:
+def register_trainer_adapters(register: Callable[[type[TrainerAdapter]], None]) -> None:
     """Register trainer-side adapters: call `register(cls)` for each.
 
-    An adapter class has a `name`, a classmethod `accepts(model) -> bool`, and, built
-    with `cls(model, dtype=...)`, methods `specs()` (names, dtypes, shapes without
-    gathering) and `stream()` (the lazy `(hf_name, tensor)` iterator that every trainer
-    rank must iterate). `WeightSync.push(model)` takes the first adapter, most recently
-    registered first, that accepts the model.
+    `cls` subclasses `enginehooks.trainer_side.TrainerAdapter` (a `name`, a classmethod
+    `accepts(model)`, `specs()` without gathering, the lazy `stream()` every trainer rank
+    iterates, optional `cancel(reason)`), or `CheckpointAdapter` to stream a module in
+    checkpoint format through transformers' own conversion. `WeightSync.push(model)`
+    takes the first adapter, most recently registered first, that accepts the model.
     """
 
 

