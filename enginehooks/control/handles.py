@@ -43,21 +43,31 @@ class EngineHandle(ABC):
     def info(self, timeout_s: float) -> list[dict[str, Any]]:
         return self.rpc(method_name(INFO), timeout_s=timeout_s)
 
-    def join(self, endpoint: dict[str, Any], rank_offset: int, timeout_s: float) -> None:
-        self.rpc(method_name(JOIN), json.dumps(endpoint), rank_offset, timeout_s=timeout_s)
+    # `auth` is the token of a signed message (`core/auth.py`): required by engines that
+    # have a shared secret, ignored by the others.
+    def join(self, endpoint: dict[str, Any], rank_offset: int, timeout_s: float,
+             auth: str | None = None) -> None:
+        self.rpc(method_name(JOIN), json.dumps(endpoint), rank_offset, *_opt(auth),
+                 timeout_s=timeout_s)
 
-    def leave(self, timeout_s: float) -> None:
-        self.rpc(method_name(LEAVE), timeout_s=timeout_s)
+    def leave(self, timeout_s: float, auth: str | None = None) -> None:
+        self.rpc(method_name(LEAVE), *_opt(auth), timeout_s=timeout_s)
 
-    def check(self, manifest_json: str, timeout_s: float) -> None:
+    def check(self, manifest_json: str, timeout_s: float, auth: str | None = None) -> None:
         """Raise `ManifestError` listing every worker's problems with the manifest."""
-        problems = sorted({p for ps in self.rpc(method_name(CHECK), manifest_json,
+        problems = sorted({p for ps in self.rpc(method_name(CHECK), manifest_json, *_opt(auth),
                                                 timeout_s=timeout_s) for p in ps})
         if problems:
             raise ManifestError(f"replica {self.name!r} refused the update: " + "; ".join(problems))
 
-    def receive(self, manifest_json: str, timeout_s: float) -> list[dict[str, Any]]:
-        return self.rpc(method_name(RECEIVE), manifest_json, timeout_s=timeout_s)
+    def receive(self, manifest_json: str, group: str, timeout_s: float,
+                auth: str | None = None) -> list[dict[str, Any]]:
+        return self.rpc(method_name(RECEIVE), manifest_json, group, *_opt(auth),
+                        timeout_s=timeout_s)
+
+    def set_version(self, version: int | str, timeout_s: float) -> None:  # noqa: B027
+        """Record `version` in the engine's own weight-version bookkeeping, where it has
+        one, so its answers carry it (called after every successful push)."""
 
     def version(self, timeout_s: float = 30.0) -> int | str | None:
         """The weight version every worker holds; None if they differ or any is torn."""
@@ -71,3 +81,7 @@ class EngineHandle(ABC):
         """Digests of engine-side weights that the engine keeps in checkpoint layout
         (worker 0), for bit-exact checks without moving the tensors."""
         return self.rpc(method_name(DIGESTS), json.dumps(names), timeout_s=timeout_s)[0]
+
+
+def _opt(auth: str | None) -> tuple[str, ...]:
+    return () if auth is None else (auth,)

@@ -25,6 +25,7 @@ import torch
 from enginehooks.control._futures import spawn
 from enginehooks.control.handles import EngineHandle
 from enginehooks.control.report import PushReport, ReplicaResult
+from enginehooks.core.auth import canonical, load_secret, sign
 from enginehooks.core.checksums import check_name
 from enginehooks.core.dtypes import torch_dtype
 from enginehooks.core.errors import (
@@ -58,6 +59,12 @@ class WeightSync:
         device: where the sender's buffers live (the trainer's GPU for nccl).
         pause: pause generation around the transfer (servers with in-flight requests).
         transport_options: passed to the transport's sender (disk: {"root": folder}).
+        secret: the shared secret that signs every control message and bucket
+            (`core/auth.py`); None reads `ENGINEHOOKS_SECRET` / `ENGINEHOOKS_SECRET_FILE`.
+            Engines with a secret refuse unsigned or wrongly signed updates.
+        on_torn: what the engines do while an update failed after data moved: "refuse"
+            generation (the engines' default) or "serve" and mark the answers; None
+            leaves each engine's own setting.
     """
 
     def __init__(
@@ -73,7 +80,11 @@ class WeightSync:
         device: torch.device | str | None = None,
         pause: bool = False,
         transport_options: dict[str, Any] | None = None,
+        secret: bytes | str | None = None,
+        on_torn: str | None = None,
     ) -> None:
+        if on_torn not in (None, "refuse", "serve"):
+            raise ConfigError(f"on_torn={on_torn!r}: 'refuse', 'serve' or None")
         self.transport_name = transport
         self.transport = get_transport(transport)
         if checksum == "auto":
@@ -87,6 +98,8 @@ class WeightSync:
         self.device = device
         self.pause = pause
         self.transport_options = dict(transport_options or {})
+        self.secret = secret.encode() if isinstance(secret, str) else (secret or load_secret())
+        self.on_torn = on_torn
         self._replicas: list[EngineHandle] = []
         self._sender: Sender | None = None
         self._members: list[EngineHandle] = []
@@ -170,7 +183,8 @@ class WeightSync:
         self._phase("group", report, self._ensure_group)
         manifest_json = manifest.to_json()
         self._phase("check", report, lambda: self._all(
-            report, "check", lambda r: r.check(manifest_json, self.timeout_s)))
+            report, "check", lambda r: r.check(manifest_json, self.timeout_s,
+                                               self._token("check", manifest_json))))
         if self.pause:
             self._all(report, "pause", lambda r: r.pause(self.timeout_s))
         try:
@@ -178,10 +192,18 @@ class WeightSync:
             # Flush while still paused: no request may reuse a prefix computed with the
             # old weights, and some engines refuse a flush while requests run.
             self._phase("finish", report, lambda: self._all(
-                report, "finish", lambda r: r.flush_cache(self.timeout_s)))
+                report, "finish", lambda r: self._finish(r, manifest.weight_version)))
         finally:
             if self.pause:
                 self._all(report, "resume", lambda r: r.resume(self.timeout_s))
+
+    def _finish(self, replica: EngineHandle, version: int | str) -> None:
+        replica.flush_cache(self.timeout_s)
+        replica.set_version(version, self.timeout_s)
+
+    def _token(self, verb: str, payload: Any) -> str | None:
+        """The signature of one control message, when a secret is set (`core/auth.py`)."""
+        return sign(self.secret, verb, canonical(payload)) if self.secret else None
 
     def send_dtype(self) -> torch.dtype | None:
         """The dtype floating tensors travel in: `dtype=` if given, else the one the
@@ -248,24 +270,37 @@ class WeightSync:
                 res.ok, res.error = False, error
 
     # -- group ----------------------------------------------------------------------------
+    def _group_id(self) -> str | None:
+        ep = self._sender.endpoint() if self._sender is not None else {}
+        return str(ep.get("group") or ep.get("root") or "") or None
+
     def _ensure_group(self) -> None:
-        sender = self._sender
-        if sender is not None and self._members == self._replicas and not sender.broken:
+        """Form the group, or keep it when the members are the same and every worker
+        still belongs to it (an engine restarted since, or taken over by another
+        trainer, reports another group: then the group is formed anew)."""
+        scratch = PushReport(version="", transport=self.transport_name)
+        infos = self._all(scratch, "info", lambda r: r.info(self.timeout_s))
+        sender, group = self._sender, self._group_id()
+        if (sender is not None and self._members == self._replicas and not sender.broken
+                and all(i.get("group") == group for per in infos for i in per)):
             return
         self._close_group()
-        scratch = PushReport(version="", transport=self.transport_name)
-        counts = [len(i) for i in self._all(scratch, "info", lambda r: r.info(self.timeout_s))]
+        counts = [len(i) for i in infos]
         world = 1 + sum(counts)
         options = {"host": self.host, "port": self.port, "timeout_s": self.timeout_s,
-                   "device": self.device, **self.transport_options}
+                   "device": self.device, "secret": self.secret, **self.transport_options}
         sender = self._pm.hook.update_group(
             request=GroupRequest.join_sender(self.transport_name, options))
         endpoint = dict(sender.endpoint(), world_size=world)
+        if self.on_torn is not None:
+            endpoint["on_torn"] = self.on_torn
         offsets, acc = [], 1
         for c in counts:
             offsets.append(acc)
             acc += c
-        futs = [spawn(r.join, endpoint, off, self.timeout_s, name=f"enginehooks-join-{r.name}")
+        futs = [spawn(r.join, endpoint, off, self.timeout_s,
+                      self._token("join", {"endpoint": endpoint, "rank_offset": off}),
+                      name=f"enginehooks-join-{r.name}")
                 for r, off in zip(self._replicas, offsets)]
         try:
             sender.connect(world)
@@ -289,7 +324,7 @@ class WeightSync:
         self._sender, self._members = None, []
         if sender is None:
             return
-        futs = [spawn(r.leave, self.timeout_s) for r in members]
+        futs = [spawn(r.leave, self.timeout_s, self._token("leave", "")) for r in members]
         if wait_for_leaves:
             wait(futs, timeout=self.timeout_s)
         self._pm.hook.update_group(
@@ -303,9 +338,13 @@ class WeightSync:
         abort = Abort()
         reps = list(self._replicas)
 
+        group = self._group_id() or ""
+
         def start_receivers(m: Manifest) -> list[Future[Any]]:
             text = m.to_json()
-            futs = [spawn(r.receive, text, self.timeout_s, name=f"enginehooks-recv-{r.name}")
+            futs = [spawn(r.receive, text, group, self.timeout_s,
+                          self._token("receive", {"manifest": text, "group": group}),
+                          name=f"enginehooks-recv-{r.name}")
                     for r in reps]
             for r, f in zip(reps, futs):
                 f.add_done_callback(lambda f, r=r: abort.fail(

@@ -14,6 +14,7 @@ from collections.abc import Callable, Iterable, Iterator
 
 import torch
 
+from enginehooks.core.auth import AuthError, bucket_mac
 from enginehooks.core.checksums import digest
 from enginehooks.core.dtypes import dtype_name, torch_dtype
 from enginehooks.core.errors import ChecksumError, ManifestError, SenderAborted, TransportError
@@ -49,28 +50,34 @@ def _to_i64(v: int) -> int:
 
 
 def write_trailer(
-    buf: torch.Tensor, *, mid: int, index: int, nbytes: int, dig: int, status: int = STATUS_OK
+    buf: torch.Tensor, *, mid: int, index: int, nbytes: int, dig: int, status: int = STATUS_OK,
+    secret: bytes | None = None,
 ) -> None:
+    """The bucket's last 64 bytes: magic, status, update id, index, size, digest, and,
+    with a shared secret, an HMAC of those (`core/auth.py`)."""
+    mac = bucket_mac(secret, mid, index, nbytes, dig) if secret else (0, 0)
     fields = torch.tensor(
-        [_MAGIC, status, mid, index, nbytes, _to_i64(dig), 0, 0], dtype=torch.int64
+        [_MAGIC, status, mid, index, nbytes, _to_i64(dig), *mac], dtype=torch.int64
     )
     buf[-TRAILER_BYTES:].copy_(fields.view(torch.uint8), non_blocking=False)
 
 
-def read_trailer(buf: torch.Tensor) -> tuple[int, int, int, int, int]:
-    """(status, manifest id, index, nbytes, digest) of a filled buffer."""
+def read_trailer(buf: torch.Tensor) -> tuple[int, int, int, int, int, tuple[int, int]]:
+    """(status, manifest id, index, nbytes, digest, mac) of a filled buffer."""
     raw = buf[-TRAILER_BYTES:].cpu().view(torch.int64).tolist()
     if raw[0] != _MAGIC:
         raise TransportError("received a bucket without an enginehooks trailer (bad magic)")
-    return raw[1], raw[2], raw[3], raw[4], raw[5] & _MASK64
+    return raw[1], raw[2], raw[3], raw[4], raw[5] & _MASK64, (raw[6], raw[7])
 
 
-def write_abort(buf: torch.Tensor, mid: int, index: int, reason: str) -> None:
+def write_abort(buf: torch.Tensor, mid: int, index: int, reason: str,
+                secret: bytes | None = None) -> None:
     """Turn `buf` into an abort notice carrying `reason`, for receivers of bucket `index`."""
     msg = reason.encode("utf-8", "replace")[: max(0, buf.numel() - TRAILER_BYTES)]
     if msg:
         buf[: len(msg)].copy_(torch.frombuffer(bytearray(msg), dtype=torch.uint8))
-    write_trailer(buf, mid=mid, index=index, nbytes=len(msg), dig=0, status=STATUS_ABORT)
+    write_trailer(buf, mid=mid, index=index, nbytes=len(msg), dig=0, status=STATUS_ABORT,
+                  secret=secret)
 
 
 def as_bytes(t: torch.Tensor) -> torch.Tensor:
@@ -96,6 +103,7 @@ def pack(
     manifest: Manifest,
     stream: Iterable[tuple[str, torch.Tensor]],
     next_buffer: Callable[[int], torch.Tensor],
+    secret: bytes | None = None,
 ) -> Iterator[tuple[int, torch.Tensor]]:
     """Fill buckets in order from `stream`; yield `(index, buffer)` once each is complete.
 
@@ -110,7 +118,8 @@ def pack(
 
     def seal(i: int, b: torch.Tensor) -> tuple[int, torch.Tensor]:
         nbytes = manifest.buckets[i].nbytes
-        write_trailer(b, mid=mid, index=i, nbytes=nbytes, dig=digest(manifest.checksum, b[:nbytes]))
+        write_trailer(b, mid=mid, index=i, nbytes=nbytes, dig=digest(manifest.checksum, b[:nbytes]),
+                      secret=secret)
         return i, b
 
     if not n_buckets:  # only zero-size tensors: they travel in no bucket
@@ -172,8 +181,10 @@ class Unpacker:
         manifest: Manifest,
         device: torch.device | str = "cpu",
         into: Callable[[str], torch.Tensor | None] | None = None,
+        secret: bytes | None = None,
     ) -> None:
         self.manifest = manifest
+        self.secret = secret
         self.mid = manifest_id(manifest)
         self.device = torch.device(device)
         self.into = into
@@ -191,7 +202,10 @@ class Unpacker:
         digest; return its payload size. The trailer check is cheap (64 bytes) and is
         what a receiver needs before posting its next receive; the digest may follow
         while that receive is in flight (`verify_digest`)."""
-        status, mid, got_index, nbytes, dig = read_trailer(buf)
+        status, mid, got_index, nbytes, dig, mac = read_trailer(buf)
+        if self.secret is not None and mac != bucket_mac(self.secret, mid, got_index, nbytes, dig):
+            raise AuthError(f"bucket {index} is not signed with the shared secret: it did not "
+                            "come from this update's trainer")
         if status == STATUS_ABORT:
             reason = bytes(buf[:nbytes].cpu().numpy()).decode("utf-8", "replace")
             raise SenderAborted(f"the sender aborted the update: {reason}")
@@ -210,7 +224,7 @@ class Unpacker:
         return nbytes
 
     def verify_digest(self, index: int, buf: torch.Tensor) -> None:
-        _status, _mid, _index, nbytes, dig = read_trailer(buf)
+        _status, _mid, _index, nbytes, dig, _mac = read_trailer(buf)
         self._check_digest(index, buf, nbytes, dig)
 
     def _check_digest(self, index: int, buf: torch.Tensor, nbytes: int, dig: int) -> None:

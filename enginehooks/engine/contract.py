@@ -28,13 +28,15 @@ if TYPE_CHECKING:
 
 PREFIX = "enginehooks_"
 
-INFO = "info"          # -> {rank, version, state, transport, device, dtype, engine, ...}
-JOIN = "join"          # (endpoint JSON, rank offset) -> {rank, transport}
-LEAVE = "leave"        # () -> {left: True}
-CHECK = "check"        # (manifest JSON) -> [problem, ...] (empty: the engine takes it)
-RECEIVE = "receive"    # (manifest JSON) -> stats of the applied update
+# Verbs that change state take a trailing `auth` token (JSON text, `core/auth.py`),
+# required when the engine has a shared secret.
+INFO = "info"          # -> {rank, version, state, group, transport, device, dtype, ...}
+JOIN = "join"          # (endpoint JSON, rank offset[, auth]) -> {rank, transport, group}
+LEAVE = "leave"        # ([auth]) -> {left: True}
+CHECK = "check"        # (manifest JSON[, auth]) -> [problem, ...] (empty: the engine takes it)
+RECEIVE = "receive"    # (manifest JSON, group[, auth]) -> stats of the applied update
 DIGESTS = "digests"    # (names JSON) -> {name: {dtype, shape, crc32}} of readable weights
-FLUSH = "flush"        # () -> {flushed: bool | None} (None: the handle flushes instead)
+FLUSH = "flush"        # ([auth]) -> {flushed: bool | None} (None: the handle flushes instead)
 
 VERBS: tuple[str, ...] = (INFO, JOIN, LEAVE, CHECK, RECEIVE, DIGESTS, FLUSH)
 
@@ -64,23 +66,29 @@ def _text(v: Any) -> str:
     return v if isinstance(v, str) else json.dumps(v)
 
 
-#: verb -> decoders of its positional arguments
-ARGUMENTS: dict[str, tuple[Callable[[Any], Any], ...]] = {
-    INFO: (),
-    JOIN: (_json_value, int),
-    LEAVE: (),
-    CHECK: (_text,),
-    RECEIVE: (_text,),
-    DIGESTS: (_json_value,),
-    FLUSH: (),
+def _token(v: Any) -> str | None:
+    return None if v in (None, "", "None", "null") else _text(v)
+
+
+#: verb -> (decoders of its required arguments, decoders of its optional ones)
+ARGUMENTS: dict[str, tuple[tuple[Callable[[Any], Any], ...], tuple[Callable[[Any], Any], ...]]] = {
+    INFO: ((), ()),
+    JOIN: ((_json_value, int), (_token,)),
+    LEAVE: ((), (_token,)),
+    CHECK: ((_text,), (_token,)),
+    RECEIVE: ((_text, _text), (_token,)),
+    DIGESTS: ((_json_value,), ()),
+    FLUSH: ((), (_token,)),
 }
 
 
 def dispatch(side: EngineSide, verb: str, args: tuple[Any, ...] | list[Any]) -> Any:
     """Run `verb` on `side` with `args` decoded: what every engine's RPC method does."""
-    decoders = ARGUMENTS[verb]
-    if len(args) != len(decoders):
-        raise ConfigError(f"{PREFIX}{verb} takes {len(decoders)} arguments, got {len(args)}")
+    required, optional = ARGUMENTS[verb]
+    if not len(required) <= len(args) <= len(required) + len(optional):
+        raise ConfigError(f"{PREFIX}{verb} takes {len(required)} to "
+                          f"{len(required) + len(optional)} arguments, got {len(args)}")
+    decoders = (*required, *optional)
     return getattr(side, verb)(*(d(a) for d, a in zip(decoders, args)))
 
 
@@ -126,3 +134,8 @@ class EngineBinding(ABC):
     def info(self) -> dict[str, Any]:
         """Extra engine facts for `info` (e.g. the engine's own weight version)."""
         return {}
+
+    def state_changed(self, state: dict[str, Any]) -> None:  # noqa: B027 - optional
+        """The worker's update state changed (`EngineSide.public_state()`): engines that
+        refuse generation while torn outside this object (vLLM's front end) learn it
+        here. Called with the state dict on every change."""

@@ -4,33 +4,61 @@ Engine plugins (vLLM worker extension, SGLang scheduler plugin, `LocalEngine`) o
 `EngineSide` per worker and route every `enginehooks_*` RPC to it through
 `contract.dispatch`; they supply only an `EngineBinding`. All arguments and results
 are JSON-able, since they cross engine RPC boundaries.
+
+What it guarantees, whatever the engine:
+- with a shared secret in the engine's environment (`core/auth.py`), every
+  state-changing verb must carry a valid token, or it is refused and changes nothing;
+- one update at a time: a verb that would change the group or the weights while an
+  update is being applied is refused at once, naming that update;
+- a `receive` names the group it expects; if another trainer has taken this worker
+  over since (its own `join`), the receive is refused instead of reading another
+  trainer's buckets;
+- the state says whether generation may run: "initial" (the weights it started with),
+  "updating", "current", or "torn" (an update failed after data moved). Under the
+  policy `on_torn="refuse"` (the default; `ENGINEHOOKS_ON_TORN` or the trainer's join)
+  the engine plugins refuse generation while updating or torn (`refusal()`), with an
+  error naming the version and the reason; under "serve" they serve and mark answers.
 """
 
 from __future__ import annotations
 
+import contextlib
+import os
+import threading
 import time
 import zlib
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 import torch
 
+from enginehooks.core.auth import Verifier, canonical, load_secret
 from enginehooks.core.dtypes import dtype_name
-from enginehooks.core.errors import ManifestError, TransportError
+from enginehooks.core.errors import ConfigError, EngineHooksError, ManifestError, TransportError
 from enginehooks.core.manifest import Manifest
 from enginehooks.engine.contract import EngineBinding, dispatch
 from enginehooks.engine.expectations import Expectations
 from enginehooks.plugins import get_plugin_manager
 from enginehooks.transports.base import GroupRequest, Receiver
 
+ON_TORN_ENV = "ENGINEHOOKS_ON_TORN"
+POLICIES = ("refuse", "serve")
+
+
+class ReplicaBusy(EngineHooksError):
+    """The worker is applying another update; nothing was changed."""
+
+
+def default_policy() -> str:
+    policy = os.environ.get(ON_TORN_ENV, "refuse")
+    if policy not in POLICIES:
+        raise ConfigError(f"{ON_TORN_ENV}={policy!r}: one of {POLICIES}")
+    return policy
+
 
 class EngineSide:
-    """One worker's group membership, validation, version and state.
-
-    `state` is "initial" (serving the weights it started with), "current" (the last
-    update succeeded) or "torn" (an update failed after data moved: the engine holds a
-    mix of versions until the next push succeeds).
-    """
+    """One worker's group membership, validation, version and state (see the module
+    docstring for the guarantees)."""
 
     def __init__(self, binding: EngineBinding) -> None:
         self.binding = binding
@@ -40,9 +68,16 @@ class EngineSide:
         self._expectations: Expectations | None = None
         self.receiver: Receiver | None = None
         self.transport: str | None = None
+        self.group: str | None = None
         self.version: int | str | None = None
         self.state = "initial"
         self.last_error: str | None = None
+        self.failed_version: int | str | None = None
+        self.updating_to: int | str | None = None
+        self.on_torn = default_policy()
+        secret = load_secret()
+        self.verifier = Verifier(secret) if secret else None
+        self._busy = threading.Lock()
 
     def call(self, verb: str, *args: Any) -> Any:
         """Run a contract verb with raw (possibly JSON-text) arguments."""
@@ -53,6 +88,39 @@ class EngineSide:
             self._expectations = self.binding.expectations()
         return self._expectations
 
+    # -- state --------------------------------------------------------------------------
+    def public_state(self) -> dict[str, Any]:
+        return {"state": self.state, "version": self.version, "updating_to": self.updating_to,
+                "failed_version": self.failed_version, "reason": self.last_error,
+                "on_torn": self.on_torn, "group": self.group, "time": time.time()}
+
+    def _set_state(self, state: str) -> None:
+        self.state = state
+        self.binding.state_changed(self.public_state())
+
+    def refusal(self) -> dict[str, Any] | None:
+        """Why generation must be refused now (None: serve). Engine plugins call it for
+        every generation request."""
+        if self.on_torn != "refuse" or self.state not in ("updating", "torn"):
+            return None
+        return refusal_of(self.public_state())
+
+    def _authorize(self, verb: str, payload: Any, token: str | None) -> None:
+        if self.verifier is not None:
+            self.verifier.verify(verb, canonical(payload), token)
+
+    @contextlib.contextmanager
+    def _exclusive(self, what: str) -> Iterator[None]:
+        """Run a state-changing verb alone, or refuse it at once (never wait: a second
+        trainer must hear "busy", not block behind the first one's update)."""
+        if not self._busy.acquire(blocking=False):
+            raise ReplicaBusy(f"{what} refused: this worker is applying the update to version "
+                              f"{self.updating_to!r} (group {self.group}); one update at a time")
+        try:
+            yield
+        finally:
+            self._busy.release()
+
     # -- the verbs ----------------------------------------------------------------------
     def info(self) -> dict[str, Any]:
         dtype = self.binding.dtype()
@@ -60,9 +128,12 @@ class EngineSide:
             "rank": self.worker_rank,
             "version": self.version,
             "state": self.state,
+            "group": self.group,
             "transport": self.transport,
             "device": str(self.device),
             "last_error": self.last_error,
+            "failed_version": self.failed_version,
+            "on_torn": self.on_torn,
             "dtype": dtype,
             # tensors the engine's loader puts in parameters of another dtype
             "wire_dtypes": {n: d for n, d in self.expectations().wire_dtypes().items()
@@ -71,53 +142,81 @@ class EngineSide:
             **self.binding.info(),
         }
 
-    def join(self, endpoint: dict[str, Any], rank_offset: int) -> dict[str, Any]:
-        """Join the group described by `endpoint` as rank `rank_offset + worker_rank`."""
-        self.expectations()  # derive them now, before an update could move the model
-        self.leave()
-        rank = rank_offset + self.worker_rank
-        transport = str(endpoint["transport"])
-        self.receiver = get_plugin_manager().hook.update_group(request=GroupRequest.join_receiver(
-            transport, endpoint, rank, str(self.device)))
-        self.transport = transport
-        return {"rank": rank, "transport": transport}
+    def join(self, endpoint: dict[str, Any], rank_offset: int,
+             auth: str | None = None) -> dict[str, Any]:
+        """Join the group described by `endpoint` as rank `rank_offset + worker_rank`
+        (leaving any previous group: a later trainer takes the worker over)."""
+        self._authorize("join", {"endpoint": endpoint, "rank_offset": rank_offset}, auth)
+        with self._exclusive("join"):
+            self.expectations()  # derive them now, before an update could move the model
+            policy = endpoint.get("on_torn", self.on_torn)
+            if policy not in POLICIES:
+                raise ConfigError(f"on_torn={policy!r}: one of {POLICIES}")
+            self._leave()
+            rank = rank_offset + self.worker_rank
+            transport = str(endpoint["transport"])
+            self.receiver = get_plugin_manager().hook.update_group(
+                request=GroupRequest.join_receiver(transport, endpoint, rank, str(self.device)))
+            self.transport = transport
+            self.group = str(endpoint.get("group") or endpoint.get("root") or "")
+            self.on_torn = policy
+            self.binding.state_changed(self.public_state())
+            return {"rank": rank, "transport": transport, "group": self.group}
 
-    def leave(self) -> dict[str, Any]:
+    def leave(self, auth: str | None = None) -> dict[str, Any]:
+        self._authorize("leave", "", auth)
+        with self._exclusive("leave"):
+            self._leave()
+        return {"left": True}
+
+    def _leave(self) -> None:
         if self.receiver is not None and self.transport is not None:
             get_plugin_manager().hook.update_group(request=GroupRequest.leave(
                 self.transport, "receiver", self.receiver))
-        self.receiver, self.transport = None, None
-        return {"left": True}
+        self.receiver, self.transport, self.group = None, None, None
 
-    def check(self, manifest_json: str) -> list[str]:
+    def check(self, manifest_json: str, auth: str | None = None) -> list[str]:
+        self._authorize("check", manifest_json, auth)
         return self._problems(Manifest.from_json(manifest_json))
 
     def _problems(self, manifest: Manifest) -> list[str]:
         return self.expectations().problems(manifest.specs())
 
-    def receive(self, manifest_json: str) -> dict[str, Any]:
-        m = Manifest.from_json(manifest_json)
+    def receive(self, manifest_json: str, group: str, auth: str | None = None) -> dict[str, Any]:
+        self._authorize("receive", {"manifest": manifest_json, "group": group}, auth)
+        with self._exclusive("receive"):
+            return self._receive(Manifest.from_json(manifest_json), group)
+
+    def _receive(self, m: Manifest, group: str) -> dict[str, Any]:
         problems = self._problems(m)
         if problems:
             raise ManifestError("refused before any data moved: " + "; ".join(problems))
         receiver = self.receiver
         if receiver is None or self.transport is None:
             raise TransportError("this worker has not joined a transport group")
+        if group != self.group:
+            raise TransportError(f"this worker is in group {self.group!r} now, not {group!r}: "
+                                 "another trainer took it over; the next push rejoins")
         t0 = time.perf_counter()
+        self.updating_to = m.weight_version
+        self._set_state("updating")
         try:
             stats = get_plugin_manager().hook.receive_weights(
                 transport=self.transport, receiver=receiver, manifest=m, target=self.target)
         except BaseException as e:
-            self.state, self.version = "torn", None
+            self.version, self.failed_version, self.updating_to = None, m.weight_version, None
             self.last_error = f"update to {m.weight_version!r} failed: {type(e).__name__}: {e}"
             if receiver.broken:
-                self.receiver, self.transport = None, None
+                self.receiver, self.transport, self.group = None, None, None
+            self._set_state("torn")
             raise
-        self.version, self.state, self.last_error = m.weight_version, "current", None
+        self.version, self.failed_version, self.updating_to = m.weight_version, None, None
+        self.last_error = None
         stats = dict(stats or {})
         stats["seconds"] = time.perf_counter() - t0
         stats["version"] = m.weight_version
         stats.update(self.binding.after_update(m.weight_version))
+        self._set_state("current")
         return stats
 
     def digests(self, names: Iterable[str]) -> dict[str, Any]:
@@ -137,5 +236,21 @@ class EngineSide:
                          "crc32": zlib.crc32(data.reshape(-1).view(torch.uint8).numpy())}
         return out
 
-    def flush(self) -> dict[str, Any]:
+    def flush(self, auth: str | None = None) -> dict[str, Any]:
+        self._authorize("flush", "", auth)
         return {"flushed": self.binding.flush()}
+
+
+def refusal_of(state: dict[str, Any]) -> dict[str, Any]:
+    """The error an engine answers a generation request with while `state` (a
+    `public_state()`) says it is updating or torn: JSON for an HTTP 503 body, or the
+    message of the exception raised in-process."""
+    if state["state"] == "updating":
+        message = (f"enginehooks: the weights are being updated to version "
+                   f"{state['updating_to']!r}; generation resumes when the update is done")
+    else:
+        message = (f"enginehooks: the update to version {state['failed_version']!r} failed "
+                   f"({state['reason']}); this engine holds a mix of weight versions and "
+                   "refuses generation until a push succeeds (policy on_torn='refuse')")
+    return {"error": message, "state": state["state"], "failed_version": state["failed_version"],
+            "updating_to": state["updating_to"], "reason": state["reason"]}

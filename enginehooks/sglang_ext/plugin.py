@@ -10,6 +10,9 @@ Hooks (all through SGLang's `HookRegistry`):
   to the scheduler, so `collective_rpc` reaches them.
 - AFTER `Scheduler.handle_rpc_request`: put our methods' JSON reply into the
   `RpcReqOutput.message` (SGLang drops RPC return values otherwise).
+- AROUND `Scheduler.handle_generate_request`: fail closed. While an update failed after
+  data moved (policy "refuse"), every new request is finished at once with SGLang's own
+  abort path, HTTP status 503 and a message naming the version and the reason.
 - BEFORE `http_server._setup_and_run_http_server` (HTTP server only): add the route
   `POST /enginehooks/rpc` and bind the scheduler's RPC socket for it. `launch_server`
   offers no route to scheduler methods; an in-process `Engine` binds that socket
@@ -56,6 +59,8 @@ def register() -> None:
         HookRegistry.register(f"{_SCHEDULER}.handle_rpc_request", _after_handle_rpc,
                               HookType.AFTER)
         HookRegistry.register(_HTTP_SETUP, _before_http_server, HookType.BEFORE)
+        HookRegistry.register(f"{_SCHEDULER}.handle_generate_request", _around_generate,
+                              HookType.AROUND)
         _registered = True
 
 
@@ -64,6 +69,12 @@ def _after_scheduler_init(result: Any, self: Any, *args: Any, **kwargs: Any) -> 
 
     attach(self)
     return None
+
+
+def _around_generate(original: Any, self: Any, *args: Any, **kwargs: Any) -> Any:
+    from enginehooks.sglang_ext.scheduler import refuse_if_torn
+
+    return refuse_if_torn(original, self, *args, **kwargs)
 
 
 def _after_handle_rpc(result: Any, self: Any, *args: Any, **kwargs: Any) -> Any:

@@ -159,6 +159,28 @@ class SGLangBinding(EngineBinding):
 
         return {"engine_weight_version": get_serving().weight_version}
 
+    def state_changed(self, state: dict[str, Any]) -> None:
+        # Every answer's meta_info["weight_version"] says which weights produced it: a
+        # torn engine (policy "serve") marks its answers so they can be discarded.
+        if state["state"] == "torn":
+            self.sched.record_weight_version_change(new_version=f"torn:{state['failed_version']}")
+
+
+def refuse_if_torn(original: Any, sched: Any, recv_req: Any, *args: Any, **kwargs: Any) -> Any:
+    """Around `Scheduler.handle_generate_request`: queue the request as SGLang does, then,
+    while this worker refuses generation (`EngineSide.refusal`), finish it at once with
+    status 503, the way SGLang finishes requests it cannot serve."""
+    side = getattr(sched, STATE_ATTR, None)
+    refused = side.refusal() if side is not None else None
+    result = original(sched, recv_req, *args, **kwargs)
+    if refused is not None:
+        rid = getattr(recv_req, "rid", None)
+        for req in list(getattr(sched, "waiting_queue", [])):
+            if getattr(req, "rid", None) == rid:
+                req.set_finish_with_abort(refused["error"], status_code=503,
+                                          err_type="ServiceUnavailableError")
+    return result
+
 
 def side_of(sched: Any) -> EngineSide:
     """The scheduler's `EngineSide`, created on first use."""

@@ -104,6 +104,8 @@ class VLLMServerProcess(EngineServerProcess):
         self.port = port or free_port(host)
         env = dict(os.environ if env is None else env)
         env.update(VLLM_SERVER_DEV_MODE="1", VLLM_ENABLE_V1_MULTIPROCESSING="1")
+        # vLLM loads endpoint plugins (our fail-closed middleware) only when named.
+        env.setdefault("VLLM_PLUGINS", "enginehooks")
         env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
         super().__init__(
             [python, "-m", "vllm.entrypoints.launchers.api_server.entry",

@@ -39,6 +39,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from enginehooks.core.auth import load_secret
 from enginehooks.core.buckets import Unpacker, buffer_bytes, message_bytes, pack, write_abort
 from enginehooks.core.errors import TransportError
 from enginehooks.core.manifest import Manifest
@@ -178,9 +179,11 @@ class BroadcastSender(Sender):
         port: int = 0,
         timeout_s: float = 120.0,
         device: torch.device | str | None = None,
+        secret: bytes | None = None,
         **_: Any,
     ) -> None:
         self.backend = backend
+        self.secret = secret
         self.host = host
         self.timeout_s = timeout_s
         self.device = torch.device(device or ("cuda" if backend == "nccl" else "cpu"))
@@ -234,7 +237,7 @@ class BroadcastSender(Sender):
         stats = SendStats()
         index = -1
         try:
-            for index, buf in pack(manifest, stream, next_buffer):
+            for index, buf in pack(manifest, stream, next_buffer, self.secret):
                 pending[index % 2] = _bcast(self.pg, buf, self.timeout_s)
                 stats.bytes += manifest.buckets[index].nbytes
                 stats.buckets += 1
@@ -266,7 +269,7 @@ class BroadcastSender(Sender):
                     pending[slot].wait()
                     pending[slot] = None
             buf = self._buffers.bufs[index % 2][: message_bytes(manifest.buckets[index].nbytes)]
-            write_abort(buf, Unpacker(manifest).mid, index, reason)
+            write_abort(buf, Unpacker(manifest).mid, index, reason, self.secret)
             _bcast(self.pg, buf, self.timeout_s).wait()
         except Exception:
             self._break()
@@ -297,6 +300,7 @@ class BroadcastReceiver(Receiver):
         self.timeout_s, self.world_size, self.backend = ep.timeout_s, ep.world_size, ep.transport
         self.rank = rank
         self.device = device
+        self.secret = load_secret()  # this engine process's shared secret, if any
         self.pg: Any = None
         self._buffers = _Buffers(device, pin=False)
 
@@ -328,7 +332,7 @@ class BroadcastReceiver(Receiver):
         pg = self.pg  # a concurrent leave() must not pull the group from under us
         if pg is None:
             raise TransportError("receive before connect(): the group has not formed")
-        unpacker = Unpacker(manifest, self.device, into)
+        unpacker = Unpacker(manifest, self.device, into, self.secret)
         n = len(manifest.buckets)
         if n == 0:
             yield from unpacker.empties()

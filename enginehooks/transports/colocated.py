@@ -39,6 +39,8 @@ connection, which writes the abort into the acks the sender waits for.
 from __future__ import annotations
 
 import datetime as _dt
+import hashlib
+import hmac
 import json
 import threading
 import time
@@ -50,6 +52,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from enginehooks.core.auth import AuthError, load_secret
 from enginehooks.core.buckets import Unpacker, buffer_bytes, manifest_id, message_bytes, pack
 from enginehooks.core.errors import SenderAborted, TransportError
 from enginehooks.core.manifest import Manifest
@@ -57,6 +60,30 @@ from enginehooks.transports._rendezvous import GroupEndpoint, client_store, mast
 from enginehooks.transports.base import Abort, Receiver, Sender, SendStats, Stream, Target
 
 OK = b"ok"
+
+
+def signed(desc: dict[str, Any], secret: bytes | None) -> dict[str, Any]:
+    """A buffer descriptor, with an HMAC when a shared secret is set: receivers map only
+    buffers the trainer described (a process that reached the store cannot point them
+    at memory of its own)."""
+    if secret is None:
+        return desc
+    body = json.dumps(desc, sort_keys=True)
+    return dict(desc, mac=hmac.new(secret, body.encode(), hashlib.sha256).hexdigest())
+
+
+def verified(desc: Any, secret: bytes | None) -> dict[str, Any]:
+    if not isinstance(desc, dict):
+        raise TransportError(f"malformed buffer descriptor {desc!r:.200}")
+    if secret is None:
+        return desc
+    mac = desc.pop("mac", None)
+    body = json.dumps(desc, sort_keys=True)
+    want = hmac.new(secret, body.encode(), hashlib.sha256).hexdigest()
+    if not isinstance(mac, str) or not hmac.compare_digest(mac, want):
+        raise AuthError("a buffer descriptor is not signed with the shared secret: refusing to "
+                        "map memory the trainer did not describe")
+    return desc
 
 
 def _set_all(store: dist.Store, keys: list[str], value: bytes) -> None:
@@ -91,9 +118,11 @@ class ColocatedSender(Sender):
         port: int = 0,
         timeout_s: float = 120.0,
         device: torch.device | str | None = None,
+        secret: bytes | None = None,
         **_: Any,
     ) -> None:
         self.host = host
+        self.secret = secret
         self.timeout_s = float(timeout_s)
         self.device = self._default_device(device)
         self.store = master_store(host, port, self.timeout_s)
@@ -166,7 +195,7 @@ class ColocatedSender(Sender):
         self.gen += 1
         bufs, desc = self._allocate(nbytes, self.gen)
         self.bufs = bufs
-        self.store.set(self._key("buffers", self.gen), json.dumps(desc))
+        self.store.set(self._key("buffers", self.gen), json.dumps(signed(desc, self.secret)))
 
     def send(self, manifest: Manifest, stream: Stream, abort: Abort) -> SendStats:
         if self.world_size < 2 or self._watch_store is None:
@@ -194,7 +223,7 @@ class ColocatedSender(Sender):
         index = -1
         published = 0  # buckets whose ready key is out
         try:
-            for index, buf in pack(manifest, stream, next_buffer):
+            for index, buf in pack(manifest, stream, next_buffer, self.secret):
                 self._sealed(index, buf)
                 _sync(self.device)  # the slot's bytes are final before anyone may read
                 self.store.set(
@@ -319,6 +348,7 @@ class ColocatedReceiver(Receiver):
             ep.timeout_s, ep.world_size, ep.transport)
         self.rank = rank
         self.device = device
+        self.secret = load_secret()  # this engine process's shared secret, if any
         self.prefix = f"enginehooks/{self.group_id}/"
         self.store: dist.TCPStore | None = None
         self.seq = 0
@@ -371,7 +401,8 @@ class ColocatedReceiver(Receiver):
         if gen != self.gen:
             self._unmap()
             self.bufs = []
-            desc = json.loads(self._get(self._key("buffers", gen), f"buffer generation {gen}"))
+            desc = verified(json.loads(self._get(self._key("buffers", gen),
+                                                 f"buffer generation {gen}")), self.secret)
             self.bufs = self._map(desc)
             self.gen = gen
         return int(msg["slot"])
@@ -385,7 +416,7 @@ class ColocatedReceiver(Receiver):
             raise TransportError("receive before connect(), or on a broken group")
         self.seq += 1
         seq, n = self.seq, len(manifest.buckets)
-        unpacker = Unpacker(manifest, self.device, into)
+        unpacker = Unpacker(manifest, self.device, into, self.secret)
         mid = manifest_id(manifest)
         index = 0
         try:

@@ -13,15 +13,34 @@ from typing import Any
 from enginehooks.control._http import request_json
 from enginehooks.control.handles import EngineHandle
 from enginehooks.core.errors import PushTimeout, ReplicaError
+from enginehooks.vllm_ext.fail_closed import guard, guard_async
 
 
-class VLLMEngine(EngineHandle):
+class _Beacons:
+    """The workers' state files (`beacon.py`), asked for once."""
+
+    _beacons: list[str] | None = None
+
+    def beacons(self) -> list[str]:
+        if self._beacons is None:
+            self._beacons = [i["beacon"] for i in self.info(60.0) if i.get("beacon")]
+        return self._beacons
+
+
+class VLLMEngine(_Beacons, EngineHandle):
     """An in-process `vllm.LLM` started with
-    `worker_extension_cls="enginehooks.vllm_ext.WorkerExtension"`."""
+    `worker_extension_cls="enginehooks.vllm_ext.WorkerExtension"`.
+
+    The handle guards the engine's `generate` and `chat` (`fail_closed.guard`): they
+    raise `EngineTorn` while an update is applied or after one failed (policy
+    "refuse"); outputs carry `enginehooks_weight_version`. After each push the
+    version is recorded with vLLM's own `set_weight_version`, so every output's
+    `weight_versions` says which weights produced its tokens."""
 
     def __init__(self, llm: Any, name: str = "vllm") -> None:
         self.llm = llm
         self.name = name
+        guard(llm, self.beacons)
 
     def rpc(self, method: str, *args: Any, timeout_s: float) -> list[Any]:
         return self.llm.collective_rpc(method, timeout=timeout_s, args=args)
@@ -29,13 +48,18 @@ class VLLMEngine(EngineHandle):
     def flush_cache(self, timeout_s: float) -> None:
         self.llm.reset_prefix_cache()
 
+    def set_version(self, version: int | str, timeout_s: float) -> None:
+        self.llm.llm_engine.set_weight_version(str(version))
 
-class VLLMAsyncEngine(EngineHandle):
+
+class VLLMAsyncEngine(_Beacons, EngineHandle):
     """A `vllm.AsyncLLM` running on event loop `loop` (in another thread); calls are
-    scheduled onto that loop and awaited here with the timeout."""
+    scheduled onto that loop and awaited here with the timeout. Its `generate` is
+    guarded like `VLLMEngine`'s."""
 
     def __init__(self, engine: Any, loop: asyncio.AbstractEventLoop, name: str = "vllm-async"):
         self.engine, self.loop, self.name = engine, loop, name
+        guard_async(engine, self.beacons)
 
     def _run(self, coro: Any, timeout_s: float) -> Any:
         fut = asyncio.run_coroutine_threadsafe(coro, self.loop)
@@ -51,6 +75,9 @@ class VLLMAsyncEngine(EngineHandle):
 
     def flush_cache(self, timeout_s: float) -> None:
         self._run(self.engine.reset_prefix_cache(), timeout_s)
+
+    def set_version(self, version: int | str, timeout_s: float) -> None:
+        self._run(self.engine.update_weight_version(str(version)), timeout_s)
 
     def pause(self, timeout_s: float) -> None:
         self._run(self.engine.pause_generation(mode="wait"), timeout_s)
@@ -85,6 +112,9 @@ class VLLMServer(EngineHandle):
 
     def flush_cache(self, timeout_s: float) -> None:
         self._post("/reset_prefix_cache", None, timeout_s)
+
+    def set_version(self, version: int | str, timeout_s: float) -> None:
+        self._post("/update_weight_version", {"new_version": str(version)}, timeout_s)
 
     def pause(self, timeout_s: float) -> None:
         self._post(f"/pause?mode={self.pause_mode}", None, timeout_s)

@@ -38,6 +38,7 @@ from enginehooks.engine.expectations import (
 )
 from enginehooks.engine.side import EngineSide
 from enginehooks.transports.base import Target
+from enginehooks.vllm_ext.beacon import Beacon
 
 
 class VLLMTarget(Target):
@@ -142,6 +143,7 @@ class VLLMBinding(EngineBinding):
         self.worker_rank = int(getattr(worker, "rank", 0))
         self._expectations: LoaderExpectations | None = None
         self._target = VLLMTarget(worker, self._landed)
+        self.beacon = Beacon.create(f"worker-{self.worker_rank}")
 
     def target(self) -> Target:
         return self._target
@@ -203,6 +205,12 @@ class VLLMBinding(EngineBinding):
     def readable(self) -> Mapping[str, torch.Tensor]:
         # On CPU linear layers are prepacked and not readable; embeddings and norms are.
         return dict(self.worker.model_runner.get_model().named_parameters())
+
+    def state_changed(self, state: dict[str, Any]) -> None:
+        self.beacon.publish(state)
+
+    def info(self) -> dict[str, Any]:
+        return {"beacon": str(self.beacon.path)}
 
 
 class WorkerExtension:
