@@ -6,7 +6,7 @@ timeout), because the alternative in this field is a silent hang or a stale engi
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from enginehooks.control.report import PushReport
@@ -57,3 +57,13 @@ class ReplicaError(EngineHooksError):
 
 class PluginError(EngineHooksError):
     """A plugin is missing, or two plugins registered the same name."""
+
+
+class EngineTorn(EngineHooksError):
+    """Generation refused: the engine is applying an update, or an update failed after
+    data moved and it holds a mix of versions (policy `on_torn="refuse"`). `refusal`
+    carries the details (state, failed version, reason)."""
+
+    def __init__(self, refusal: dict[str, Any]) -> None:
+        super().__init__(refusal["error"])
+        self.refusal = refusal

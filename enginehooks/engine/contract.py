@@ -89,7 +89,11 @@ def dispatch(side: EngineSide, verb: str, args: tuple[Any, ...] | list[Any]) -> 
         raise ConfigError(f"{PREFIX}{verb} takes {len(required)} to "
                           f"{len(required) + len(optional)} arguments, got {len(args)}")
     decoders = (*required, *optional)
-    return getattr(side, verb)(*(d(a) for d, a in zip(decoders, args)))
+    try:
+        decoded = [d(a) for d, a in zip(decoders, args)]
+    except (TypeError, ValueError) as e:  # arguments arrive as text from the network
+        raise ConfigError(f"{PREFIX}{verb}: malformed argument ({type(e).__name__}: {e})") from e
+    return getattr(side, verb)(*decoded)
 
 
 class EngineBinding(ABC):

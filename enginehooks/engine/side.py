@@ -147,6 +147,9 @@ class EngineSide:
         """Join the group described by `endpoint` as rank `rank_offset + worker_rank`
         (leaving any previous group: a later trainer takes the worker over)."""
         self._authorize("join", {"endpoint": endpoint, "rank_offset": rank_offset}, auth)
+        if not isinstance(endpoint, dict) or not isinstance(endpoint.get("transport"), str):
+            raise ConfigError(f"a group endpoint is a JSON object naming its transport, not "
+                              f"{endpoint!r:.200}")
         with self._exclusive("join"):
             self.expectations()  # derive them now, before an update could move the model
             policy = endpoint.get("on_torn", self.on_torn)

@@ -17,12 +17,13 @@ when that flush was refused (requests were still running: push with `pause=True`
 from __future__ import annotations
 
 import asyncio
+import functools
 import threading
 from typing import Any
 
 from enginehooks.control._http import request_json
 from enginehooks.control.handles import EngineHandle
-from enginehooks.core.errors import ConfigError, PushTimeout, ReplicaError
+from enginehooks.core.errors import ConfigError, EngineTorn, PushTimeout, ReplicaError
 from enginehooks.engine.contract import FLUSH, method_name
 
 PAUSE_MODES = ("abort", "retract", "in_place")
@@ -33,9 +34,10 @@ class _FlushTracking(EngineHandle):
 
     _last_flushed: bool | None = None
 
-    def receive(self, manifest_json: str, timeout_s: float) -> list[dict[str, Any]]:
+    def receive(self, manifest_json: str, group: str, timeout_s: float,
+                auth: str | None = None) -> list[dict[str, Any]]:
         self._last_flushed = None
-        out = super().receive(manifest_json, timeout_s)
+        out = super().receive(manifest_json, group, timeout_s, auth)
         self._last_flushed = all(bool(w.get("flushed")) for w in out)
         return out
 
@@ -50,6 +52,36 @@ class _FlushTracking(EngineHandle):
                 "cached prefixes may hold KV computed with the old weights. Push with "
                 "WeightSync(pause=True) and a pause mode of 'abort' or 'retract'.",
             )
+
+
+def guard_generate(engine: Any) -> None:
+    """Make the in-process `sglang.Engine.generate` raise `EngineTorn` for requests the
+    scheduler refused because it is torn (SGLang answers them with an abort, status 503,
+    and the reason; over HTTP that is the 503 itself)."""
+    original = engine.generate
+    if getattr(original, "__enginehooks_guard__", False):
+        return
+
+    @functools.wraps(original)
+    def guarded(*args: Any, **kwargs: Any) -> Any:
+        try:
+            out = original(*args, **kwargs)
+        except Exception as e:  # SGLang raises HTTPException(503) for a status abort
+            detail = str(getattr(e, "detail", "") or e)
+            if getattr(e, "status_code", None) == 503 and "enginehooks:" in detail:
+                raise EngineTorn({"error": detail[detail.index("enginehooks:"):],
+                                  "state": "torn"}) from e
+            raise
+        for o in out if isinstance(out, list) else [out]:
+            reason = (o.get("meta_info") or {}).get("finish_reason") if isinstance(o, dict) else None
+            if (isinstance(reason, dict) and reason.get("type") == "abort"
+                    and reason.get("status_code") == 503
+                    and str(reason.get("message", "")).startswith("enginehooks:")):
+                raise EngineTorn({"error": reason["message"], "state": "torn"})
+        return out
+
+    guarded.__enginehooks_guard__ = True  # type: ignore[attr-defined]
+    engine.generate = guarded
 
 
 def _check_mode(mode: str) -> str:
@@ -84,6 +116,7 @@ class SGLangEngine(_FlushTracking):
                                      "shut down); use SGLangServer for a server")
         self._rpc = SchedulerRpc(sock, who=name)
         self._loop_lock = threading.Lock()
+        guard_generate(engine)
 
     def rpc(self, method: str, *args: Any, timeout_s: float) -> list[Any]:
         return self._rpc.call(method, list(args), timeout_s)

@@ -108,7 +108,8 @@ class VLLMInProcess(RunningEngine):
         for o in outs:
             c = o.outputs[0]
             gens.append(Generation(tuple(c.token_ids),
-                                   tuple(step[t].logprob for t, step in zip(c.token_ids, c.logprobs))))
+                                   tuple(step[t].logprob for t, step in zip(c.token_ids, c.logprobs)),
+                                   getattr(o, "enginehooks_weight_version", None)))
         return gens
 
     def close(self) -> None:
@@ -243,6 +244,15 @@ class LocalModule(RunningEngine):
                  max_tokens: int = NEW_TOKENS) -> list[Generation]:
         import torch
 
+        from enginehooks.core.errors import EngineTorn
+
+        side = self.handle().side  # type: ignore[attr-defined]
+        refused = side.refusal()
+        if refused is not None:  # a module replica fails closed like the engines
+            raise EngineTorn(refused)
+        state = side.public_state()
+        label = (f"torn:{state['failed_version']}" if state["state"] == "torn"
+                 else str(state["version"]))
         gens = []
         with torch.no_grad():
             for ids in prompts:
@@ -254,7 +264,7 @@ class LocalModule(RunningEngine):
                 tokens = out.sequences[0, len(ids):].tolist()
                 lps = [float(torch.log_softmax(s[0].float(), -1)[t])
                        for s, t in zip(out.scores, tokens)]
-                gens.append(Generation(tuple(tokens), tuple(lps)))
+                gens.append(Generation(tuple(tokens), tuple(lps), label))
         return gens
 
     def close(self) -> None:

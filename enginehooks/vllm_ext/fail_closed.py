@@ -25,7 +25,7 @@ from argparse import Namespace
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from enginehooks.core.errors import EngineHooksError
+from enginehooks.core.errors import EngineTorn
 from enginehooks.engine.side import refusal_of
 from enginehooks.vllm_ext.beacon import Beacon
 
@@ -34,14 +34,6 @@ log = logging.getLogger("enginehooks.vllm")
 #: Routes that generate tokens (prefix match).
 GENERATION_PATHS = ("/v1/completions", "/v1/chat/completions", "/v1/responses", "/generate",
                     "/inference/", "/v1/embeddings")
-
-
-class EngineTorn(EngineHooksError):
-    """Generation refused: the engine is updating or holds a torn update."""
-
-    def __init__(self, refusal: dict[str, Any]) -> None:
-        super().__init__(refusal["error"])
-        self.refusal = refusal
 
 
 def states(beacons: Sequence[str]) -> list[dict[str, Any]]:

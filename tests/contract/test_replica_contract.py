@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 import torch
 
-from enginehooks import ManifestError, ReplicaError, WeightSync
+from enginehooks import EngineTorn, ManifestError, ReplicaError, WeightSync
 from enginehooks.core.manifest import TensorSpec, plan
 from enginehooks.testing.engines import (
     NEW_TOKENS,
@@ -58,8 +58,7 @@ def assert_pushed(engine: str, replica: RunningEngine, model: Any, like: Path, t
     assert [list(g.tokens) for g in got] == hf_greedy(model, PROMPTS, NEW_TOKENS)
     handle = replica.handle()
     assert handle.version() == version
-    if got[0].version is not None:  # engines that stamp their answers
-        assert {g.version for g in got} == {str(version)}
+    assert {g.version for g in got} == {str(version)}, "answers must carry their weight version"
     digests = handle.digests(READABLE)
     assert set(digests) == set(READABLE), f"readable weights: {sorted(digests)}"
     sent = checkpoint_state(model)
@@ -206,8 +205,27 @@ def test_failed_stream_tears_the_engine_and_the_next_push_repairs_it(
         info = handle.info(30)[0]
         assert info["state"] == "torn" and handle.version() is None
         assert "trainer rank lost its shard" in info["last_error"]
+        # Fail closed: no generation from a mix of versions, and the refusal says why.
+        with pytest.raises(EngineTorn) as refused:
+            replica.generate()
+        assert "200" in str(refused.value) and "trainer rank lost its shard" in str(refused.value)
         sync.push(model, version=201)
     assert_pushed(engine, replica, model, model_dirs["llama"], tmp_path, 201)
+
+
+def test_serve_policy_marks_answers_of_a_torn_engine(engine: str, replicas: dict[str, RunningEngine],
+                                                    model_dirs: dict[str, Path]) -> None:
+    replica, model = replicas["llama"], perturb(load_tiny(model_dirs["llama"]), seed=52)
+    with WeightSync("gloo", bucket_bytes=16 << 10, timeout_s=30, on_torn="serve") as sync:
+        sync.add_replica(replica.handle())
+        with pytest.raises((RuntimeError, ReplicaError)):
+            sync.push(BreaksMidStream(model), version=300)
+        served = replica.generate()  # availability chosen: served, and marked
+        assert {g.version for g in served} == {"torn:300"}
+    with WeightSync("gloo", timeout_s=30, on_torn="refuse") as sync:
+        sync.add_replica(replica.handle())
+        sync.push(model, version=301)
+    assert {g.version for g in replica.generate()} == {"301"}
 
 
 def test_push_with_generation_paused(engine: str, replicas: dict[str, RunningEngine],
