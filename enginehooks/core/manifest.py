@@ -227,7 +227,7 @@ def _tensor_from_dict(rt: Any, buckets: list[BucketEntry], seen: set[str]) -> Te
         raise ManifestError(f"tensor {name!r} appears twice")
     seen.add(name)
     dtype = rt.get("dtype")
-    if dtype not in DTYPE_SIZES:
+    if not isinstance(dtype, str) or dtype not in DTYPE_SIZES:
         raise ManifestError(f"tensor {name!r}: unsupported dtype {dtype!r}")
     shape = rt.get("shape")
     if not isinstance(shape, list) or not all(

@@ -66,6 +66,26 @@ def _text(v: Any) -> str:
     return v if isinstance(v, str) else json.dumps(v)
 
 
+def _object(v: Any) -> dict[str, Any]:
+    out = _json_value(v)
+    if not isinstance(out, dict):
+        raise ValueError(f"expected a JSON object, got {type(out).__name__}")
+    return out
+
+
+def _names(v: Any) -> list[str]:
+    out = _json_value(v)
+    if not isinstance(out, list) or not all(isinstance(n, str) for n in out):
+        raise ValueError("expected a JSON list of tensor names")
+    return out
+
+
+def _int(v: Any) -> int:
+    if isinstance(v, bool) or not isinstance(v, (int, str)):
+        raise ValueError(f"expected an integer, got {type(v).__name__}")
+    return int(v)
+
+
 def _token(v: Any) -> str | None:
     return None if v in (None, "", "None", "null") else _text(v)
 
@@ -73,11 +93,11 @@ def _token(v: Any) -> str | None:
 #: verb -> (decoders of its required arguments, decoders of its optional ones)
 ARGUMENTS: dict[str, tuple[tuple[Callable[[Any], Any], ...], tuple[Callable[[Any], Any], ...]]] = {
     INFO: ((), ()),
-    JOIN: ((_json_value, int), (_token,)),
+    JOIN: ((_object, _int), (_token,)),
     LEAVE: ((), (_token,)),
     CHECK: ((_text,), (_token,)),
     RECEIVE: ((_text, _text), (_token,)),
-    DIGESTS: ((_json_value,), ()),
+    DIGESTS: ((_names,), ()),
     FLUSH: ((), (_token,)),
 }
 
