@@ -17,8 +17,10 @@ from enginehooks.core.errors import PushTimeout, ReplicaError
 def request_json(
     url: str, body: Any | None = None, *, timeout_s: float, method: str | None = None,
     who: str = "server", headers: dict[str, str] | None = None,
+    response_headers: dict[str, str] | None = None,
 ) -> Any:
-    """`headers` carries e.g. `Authorization: Bearer ...` for servers behind an API key."""
+    """`headers` carries e.g. `Authorization: Bearer ...` for servers behind an API key;
+    `response_headers`, when given, receives the answer's headers."""
     data = None if body is None else json.dumps(body).encode()
     all_headers = {"Content-Type": "application/json"} if data is not None else {}
     all_headers.update(headers or {})
@@ -29,6 +31,8 @@ def request_json(
     try:
         with urllib.request.urlopen(req, timeout=timeout_s) as resp:
             raw = resp.read()
+            if response_headers is not None:
+                response_headers.update({k.lower(): v for k, v in resp.headers.items()})
     except urllib.error.HTTPError as e:
         detail = e.read().decode("utf-8", "replace")[:2000]
         raise ReplicaError(who, f"{method or 'POST'} {url} -> HTTP {e.code}: {detail}") from None

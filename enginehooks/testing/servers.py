@@ -117,15 +117,20 @@ class VLLMServerProcess(EngineServerProcess):
 
     def generations(self, prompts: list[list[int]] | None = None,
                     max_tokens: int | None = None) -> list[Generation]:
-        """Greedy tokens of each prompt (one request each) and their logprobs."""
+        """Greedy tokens of each prompt (one request each) and their logprobs, from a cold
+        prefix cache (cached prefixes change the last bits of logprobs)."""
+        request_json(f"{self.url}/reset_prefix_cache", {}, timeout_s=60, who=self.url)
         out = []
         for p in prompts or PROMPTS:
             body = {"model": self.model, "prompt": p, "max_tokens": max_tokens or NEW_TOKENS,
                     "temperature": 0, "ignore_eos": True, "return_token_ids": True, "logprobs": 0}
-            r = request_json(f"{self.url}/v1/completions", body, timeout_s=60, who=self.url)
+            headers: dict[str, str] = {}
+            r = request_json(f"{self.url}/v1/completions", body, timeout_s=60, who=self.url,
+                             response_headers=headers)
             choice = r["choices"][0]
             out.append(Generation(tuple(choice["token_ids"]),
-                                  tuple(float(x) for x in choice["logprobs"]["token_logprobs"])))
+                                  tuple(float(x) for x in choice["logprobs"]["token_logprobs"]),
+                                  headers.get("x-enginehooks-weight-version")))
         return out
 
     def greedy(self, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
@@ -185,7 +190,9 @@ class SGLangServerProcess(EngineServerProcess):
 
     def generations(self, prompts: list[list[int]] | None = None,
                     max_tokens: int | None = None) -> list[Generation]:
-        """Greedy tokens of each prompt, their logprobs and the weight version."""
+        """Greedy tokens of each prompt, their logprobs and the weight version, from a
+        cold prefix cache (cached prefixes change the last bits of logprobs)."""
+        request_json(f"{self.url}/flush_cache", {}, timeout_s=60, who=self.url)
         sp = {"temperature": 0.0, "max_new_tokens": max_tokens or NEW_TOKENS, "ignore_eos": True}
         out = []
         for p in prompts or PROMPTS:

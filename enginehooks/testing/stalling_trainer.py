@@ -1,0 +1,40 @@
+"""A trainer that stops in the middle of a push and waits to be killed: the fault the
+fail-closed tests and the soak inject. `python -m enginehooks.testing.stalling_trainer
+ENGINE URL MODEL_DIR VERSION TIMEOUT_S [AFTER]` pushes the model at MODEL_DIR (moved by a
+seeded perturbation) to the server at URL, stalls after AFTER tensors (default 3) and
+prints "stalled" once the engine is receiving. The secret, if any, comes from
+ENGINEHOOKS_SECRET as for any trainer."""
+
+from __future__ import annotations
+
+import sys
+import time
+from collections.abc import Iterator
+
+import torch
+
+
+def main() -> None:
+    engine, url, model_dir, version, timeout_s = sys.argv[1:6]
+    after = int(sys.argv[6]) if len(sys.argv) > 6 else 3
+    from enginehooks import WeightSync
+    from enginehooks.testing.servers import HANDLES
+    from enginehooks.testing.tiny import load_tiny, perturb
+    from enginehooks.trainer_side import ModuleAdapter
+
+    class StallingAdapter(ModuleAdapter):
+        def stream(self) -> Iterator[tuple[str, torch.Tensor]]:
+            for i, item in enumerate(super().stream()):
+                if i == after:
+                    print("stalled", flush=True)
+                    time.sleep(3600)  # killed here
+                yield item
+
+    model = perturb(load_tiny(model_dir), seed=int(time.time()) % 1000)
+    sync = WeightSync("gloo", bucket_bytes=4096, timeout_s=float(timeout_s))
+    sync.add_replica(HANDLES[engine](url, name=engine))
+    sync.push(StallingAdapter(model), version=version)
+
+
+if __name__ == "__main__":
+    main()
