@@ -110,6 +110,15 @@ class WeightSync:
     def replicas(self) -> list[EngineHandle]:
         return list(self._replicas)
 
+    def connect(self) -> None:
+        """Form the transport group with the registered replicas now, instead of at
+        the next push (which forms it when needed): for callers whose protocol has a
+        rendezvous step, like vLLM's trainer-side `trainer_init`."""
+        with self._lock:
+            if not self._replicas:
+                raise EngineHooksError("connect() with no replica registered (add_replica first)")
+            self._ensure_group()
+
     # -- the push -------------------------------------------------------------------------
     def push(self, model: Any, version: int | str) -> PushReport:
         """Push `model`'s weights as `version` to every replica; raise on any failure.
@@ -127,6 +136,7 @@ class WeightSync:
                 self._push(model, version, report)
             except BaseException as e:
                 report.error = f"{type(e).__name__}: {e}"
+                report.error_kind = type(e).__name__
                 if isinstance(e, EngineHooksError):
                     e.report = report
                 raise

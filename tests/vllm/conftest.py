@@ -16,6 +16,12 @@ if not have("vllm"):
     pytest.skip("vLLM runs in its own environment (scripts/test.sh runs this there)",
                 allow_module_level=True)
 
+# vLLM finds backend "enginehooks" through the `vllm.general_plugins` entry point; make
+# this checkout's declaration visible before any engine of the session loads plugins.
+from tests.support.entry_points import expose_entry_points
+
+expose_entry_points("vllm.general_plugins")
+
 
 class VLLMServerProcess(_VLLMServer):
     """The library's launcher, answering with the test prompts."""
