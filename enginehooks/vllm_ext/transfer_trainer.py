@@ -55,7 +55,8 @@ class EnginehooksTrainerInitInfo(TrainerInitInfo):
     must reach, `bucket_bytes`, `timeout_s` (every wait), `checksum`, `dtype` (cast
     floating tensors to it; by default they travel as the source yields them and a
     worker refuses a dtype its loader would not take), `device` (the sender's buffers),
-    `transport_options`, and the replica's `name` in reports and errors.
+    `transport_options`, and the replica's `name` in reports and errors (default: the
+    client's `name` if it has one, else "vllm").
     """
 
     backend: ClassVar[str] = BACKEND
@@ -70,7 +71,7 @@ class EnginehooksTrainerInitInfo(TrainerInitInfo):
     dtype: str | None = None
     device: str | None = None
     transport_options: dict[str, Any] = field(default_factory=dict)
-    name: str = "vllm"
+    name: str | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.world_size, int) or self.world_size < 2:
@@ -115,12 +116,23 @@ class WeightSourceAdapter(TrainerAdapter):
 
 
 def _detail(e: BaseException) -> str:
-    """An error's text, with the server's answer where a `requests` error hides it."""
+    """An error's text, with the server's answer where a `requests` error hides it, and
+    a JSON error body (vLLM's `{"error": {"message": ...}}`) reduced to its message."""
     text = f"{type(e).__name__}: {e}"
     response = getattr(e, "response", None)
     body = getattr(response, "text", None)
     if body:
         text += f" -> {body[:2000]}"
+    start = text.find("{")
+    if start >= 0:
+        try:
+            answer = json.loads(text[start:])
+        except ValueError:
+            return text
+        error = answer.get("error") if isinstance(answer, dict) else None
+        message = error.get("message") if isinstance(error, dict) else None
+        if isinstance(message, str):
+            return text[:start] + message
     return text
 
 
@@ -253,7 +265,8 @@ class EnginehooksTrainerWeightTransferEngine(
             checksum=init_info.checksum,
             dtype=torch_dtype(init_info.dtype) if init_info.dtype else None,
             device=init_info.device, transport_options=init_info.transport_options)
-        sync.add_replica(ClientReplica(client, init_info.world_size - 1, name=init_info.name))
+        name = init_info.name or getattr(client, "name", None) or "vllm"
+        sync.add_replica(ClientReplica(client, init_info.world_size - 1, name=str(name)))
         try:
             sync.connect()
         except BaseException:

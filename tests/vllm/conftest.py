@@ -35,5 +35,8 @@ class VLLMServerProcess(_VLLMServer):
 def vllm_server(model_dirs: dict[str, Path], tmp_path_factory: pytest.TempPathFactory
                 ) -> Iterator[VLLMServerProcess]:
     log = tmp_path_factory.mktemp("logs") / "vllm.log"
-    with VLLMServerProcess(model_dirs["llama"], log) as srv:
+    # The worker extension (the launcher's) and backend "enginehooks" of vLLM's own
+    # weight-transfer routes, as the README's quick start starts it.
+    backend = ["--weight-transfer-config", '{"backend": "enginehooks"}']
+    with VLLMServerProcess(model_dirs["llama"], log, extra_args=backend) as srv:
         yield srv
