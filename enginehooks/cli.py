@@ -19,6 +19,12 @@ def main(argv: list[str] | None = None) -> int:
     demo.add_argument("--start-timeout", type=float, default=300.0,
                       help="seconds to wait for the engine to start")
     demo.add_argument("--workdir", default=None, help="where the model and logs go")
+    demo.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None,
+                      help="a status line for pushes that run longer than 2 s "
+                           "(default: when stderr is a terminal)")
+    demo.add_argument("--metrics-port", type=int, default=None,
+                      help="serve Prometheus metrics of the pushes on 127.0.0.1:PORT "
+                           "(needs prometheus_client)")
     sub.add_parser("transports", help="list installed transports")
     args = parser.parse_args(argv)
 
@@ -28,6 +34,7 @@ def main(argv: list[str] | None = None) -> int:
         for name, cls in sorted(transports().items()):
             print(f"{name:<12} {cls.__module__}.{cls.__qualname__}")
         return 0
+    observers(args.progress, args.metrics_port)
     if args.engine == "sglang":
         from enginehooks.testing.demo import run_sglang_demo
 
@@ -35,6 +42,30 @@ def main(argv: list[str] | None = None) -> int:
     from enginehooks.testing.demo import run_vllm_demo
 
     return run_vllm_demo(args)
+
+
+def observers(progress: bool | None, metrics_port: int | None) -> list[object]:
+    """Register the observability plugins the command line asks for: the progress line
+    (`progress` None: when stderr is a terminal) and the Prometheus exporter, served on
+    loopback at `metrics_port` (0: a free port, printed). Returns the plugins."""
+    from enginehooks.plugins import register_plugin
+
+    added: list[object] = []
+    if progress or (progress is None and sys.stderr.isatty()):
+        from enginehooks.metrics import ProgressLine
+
+        added.append(ProgressLine())
+        register_plugin(added[-1], name="enginehooks-cli-progress")
+    if metrics_port is not None:
+        from enginehooks.metrics import PrometheusMetrics
+
+        metrics = PrometheusMetrics()
+        port = metrics.serve(metrics_port)
+        register_plugin(metrics, name="enginehooks-cli-metrics")
+        print(f"[enginehooks] Prometheus metrics on http://127.0.0.1:{port}/metrics",
+              file=sys.stderr)
+        added.append(metrics)
+    return added
 
 
 if __name__ == "__main__":

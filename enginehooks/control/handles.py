@@ -65,10 +65,6 @@ class EngineHandle(ABC):
         return self.rpc(method_name(RECEIVE), manifest_json, group, *_opt(auth),
                         timeout_s=timeout_s)
 
-    def set_version(self, version: int | str, timeout_s: float) -> None:  # noqa: B027
-        """Record `version` in the engine's own weight-version bookkeeping, where it has
-        one, so its answers carry it (called after every successful push)."""
-
     def version(self, timeout_s: float = 30.0) -> int | str | None:
         """The weight version every worker holds; None if they differ or any is torn."""
         infos = self.info(timeout_s)

@@ -25,6 +25,9 @@ class PushReport:
     phases: dict[str, float] = field(default_factory=dict)
     replicas: list[ReplicaResult] = field(default_factory=list)
     error: str | None = None
+    #: the class name of the error that ended the push (`ManifestError`, `PushTimeout`,
+    #: ...): what metrics count failures by
+    error_kind: str | None = None
 
     @property
     def ok(self) -> bool:

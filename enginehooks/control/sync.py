@@ -123,6 +123,15 @@ class WeightSync:
     def replicas(self) -> list[EngineHandle]:
         return list(self._replicas)
 
+    def connect(self) -> None:
+        """Form the transport group with the registered replicas now, instead of at
+        the next push (which forms it when needed): for callers whose protocol has a
+        rendezvous step, like vLLM's trainer-side `trainer_init`."""
+        with self._lock:
+            if not self._replicas:
+                raise EngineHooksError("connect() with no replica registered (add_replica first)")
+            self._ensure_group()
+
     # -- the push -------------------------------------------------------------------------
     def push(self, model: Any, version: int | str) -> PushReport:
         """Push `model`'s weights as `version` to every replica; raise on any failure.
@@ -140,6 +149,7 @@ class WeightSync:
                 self._push(model, version, report)
             except BaseException as e:
                 report.error = f"{type(e).__name__}: {e}"
+                report.error_kind = type(e).__name__
                 if isinstance(e, EngineHooksError):
                     e.report = report
                 raise
@@ -192,14 +202,10 @@ class WeightSync:
             # Flush while still paused: no request may reuse a prefix computed with the
             # old weights, and some engines refuse a flush while requests run.
             self._phase("finish", report, lambda: self._all(
-                report, "finish", lambda r: self._finish(r, manifest.weight_version)))
+                report, "finish", lambda r: r.flush_cache(self.timeout_s)))
         finally:
             if self.pause:
                 self._all(report, "resume", lambda r: r.resume(self.timeout_s))
-
-    def _finish(self, replica: EngineHandle, version: int | str) -> None:
-        replica.flush_cache(self.timeout_s)
-        replica.set_version(version, self.timeout_s)
 
     def _token(self, verb: str, payload: Any) -> str | None:
         """The signature of one control message, when a secret is set (`core/auth.py`)."""

@@ -1,45 +1,135 @@
 """Trainer-side handles to vLLM replicas: in-process `LLM`, `AsyncLLM`, HTTP server.
 
-All three reach the same worker extension methods (`enginehooks_*`) through vLLM's
-`collective_rpc`; they differ only in how the call travels and how the engine-level
-controls (prefix cache, pause) are spelled.
+Two mechanisms, each used for what it does best:
+
+- **the worker extension** (`enginehooks_*` methods, reached through vLLM's
+  `collective_rpc`) for what only code inside the workers can do: say what the workers
+  run (dtype, count, version, torn state), check a manifest and return the problems,
+  join a group with per-worker ranks, receive and apply an update, crc32 digests;
+- **vLLM's native controls** wherever vLLM has one: pause and resume with vLLM's modes
+  (`abort`, `wait`, `keep`), the engine's weight version (`update_weight_version`, which
+  vLLM stamps on every output and shows in `/weight_info`), prefix-cache reset, and the
+  `weight_checker` checksums (sha256 of every weight as the kernels hold it).
+
+After an update a handle records its version as vLLM's weight version; after a failed
+one it records `TORN` there, so outputs are never stamped with a version whose weights
+the engine does not hold (the next successful push replaces it).
+
+`VLLMEngine` and `VLLMServer` also implement vLLM's own `VLLMWeightSyncClient`
+protocol (`init_weight_transfer_engine`, `start_weight_update`, `update_weights`,
+`finish_weight_update`, plus `shutdown_weight_transfer_engine`,
+`reset_prefix_cache`, `update_weight_version`), so they can drive any vLLM
+weight-transfer backend from vLLM's trainer-side engines, the "enginehooks" one
+included (`enginehooks.vllm_ext.transfer_trainer`): JSON bodies, a timeout on every
+call, and the server's error text kept in the exception.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from typing import Any
 
+from enginehooks.control._futures import spawn
 from enginehooks.control._http import request_json
 from enginehooks.control.handles import EngineHandle
-from enginehooks.core.errors import PushTimeout, ReplicaError
+from enginehooks.core.errors import ConfigError, PushTimeout, ReplicaError
 from enginehooks.vllm_ext.fail_closed import guard, guard_async
 
+#: vLLM's weight version after a failed update (the engine holds a mix of versions).
+TORN = "torn"
+#: How vLLM's `pause` treats requests in flight: end them now, let them finish first,
+#: or freeze them in the queue until `resume`.
+PAUSE_MODES = ("abort", "wait", "keep")
 
-class _Beacons:
-    """The workers' state files (`beacon.py`), asked for once."""
+
+def _check_mode(mode: str) -> str:
+    if mode not in PAUSE_MODES:
+        raise ConfigError(f"pause mode {mode!r}: vLLM knows {PAUSE_MODES}")
+    return mode
+
+
+def merge_checksums(per_worker: list[dict[str, str]]) -> dict[str, str]:
+    """One `{worker-prefixed weight name: sha256}` mapping from vLLM's per-worker
+    checksums (names are prefixed `dp0:pp0:pcp0:tp0:`, so workers never collide)."""
+    out: dict[str, str] = {}
+    for worker in per_worker:
+        out.update(worker)
+    return out
+
+
+def checksum_mismatches(a: dict[str, str], b: dict[str, str]) -> list[str]:
+    """Weight names whose checksums differ between two replicas (or exist in one only):
+    empty when both hold bit-identical weights."""
+    return sorted(k for k in a.keys() | b.keys() if a.get(k) != b.get(k))
+
+
+class _VLLMHandle(EngineHandle):
+    """What every vLLM handle adds to the contract: the engine's own weight version."""
+
+    timeout_s: float = 120.0
+
+    def set_engine_version(self, version: str, timeout_s: float) -> None:
+        """Record `version` as vLLM's weight version (outputs carry it)."""
+        raise NotImplementedError
+
+    def engine_version(self, timeout_s: float = 30.0) -> str:
+        """vLLM's weight version, as its `weight_info` reports it."""
+        raise NotImplementedError
+
+    def weight_checksums(self, timeout_s: float = 120.0) -> dict[str, str]:
+        """vLLM's `weight_checker` checksums: sha256 of every weight, per worker."""
+        raise NotImplementedError
+
+    _updates = 0  # receives started through this handle: a late torn mark yields
 
     _beacons: list[str] | None = None
 
     def beacons(self) -> list[str]:
+        """The workers' state files (`beacon.py`), asked for once: what the fail-closed
+        guards read."""
         if self._beacons is None:
             self._beacons = [i["beacon"] for i in self.info(60.0) if i.get("beacon")]
         return self._beacons
 
+    def receive(self, manifest_json: str, group: str, timeout_s: float,
+                auth: str | None = None) -> list[dict[str, Any]]:
+        self._updates += 1
+        update = self._updates
+        try:
+            out = super().receive(manifest_json, group, timeout_s, auth)
+        except BaseException:
+            # Fire and forget: the failure must reach the coordinator now, not after a
+            # call to an engine that may be the one that stopped answering.
+            spawn(self._mark_torn, update, timeout_s, name=f"enginehooks-torn-{self.name}")
+            raise
+        versions = {str(w.get("version")) for w in out}
+        if len(versions) == 1:
+            self.set_engine_version(versions.pop(), timeout_s)
+        return out
 
-class VLLMEngine(_Beacons, EngineHandle):
+    def _mark_torn(self, update: int, timeout_s: float) -> None:
+        if update != self._updates:  # a later update already began: it decides
+            return
+        with contextlib.suppress(Exception):  # best effort: the push failed and says why
+            self.set_engine_version(TORN, timeout_s)
+
+
+class VLLMEngine(_VLLMHandle):
     """An in-process `vllm.LLM` started with
-    `worker_extension_cls="enginehooks.vllm_ext.WorkerExtension"`.
+    `worker_extension_cls="enginehooks.vllm_ext.WorkerExtension"` (for `WeightSync`), or
+    with `weight_transfer_config={"backend": "enginehooks"}` (for vLLM's trainer-side
+    engines, with this handle as their client), or both.
 
-    The handle guards the engine's `generate` and `chat` (`fail_closed.guard`): they
-    raise `EngineTorn` while an update is applied or after one failed (policy
-    "refuse"); outputs carry `enginehooks_weight_version`. After each push the
-    version is recorded with vLLM's own `set_weight_version`, so every output's
-    `weight_versions` says which weights produced its tokens."""
+    An offline `LLM` has no pause: it generates only when its caller asks. The handle
+    guards the engine's `generate` and `chat` (`fail_closed.guard`): they raise
+    `EngineTorn` while an update is applied or after one failed (policy "refuse"), and
+    outputs carry `enginehooks_weight_version`."""
 
-    def __init__(self, llm: Any, name: str = "vllm") -> None:
+    def __init__(self, llm: Any, name: str = "vllm", timeout_s: float = 120.0) -> None:
         self.llm = llm
         self.name = name
+        self.timeout_s = timeout_s
         guard(llm, self.beacons)
 
     def rpc(self, method: str, *args: Any, timeout_s: float) -> list[Any]:
@@ -48,17 +138,48 @@ class VLLMEngine(_Beacons, EngineHandle):
     def flush_cache(self, timeout_s: float) -> None:
         self.llm.reset_prefix_cache()
 
-    def set_version(self, version: int | str, timeout_s: float) -> None:
-        self.llm.llm_engine.set_weight_version(str(version))
+    def set_engine_version(self, version: str, timeout_s: float) -> None:
+        self.llm.update_weight_version(version)
+
+    def engine_version(self, timeout_s: float = 30.0) -> str:
+        return self.llm.get_weight_version()
+
+    def weight_checksums(self, timeout_s: float = 120.0) -> dict[str, str]:
+        return merge_checksums(self.llm.collective_rpc("compute_weight_checksums",
+                                                       timeout=timeout_s))
+
+    # -- vLLM's VLLMWeightSyncClient protocol, and the extras vLLM's LLM has -----------
+    def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
+        self.llm.init_weight_transfer_engine({"init_info": init_info})
+
+    def start_weight_update(self) -> None:
+        self.llm.start_weight_update()
+
+    def update_weights(self, update_info: dict[str, Any] | list[dict[str, Any]]) -> None:
+        self.llm.update_weights({"update_info": update_info})
+
+    def finish_weight_update(self, weight_version: str | None = None) -> None:
+        self.llm.finish_weight_update(weight_version)
+
+    def shutdown_weight_transfer_engine(self) -> None:
+        self.llm.shutdown_weight_transfer_engine()
+
+    def reset_prefix_cache(self) -> None:
+        self.llm.reset_prefix_cache()
+
+    def update_weight_version(self, new_version: str) -> None:
+        self.llm.update_weight_version(new_version)
 
 
-class VLLMAsyncEngine(_Beacons, EngineHandle):
+class VLLMAsyncEngine(_VLLMHandle):
     """A `vllm.AsyncLLM` running on event loop `loop` (in another thread); calls are
-    scheduled onto that loop and awaited here with the timeout. Its `generate` is
-    guarded like `VLLMEngine`'s."""
+    scheduled onto that loop and awaited here with the timeout. `pause_mode` is vLLM's
+    (`abort`, `wait`, `keep`). Its `generate` is guarded like `VLLMEngine`'s."""
 
-    def __init__(self, engine: Any, loop: asyncio.AbstractEventLoop, name: str = "vllm-async"):
+    def __init__(self, engine: Any, loop: asyncio.AbstractEventLoop, name: str = "vllm-async",
+                 pause_mode: str = "wait") -> None:
         self.engine, self.loop, self.name = engine, loop, name
+        self.pause_mode = _check_mode(pause_mode)
         guard_async(engine, self.beacons)
 
     def _run(self, coro: Any, timeout_s: float) -> Any:
@@ -76,32 +197,51 @@ class VLLMAsyncEngine(_Beacons, EngineHandle):
     def flush_cache(self, timeout_s: float) -> None:
         self._run(self.engine.reset_prefix_cache(), timeout_s)
 
-    def set_version(self, version: int | str, timeout_s: float) -> None:
-        self._run(self.engine.update_weight_version(str(version)), timeout_s)
-
     def pause(self, timeout_s: float) -> None:
-        self._run(self.engine.pause_generation(mode="wait"), timeout_s)
+        self._run(self.engine.pause_generation(mode=self.pause_mode), timeout_s)
 
     def resume(self, timeout_s: float) -> None:
         self._run(self.engine.resume_generation(), timeout_s)
 
+    def set_engine_version(self, version: str, timeout_s: float) -> None:
+        self._run(self.engine.update_weight_version(version), timeout_s)
 
-class VLLMServer(EngineHandle):
-    """A vLLM OpenAI-compatible server started with `--worker-extension-cls
-    enginehooks.vllm_ext.WorkerExtension` and `VLLM_SERVER_DEV_MODE=1` (which enables
-    `/collective_rpc`, `/pause`, `/resume`, `/reset_prefix_cache`). Keep such a server
-    on loopback or a private network: dev-mode routes are not authenticated."""
+    def engine_version(self, timeout_s: float = 30.0) -> str:
+        return self._run(self.engine.get_weight_version(), timeout_s)
+
+    def weight_checksums(self, timeout_s: float = 120.0) -> dict[str, str]:
+        return merge_checksums(self._run(self.engine.compute_weight_checksums(), timeout_s))
+
+
+class VLLMServer(_VLLMHandle):
+    """A vLLM OpenAI-compatible server in dev mode (`VLLM_SERVER_DEV_MODE=1`, which
+    enables `/collective_rpc` and vLLM's RL routes `/pause`, `/resume`,
+    `/update_weight_version`, `/weight_info`, `/weight_checker`, ...), started with
+    `--worker-extension-cls enginehooks.vllm_ext.WorkerExtension` for `WeightSync`, or
+    `--weight-transfer-config '{"backend": "enginehooks"}'` for vLLM's trainer-side
+    engines (this handle is then their client), or both. Keep such a server on
+    loopback or a private network, or behind `--api-key` (pass the same `api_key`):
+    dev-mode routes are otherwise unauthenticated.
+
+    `pause_mode`: how `pause()` treats requests in flight (vLLM's `abort`, `wait`,
+    `keep`). `timeout_s`: the deadline of the client-protocol calls, which take none.
+    """
 
     def __init__(self, url: str, name: str | None = None, pause_mode: str = "wait",
-                 api_key: str | None = None) -> None:
+                 api_key: str | None = None, timeout_s: float = 120.0) -> None:
         self.url = url.rstrip("/")
         self.name = name or self.url
-        self.pause_mode = pause_mode
+        self.pause_mode = _check_mode(pause_mode)
+        self.timeout_s = timeout_s
         self._headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
 
     def _post(self, path: str, body: Any | None, timeout_s: float) -> Any:
         return request_json(f"{self.url}{path}", body if body is not None else {},
                             timeout_s=timeout_s, who=self.name, headers=self._headers)
+
+    def _get(self, path: str, timeout_s: float) -> Any:
+        return request_json(f"{self.url}{path}", None, timeout_s=timeout_s, who=self.name,
+                            headers=self._headers)
 
     def rpc(self, method: str, *args: Any, timeout_s: float) -> list[Any]:
         body = {"method": method, "args": [str(a) for a in args], "timeout": timeout_s}
@@ -113,11 +253,50 @@ class VLLMServer(EngineHandle):
     def flush_cache(self, timeout_s: float) -> None:
         self._post("/reset_prefix_cache", None, timeout_s)
 
-    def set_version(self, version: int | str, timeout_s: float) -> None:
-        self._post("/update_weight_version", {"new_version": str(version)}, timeout_s)
-
     def pause(self, timeout_s: float) -> None:
         self._post(f"/pause?mode={self.pause_mode}", None, timeout_s)
 
     def resume(self, timeout_s: float) -> None:
         self._post("/resume", None, timeout_s)
+
+    def is_paused(self, timeout_s: float = 30.0) -> bool:
+        return bool(self._get("/is_paused", timeout_s)["is_paused"])
+
+    def set_engine_version(self, version: str, timeout_s: float) -> None:
+        self._post("/update_weight_version", {"new_version": version}, timeout_s)
+
+    def engine_version(self, timeout_s: float = 30.0) -> str:
+        return str(self._get("/weight_info", timeout_s)["weight_version"])
+
+    def weight_checksums(self, timeout_s: float = 120.0) -> dict[str, str]:
+        out = self._post("/weight_checker", {"action": "checksum"}, timeout_s)
+        return dict(out["checksums"])
+
+    def compare_checksums(self, baseline: dict[str, str], timeout_s: float = 120.0) -> list[str]:
+        """Weight names whose checksums differ from `baseline` (vLLM compares)."""
+        out = self._post("/weight_checker", {"action": "compare", "baseline": baseline},
+                         timeout_s)
+        return list(out["mismatches"])
+
+    # -- vLLM's VLLMWeightSyncClient protocol, over vLLM's RL routes -------------------
+    def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
+        self._post("/init_weight_transfer_engine", {"init_info": init_info}, self.timeout_s)
+
+    def start_weight_update(self) -> None:
+        self._post("/start_weight_update", None, self.timeout_s)
+
+    def update_weights(self, update_info: dict[str, Any] | list[dict[str, Any]]) -> None:
+        self._post("/update_weights", {"update_info": update_info}, self.timeout_s)
+
+    def finish_weight_update(self, weight_version: str | None = None) -> None:
+        body = {"weight_version": weight_version} if weight_version is not None else None
+        self._post("/finish_weight_update", body, self.timeout_s)
+
+    def shutdown_weight_transfer_engine(self) -> None:
+        self._post("/shutdown_weight_transfer_engine", None, self.timeout_s)
+
+    def reset_prefix_cache(self) -> None:
+        self.flush_cache(self.timeout_s)
+
+    def update_weight_version(self, new_version: str) -> None:
+        self.set_engine_version(new_version, self.timeout_s)

@@ -220,7 +220,12 @@ class WorkerExtension:
     def _enginehooks_side(self) -> EngineSide:
         side: EngineSide | None = getattr(self, "_enginehooks_state", None)
         if side is None:
-            side = EngineSide(VLLMBinding(self))
+            # One receiving state per worker: when vLLM runs the "enginehooks"
+            # weight-transfer backend too, its state is the worker's, so both ways
+            # of pushing report the same version and torn state.
+            side = getattr(getattr(self, "weight_transfer_engine", None), "side", None)
+            if not isinstance(side, EngineSide):
+                side = EngineSide(VLLMBinding(self))
             self._enginehooks_state = side
         return side
 

@@ -16,6 +16,12 @@ if not have("vllm"):
     pytest.skip("vLLM runs in its own environment (scripts/test.sh runs this there)",
                 allow_module_level=True)
 
+# vLLM finds backend "enginehooks" through the `vllm.general_plugins` entry point; make
+# this checkout's declaration visible before any engine of the session loads plugins.
+from tests.support.entry_points import expose_entry_points
+
+expose_entry_points("vllm.general_plugins")
+
 
 class VLLMServerProcess(_VLLMServer):
     """The library's launcher, answering with the test prompts."""
@@ -29,5 +35,8 @@ class VLLMServerProcess(_VLLMServer):
 def vllm_server(model_dirs: dict[str, Path], tmp_path_factory: pytest.TempPathFactory
                 ) -> Iterator[VLLMServerProcess]:
     log = tmp_path_factory.mktemp("logs") / "vllm.log"
-    with VLLMServerProcess(model_dirs["llama"], log) as srv:
+    # The worker extension (the launcher's) and backend "enginehooks" of vLLM's own
+    # weight-transfer routes, as the README's quick start starts it.
+    backend = ["--weight-transfer-config", '{"backend": "enginehooks"}']
+    with VLLMServerProcess(model_dirs["llama"], log, extra_args=backend) as srv:
         yield srv
