@@ -34,8 +34,10 @@ class EngineActorMixin:
         """The in-process handle of the engine this actor holds."""
         raise NotImplementedError(f"{type(self).__name__} must implement enginehooks_handle()")
 
-    def enginehooks_call(self, op: str, args: list[Any], timeout_s: float) -> dict[str, Any]:
-        """Run handle operation `op` with JSON-able `args`; reply `{"result": ...}` or
+    def enginehooks_call(self, op: str, args: list[Any], timeout_s: float,
+                         auth: str | None = None) -> dict[str, Any]:
+        """Run handle operation `op` with JSON-able `args` (and the trainer's signature
+        `auth`, for the verbs that carry one); reply `{"result": ...}` or
         `{"error": class name, "message": text}` (see `ray_ext.calls`)."""
         try:
             if op not in OPERATIONS:
@@ -44,7 +46,8 @@ class EngineActorMixin:
             fn = getattr(handle, op, None)
             if fn is None:
                 raise ConfigError(f"{type(handle).__name__} has no {op}()")
-            return {"result": fn(*args, timeout_s=timeout_s)}
+            extra = {} if auth is None else {"auth": auth}
+            return {"result": fn(*args, timeout_s=timeout_s, **extra)}
         except Exception as e:
             return error_reply(e)
 

@@ -29,12 +29,12 @@ class RayEngine(EngineHandle):
         self.name = name or f"ray-actor-{actor._actor_id.hex()[:12]}"
         self.margin_s = margin_s
 
-    def _call(self, op: str, *args: Any, timeout_s: float) -> Any:
+    def _call(self, op: str, *args: Any, timeout_s: float, auth: str | None = None) -> Any:
         import ray
         from ray.exceptions import GetTimeoutError, RayActorError, RayError
 
         try:
-            ref = self.actor.enginehooks_call.remote(op, list(args), float(timeout_s))
+            ref = self.actor.enginehooks_call.remote(op, list(args), float(timeout_s), auth)
             reply = ray.get(ref, timeout=timeout_s + self.margin_s)
         except GetTimeoutError:
             raise PushTimeout(f"{self.name}: the Ray actor did not answer {op} within "
@@ -53,17 +53,19 @@ class RayEngine(EngineHandle):
     def info(self, timeout_s: float) -> list[dict[str, Any]]:
         return self._call("info", timeout_s=timeout_s)
 
-    def join(self, endpoint: dict[str, Any], rank_offset: int, timeout_s: float) -> None:
-        self._call("join", endpoint, rank_offset, timeout_s=timeout_s)
+    def join(self, endpoint: dict[str, Any], rank_offset: int, timeout_s: float,
+             auth: str | None = None) -> None:
+        self._call("join", endpoint, rank_offset, timeout_s=timeout_s, auth=auth)
 
-    def leave(self, timeout_s: float) -> None:
-        self._call("leave", timeout_s=timeout_s)
+    def leave(self, timeout_s: float, auth: str | None = None) -> None:
+        self._call("leave", timeout_s=timeout_s, auth=auth)
 
-    def check(self, manifest_json: str, timeout_s: float) -> None:
-        self._call("check", manifest_json, timeout_s=timeout_s)
+    def check(self, manifest_json: str, timeout_s: float, auth: str | None = None) -> None:
+        self._call("check", manifest_json, timeout_s=timeout_s, auth=auth)
 
-    def receive(self, manifest_json: str, timeout_s: float) -> list[dict[str, Any]]:
-        return self._call("receive", manifest_json, timeout_s=timeout_s)
+    def receive(self, manifest_json: str, group: str, timeout_s: float,
+                auth: str | None = None) -> list[dict[str, Any]]:
+        return self._call("receive", manifest_json, group, timeout_s=timeout_s, auth=auth)
 
     def flush_cache(self, timeout_s: float) -> None:
         self._call("flush_cache", timeout_s=timeout_s)

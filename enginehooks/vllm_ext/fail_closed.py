@@ -22,7 +22,7 @@ import contextlib
 import functools
 import logging
 from argparse import Namespace
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
 from enginehooks.core.errors import EngineTorn
@@ -88,15 +88,16 @@ def guard(engine: Any, beacons: Callable[[], Sequence[str]],
         setattr(engine, name, guarded)
 
 
-def guard_async(engine: Any, beacons: Callable[[], Sequence[str]]) -> None:
-    """`guard` for `AsyncLLM.generate`, an async generator."""
+def guard_async(engine: Any, beacons: Callable[[], Awaitable[Sequence[str]]]) -> None:
+    """`guard` for `AsyncLLM.generate`, an async generator; `beacons` is awaited (it runs
+    on the engine's own event loop, which a blocking call would deadlock)."""
     original = getattr(engine, "generate", None)
     if original is None or getattr(original, "__enginehooks_guard__", False):
         return
 
     @functools.wraps(original)
     async def guarded(*args: Any, **kwargs: Any) -> Any:
-        refused = refusal(beacons())
+        refused = refusal(await beacons())
         if refused is not None:
             raise EngineTorn(refused)
         async for out in original(*args, **kwargs):

@@ -180,7 +180,13 @@ class VLLMAsyncEngine(_VLLMHandle):
                  pause_mode: str = "wait") -> None:
         self.engine, self.loop, self.name = engine, loop, name
         self.pause_mode = _check_mode(pause_mode)
-        guard_async(engine, self.beacons)
+        guard_async(engine, self._beacons_on_loop)
+
+    async def _beacons_on_loop(self) -> list[str]:
+        if self._beacons is None:
+            infos = await self.engine.collective_rpc("enginehooks_info")
+            self._beacons = [i["beacon"] for i in infos if i.get("beacon")]
+        return self._beacons
 
     def _run(self, coro: Any, timeout_s: float) -> Any:
         fut = asyncio.run_coroutine_threadsafe(coro, self.loop)
