@@ -4,7 +4,7 @@
 # Engine environments are cached in $(ENGINEHOOKS_CACHE) (default ~/.cache/enginehooks)
 # and rebuilt from nothing when their setup script changes.
 
-.PHONY: demo test conformance lint bench-cpu
+.PHONY: demo test conformance soak lint bench-cpu
 
 demo:
 	@bash scripts/run.sh vllm python -m enginehooks.cli demo
@@ -15,6 +15,13 @@ test:
 # Every model family x engine x trainer x dtype; regenerates docs/models.md (~1 hour).
 conformance:
 	@bash scripts/conformance.sh
+
+# 200 signed pushes into a real vLLM and a real SGLang server with traffic and a fault
+# every 20th push; writes benchmarks/results/soak-*.json and docs/img/soak.png (~30 min).
+soak:
+	@bash scripts/run.sh vllm python benchmarks/soak.py --engine vllm --out benchmarks/results/soak-vllm.json
+	@bash scripts/run.sh sglang python benchmarks/soak.py --engine sglang --out benchmarks/results/soak-sglang.json
+	@bash scripts/run.sh vllm sh -c "pip install -q 'matplotlib>=3.7' && python benchmarks/plot_soak.py benchmarks/results/soak-vllm.json benchmarks/results/soak-sglang.json docs/img/soak.png"
 
 lint:
 	@bash scripts/run.sh vllm ruff check enginehooks tests benchmarks

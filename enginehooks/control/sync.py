@@ -286,6 +286,14 @@ class WeightSync:
         trainer, reports another group: then the group is formed anew)."""
         scratch = PushReport(version="", transport=self.transport_name)
         infos = self._all(scratch, "info", lambda r: r.info(self.timeout_s))
+        if self.secret:
+            open_ = [r.name for r, per in zip(self._replicas, infos)
+                     if any(i.get("authenticated") is False for i in per)]
+            if open_:
+                raise ConfigError(
+                    f"replica(s) {', '.join(open_)} run without the shared secret and would "
+                    "accept anyone's push: set ENGINEHOOKS_SECRET or ENGINEHOOKS_SECRET_FILE "
+                    "in their environment too (docs/security.md)")
         sender, group = self._sender, self._group_id()
         if (sender is not None and self._members == self._replicas and not sender.broken
                 and all(i.get("group") == group for per in infos for i in per)):

@@ -134,6 +134,9 @@ class EngineSide:
             "last_error": self.last_error,
             "failed_version": self.failed_version,
             "on_torn": self.on_torn,
+            # whether this worker verifies signed updates (a trainer with a secret
+            # refuses to push to one that does not: it would accept anyone's push)
+            "authenticated": self.verifier is not None,
             "dtype": dtype,
             # tensors the engine's loader puts in parameters of another dtype
             "wire_dtypes": {n: d for n, d in self.expectations().wire_dtypes().items()

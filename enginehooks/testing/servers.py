@@ -116,10 +116,12 @@ class VLLMServerProcess(EngineServerProcess):
         )
 
     def generations(self, prompts: list[list[int]] | None = None,
-                    max_tokens: int | None = None) -> list[Generation]:
+                    max_tokens: int | None = None, *, cold: bool = True) -> list[Generation]:
         """Greedy tokens of each prompt (one request each) and their logprobs, from a cold
-        prefix cache (cached prefixes change the last bits of logprobs)."""
-        request_json(f"{self.url}/reset_prefix_cache", {}, timeout_s=60, who=self.url)
+        prefix cache (cached prefixes change the last bits of logprobs) unless `cold` is
+        false (traffic beside a push, which flushes the cache itself)."""
+        if cold:
+            request_json(f"{self.url}/reset_prefix_cache", {}, timeout_s=60, who=self.url)
         out = []
         for p in prompts or PROMPTS:
             body = {"model": self.model, "prompt": p, "max_tokens": max_tokens or NEW_TOKENS,
@@ -189,10 +191,12 @@ class SGLangServerProcess(EngineServerProcess):
         )
 
     def generations(self, prompts: list[list[int]] | None = None,
-                    max_tokens: int | None = None) -> list[Generation]:
+                    max_tokens: int | None = None, *, cold: bool = True) -> list[Generation]:
         """Greedy tokens of each prompt, their logprobs and the weight version, from a
-        cold prefix cache (cached prefixes change the last bits of logprobs)."""
-        request_json(f"{self.url}/flush_cache", {}, timeout_s=60, who=self.url)
+        cold prefix cache (cached prefixes change the last bits of logprobs) unless
+        `cold` is false."""
+        if cold:
+            request_json(f"{self.url}/flush_cache", {}, timeout_s=60, who=self.url)
         sp = {"temperature": 0.0, "max_new_tokens": max_tokens or NEW_TOKENS, "ignore_eos": True}
         out = []
         for p in prompts or PROMPTS:

@@ -59,6 +59,21 @@ def test_unsigned_or_wrongly_signed_updates_are_refused_and_change_nothing(
     assert all(torch.equal(before[k], v) for k, v in guarded.target.module.state_dict().items())
 
 
+def test_a_trainer_with_a_secret_refuses_an_engine_without_one() -> None:
+    """An engine that forgot the secret would accept anyone's push: the trainer says so
+    before anything moves, instead of trusting a fleet that is only partly protected."""
+    open_engine = LocalEngine(net(0), name="forgot-the-secret")
+    before = {k: v.clone() for k, v in open_engine.target.module.state_dict().items()}
+    assert open_engine.info(10)[0]["authenticated"] is False
+    with WeightSync("gloo", timeout_s=20, secret=SECRET) as sync:
+        sync.add_replica(open_engine)
+        with pytest.raises(EngineHooksError, match=r"forgot-the-secret.*without the shared secret"):
+            sync.push(net(2), version=1)
+    assert open_engine.side.state == "initial"
+    assert all(torch.equal(before[k], v)
+               for k, v in open_engine.target.module.state_dict().items())
+
+
 def test_replayed_messages_are_refused(guarded: LocalEngine) -> None:
     side = guarded.side
     m = plan([TensorSpec("0.weight", "float32", (32, 16))], weight_version=1,
