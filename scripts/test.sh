@@ -16,14 +16,17 @@ run_pytest() {  # env, pytest args...
 }
 
 bash scripts/run.sh vllm ruff check enginehooks tests benchmarks || status=1
+# Both environments exist before any test runs: the Ray test in the vLLM environment
+# starts an SGLang actor with the SGLang one, and the mixed SGLang test a vLLM server.
+ENGINEHOOKS_SGLANG_PYTHON="$(bash scripts/setup-sglang-env.sh)/bin/python" || status=1
+ENGINEHOOKS_VLLM_PYTHON="$(bash scripts/setup-vllm-env.sh)/bin/python" || status=1
+export ENGINEHOOKS_SGLANG_PYTHON ENGINEHOOKS_VLLM_PYTHON
 # The vLLM environment: unit tests, the replica contract on vLLM and the module replica,
 # the conformance slice on vLLM, and the vLLM-specific suites (GPU tests skip here).
 run_pytest vllm tests/unit tests/contract tests/conformance tests/vllm tests/gpu -q -rs \
   || status=1
 # The SGLang environment: the replica contract and conformance slice on SGLang, and the
-# SGLang suites (the mixed vLLM + SGLang test starts a vLLM server from the vLLM one).
-ENGINEHOOKS_VLLM_PYTHON="$(bash scripts/setup-vllm-env.sh)/bin/python" || status=1
-export ENGINEHOOKS_VLLM_PYTHON
+# SGLang suites.
 run_pytest sglang tests/contract tests/conformance tests/sglang -k "sglang or not contract" \
   -q -rs || status=1
 exit "$status"
