@@ -49,8 +49,9 @@ from typing import Any
 
 import torch
 
-from enginehooks import WeightSync
+from enginehooks import EngineHooksError, WeightSync
 from enginehooks.core.auth import SECRET_ENV
+from enginehooks.core.errors import ManifestError
 from enginehooks.core.manifest import TensorSpec
 from enginehooks.testing.generation import NEW_TOKENS, PROMPTS
 from enginehooks.testing.servers import HANDLES, SERVERS
@@ -250,7 +251,7 @@ def soak(args: argparse.Namespace, work: Path) -> dict[str, Any]:
                     ev.ok, ev.error = False, f"{type(e).__name__}: {e}"[:500]
                 ev.t1 = time.monotonic()
                 ev.seconds = ev.t1 - ev.t0
-                if ev.ok:
+                if ev.ok and kind == "push":
                     expected[version] = tuple(hf_greedy(model, [PROMPT], NEW_TOKENS)[0])
                     g = server.generations([PROMPT], cold=False)[0]
                     ev.served_right = (g.version == version
@@ -282,7 +283,8 @@ def run_one(kind: str, ev: Event, sync: WeightSync, handle: Any, server: Any, mo
             ev.error = f"{type(e).__name__}: {e}"[:500]
             state = handle.info(args.timeout_s)[0]["state"]
             # Refused at check: nothing moved, still serving the version before.
-            ev.ok = handle.version() == version_before and state == "current"
+            ev.ok = (isinstance(e, ManifestError) and handle.version() == version_before
+                     and state == "current")
             if not ev.ok:
                 ev.error = f"after refusal: state {state}, version {handle.version()}; {ev.error}"
         else:
@@ -293,7 +295,10 @@ def run_one(kind: str, ev: Event, sync: WeightSync, handle: Any, server: Any, mo
             sync.push(adapter, version=ev.version)
         except Exception as e:
             ev.error = f"cut {adapter.cut} connections; {type(e).__name__}: {e}"[:500]
-            ev.ok = wait_torn_or_unchanged(handle, args) and adapter.cut > 0
+            # handled: our own error type (never a raw gloo RuntimeError), and the engine
+            # settles (torn, or unchanged if nothing had moved) within the timeout
+            ev.ok = (isinstance(e, EngineHooksError) and adapter.cut > 0
+                     and wait_torn_or_unchanged(handle, args))
         else:
             ev.error = f"cut {adapter.cut} connections and the push still succeeded"
     elif kind == "killed-trainer":

@@ -94,7 +94,19 @@ def _bcast(pg: Any, buf: torch.Tensor, timeout_s: float) -> Any:
     if buf.device.type == "cuda":
         timeout_s = _nccl_timeout(timeout_s)
     opts.timeout = _dt.timedelta(seconds=timeout_s)
-    return pg.broadcast([buf], opts)
+    try:
+        return pg.broadcast([buf], opts)
+    except RuntimeError as e:  # gloo/NCCL report a lost peer or a reset connection so
+        raise TransportError(f"broadcast failed: {e}") from e
+
+
+def _collective_error(work: Any, what: str) -> None:
+    """`work.wait()`, with the collective's own error (a lost peer, a reset connection:
+    a RuntimeError from gloo/NCCL) raised as a `TransportError` that says what failed."""
+    try:
+        work.wait()
+    except RuntimeError as e:
+        raise TransportError(f"{what} failed: {e}") from e
 
 
 def _host_wait(ev: torch.cuda.Event, abort: Abort | None, timeout_s: float, what: str) -> None:
@@ -128,19 +140,19 @@ def _wait(work: Any, abort: Abort | None, timeout_s: float, what: str,
     so that no later host sync can hang outside our timeout.
     """
     if device is not None and device.type == "cuda":
-        work.wait()  # the current stream now waits for NCCL's stream
+        _collective_error(work, what)  # the current stream now waits for NCCL's stream
         ev = torch.cuda.Event()
         ev.record(torch.cuda.current_stream(device))
         _host_wait(ev, abort, timeout_s, what)
         return
     if abort is None:
-        work.wait()
+        _collective_error(work, what)
         return
     fut = work.get_future()
     fut.add_done_callback(lambda _f: abort.poke())
     if not abort.wait_for(fut.done, timeout_s):
         raise TransportError(f"{what} did not complete within {timeout_s}s")
-    work.wait()  # re-raises the collective's own error
+    _collective_error(work, what)  # re-raises the collective's own error
 
 
 def _warmup(pg: Any, device: torch.device, timeout_s: float, what: str) -> None:
