@@ -261,7 +261,7 @@ def soak(args: argparse.Namespace, work: Path) -> dict[str, Any]:
                 events.append(ev)
                 print(f"{k:4d} {kind:18s} ok={ev.ok!s:5s} {ev.seconds:6.2f}s "
                       f"engine {ev.engine_rss_mb:7.1f} MB trainer {ev.trainer_rss_mb:7.1f} MB "
-                      f"answers {len(traffic.answers)} {ev.error[:120]}", flush=True)
+                      f"answers {len(traffic.answers)} {ev.error[:400]}", flush=True)
         finally:
             traffic.stop.set()
             thread.join(timeout=120)
@@ -294,11 +294,14 @@ def run_one(kind: str, ev: Event, sync: WeightSync, handle: Any, server: Any, mo
         try:
             sync.push(adapter, version=ev.version)
         except Exception as e:
-            ev.error = f"cut {adapter.cut} connections; {type(e).__name__}: {e}"[:500]
+            failed_s = time.monotonic() - ev.t0
             # handled: our own error type (never a raw gloo RuntimeError), and the engine
             # settles (torn, or unchanged if nothing had moved) within the timeout
             ev.ok = (isinstance(e, EngineHooksError) and adapter.cut > 0
                      and wait_torn_or_unchanged(handle, args))
+            ev.error = (f"cut {adapter.cut} connections; push failed after {failed_s:.1f}s, "
+                        f"engine settled after {time.monotonic() - ev.t0:.1f}s; "
+                        f"{type(e).__name__}: {e}")[:700]
         else:
             ev.error = f"cut {adapter.cut} connections and the push still succeeded"
     elif kind == "killed-trainer":

@@ -95,7 +95,8 @@ def receive_weights(
 
 @hookspec(firstresult=True)
 def run_phase(phase: str, report: PushReport, run: Callable[[], Any]) -> Any:
-    """Run one phase of a push ("plan", "group", "check", "transfer", "finish").
+    """Run one phase of a push ("plan", "group", "check", "transfer", "finish"; with
+    `wake_up=True` also "wake_weights" and "wake_kv_cache").
 
     The built-in implementation calls `run()`; wrappers (`@hookimpl(wrapper=True)`)
     around it time, log or profile the phase. The built-in timing wrapper writes

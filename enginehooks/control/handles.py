@@ -11,7 +11,7 @@ import json
 from abc import ABC, abstractmethod
 from typing import Any
 
-from enginehooks.core.errors import ManifestError
+from enginehooks.core.errors import ConfigError, ManifestError
 from enginehooks.engine.contract import CHECK, DIGESTS, INFO, JOIN, LEAVE, RECEIVE, method_name
 
 
@@ -38,6 +38,20 @@ class EngineHandle(ABC):
 
     def close(self) -> None:  # noqa: B027 - optional
         """Release client resources (HTTP sessions); the engine keeps running."""
+
+    # -- colocated memory (the engine's own sleep mode) ---------------------------------
+    def sleep(self, level: int, timeout_s: float) -> None:
+        """Give the engine's accelerator memory back while training runs (vLLM `sleep`,
+        SGLang `release_memory_occupation`)."""
+        raise ConfigError(f"{self.name}: {type(self).__name__} has no sleep mode")
+
+    def wake_up(self, tags: list[str], timeout_s: float) -> None:
+        """Bring back the memory named by `tags` ("weights", "kv_cache")."""
+        raise ConfigError(f"{self.name}: {type(self).__name__} has no sleep mode")
+
+    def is_sleeping(self, timeout_s: float) -> bool | None:
+        """Whether any of the engine's memory is asleep; None where it cannot say."""
+        return None
 
     # -- shared verbs -------------------------------------------------------------------
     def info(self, timeout_s: float) -> list[dict[str, Any]]:

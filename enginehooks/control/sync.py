@@ -65,6 +65,11 @@ class WeightSync:
         on_torn: what the engines do while an update failed after data moved: "refuse"
             generation (the engines' default) or "serve" and mark the answers; None
             leaves each engine's own setting.
+        wake_up: colocated RL, where the engines sleep while training runs (vLLM
+            `sleep`, SGLang `release_memory_occupation`): wake their weights after the
+            check, update them, flush, then wake the KV cache, which lets them schedule
+            again. `pause` is not used then (a sleeping engine does not schedule); an
+            engine that says it is awake is refused before anything moves.
     """
 
     def __init__(
@@ -82,6 +87,7 @@ class WeightSync:
         transport_options: dict[str, Any] | None = None,
         secret: bytes | str | None = None,
         on_torn: str | None = None,
+        wake_up: bool = False,
     ) -> None:
         if on_torn not in (None, "refuse", "serve"):
             raise ConfigError(f"on_torn={on_torn!r}: 'refuse', 'serve' or None")
@@ -100,6 +106,7 @@ class WeightSync:
         self.transport_options = dict(transport_options or {})
         self.secret = secret.encode() if isinstance(secret, str) else (secret or load_secret())
         self.on_torn = on_torn
+        self.wake_up = wake_up
         self._replicas: list[EngineHandle] = []
         self._sender: Sender | None = None
         self._members: list[EngineHandle] = []
@@ -195,7 +202,11 @@ class WeightSync:
         self._phase("check", report, lambda: self._all(
             report, "check", lambda r: r.check(manifest_json, self.timeout_s,
                                                self._token("check", manifest_json))))
-        if self.pause:
+        pause = self.pause and not self.wake_up
+        if self.wake_up:
+            self._phase("wake_weights", report, lambda: self._all(
+                report, "wake weights", self._wake_weights))
+        if pause:
             self._all(report, "pause", lambda r: r.pause(self.timeout_s))
         try:
             self._phase("transfer", report, lambda: self._transfer(manifest, adapter, report))
@@ -204,8 +215,17 @@ class WeightSync:
             self._phase("finish", report, lambda: self._all(
                 report, "finish", lambda r: r.flush_cache(self.timeout_s)))
         finally:
-            if self.pause:
+            if pause:
                 self._all(report, "resume", lambda r: r.resume(self.timeout_s))
+        if self.wake_up:  # only after a good update: a torn engine stays asleep
+            self._phase("wake_kv_cache", report, lambda: self._all(
+                report, "wake KV cache", lambda r: r.wake_up(["kv_cache"], self.timeout_s)))
+
+    def _wake_weights(self, r: EngineHandle) -> None:
+        if r.is_sleeping(self.timeout_s) is False:
+            raise ConfigError(f"replica {r.name!r} is awake: WeightSync(wake_up=True) pushes "
+                              "to sleeping engines; use pause=True for awake ones")
+        r.wake_up(["weights"], self.timeout_s)
 
     def _token(self, verb: str, payload: Any) -> str | None:
         """The signature of one control message, when a secret is set (`core/auth.py`)."""

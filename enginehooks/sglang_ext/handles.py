@@ -150,6 +150,23 @@ class SGLangEngine(_FlushTracking):
         tm = self.engine.tokenizer_manager
         self._run(lambda: tm.continue_generation(ContinueGenerationReqInput()), timeout_s)
 
+    # SGLang's sleep mode (`--enable-memory-saver`); `level` has no SGLang equivalent:
+    # everything named by the default tags is released. Untested on CPU, where SGLang's
+    # release ends the engine (it calls torch.cuda.synchronize()).
+    def sleep(self, level: int, timeout_s: float) -> None:
+        from sglang.srt.managers.io_struct import ReleaseMemoryOccupationReqInput
+
+        tm = self.engine.tokenizer_manager
+        self._run(lambda: tm.release_memory_occupation(ReleaseMemoryOccupationReqInput(), None),
+                  timeout_s)
+
+    def wake_up(self, tags: list[str], timeout_s: float) -> None:
+        from sglang.srt.managers.io_struct import ResumeMemoryOccupationReqInput
+
+        tm = self.engine.tokenizer_manager
+        obj = ResumeMemoryOccupationReqInput(tags=list(tags))
+        self._run(lambda: tm.resume_memory_occupation(obj, None), timeout_s)
+
 
 class SGLangServer(_FlushTracking):
     """An SGLang HTTP server (`python -m sglang.launch_server ...`) on `url`, with
@@ -192,6 +209,13 @@ class SGLangServer(_FlushTracking):
 
     def resume(self, timeout_s: float) -> None:
         self._post("/continue_generation", {}, timeout_s)
+
+    # SGLang's sleep mode; see SGLangEngine.sleep.
+    def sleep(self, level: int, timeout_s: float) -> None:
+        self._post("/release_memory_occupation", {}, timeout_s)
+
+    def wake_up(self, tags: list[str], timeout_s: float) -> None:
+        self._post("/resume_memory_occupation", {"tags": list(tags)}, timeout_s)
 
     def generate(self, input_ids: list[int], sampling_params: dict[str, Any],
                  timeout_s: float = 60.0) -> dict[str, Any]:

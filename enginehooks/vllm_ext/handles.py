@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import urllib.parse
 from typing import Any
 
 from enginehooks.control._futures import spawn
@@ -138,6 +139,15 @@ class VLLMEngine(_VLLMHandle):
     def flush_cache(self, timeout_s: float) -> None:
         self.llm.reset_prefix_cache()
 
+    def sleep(self, level: int, timeout_s: float) -> None:
+        self.llm.sleep(level=level)
+
+    def wake_up(self, tags: list[str], timeout_s: float) -> None:
+        self.llm.wake_up(tags=list(tags))
+
+    def is_sleeping(self, timeout_s: float) -> bool | None:
+        return bool(self.llm.llm_engine.is_sleeping())
+
     def set_engine_version(self, version: str, timeout_s: float) -> None:
         self.llm.update_weight_version(version)
 
@@ -209,6 +219,15 @@ class VLLMAsyncEngine(_VLLMHandle):
     def resume(self, timeout_s: float) -> None:
         self._run(self.engine.resume_generation(), timeout_s)
 
+    def sleep(self, level: int, timeout_s: float) -> None:
+        self._run(self.engine.sleep(level), timeout_s)
+
+    def wake_up(self, tags: list[str], timeout_s: float) -> None:
+        self._run(self.engine.wake_up(list(tags)), timeout_s)
+
+    def is_sleeping(self, timeout_s: float) -> bool | None:
+        return bool(self._run(self.engine.is_sleeping(), timeout_s))
+
     def set_engine_version(self, version: str, timeout_s: float) -> None:
         self._run(self.engine.update_weight_version(version), timeout_s)
 
@@ -267,6 +286,16 @@ class VLLMServer(_VLLMHandle):
 
     def is_paused(self, timeout_s: float = 30.0) -> bool:
         return bool(self._get("/is_paused", timeout_s)["is_paused"])
+
+    def sleep(self, level: int, timeout_s: float) -> None:
+        self._post(f"/sleep?level={int(level)}", None, timeout_s)
+
+    def wake_up(self, tags: list[str], timeout_s: float) -> None:
+        query = "&".join(f"tags={urllib.parse.quote(t)}" for t in tags)
+        self._post(f"/wake_up?{query}", None, timeout_s)
+
+    def is_sleeping(self, timeout_s: float) -> bool | None:
+        return bool(self._get("/is_sleeping", timeout_s)["is_sleeping"])
 
     def set_engine_version(self, version: str, timeout_s: float) -> None:
         self._post("/update_weight_version", {"new_version": version}, timeout_s)
