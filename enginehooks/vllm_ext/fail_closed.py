@@ -9,7 +9,10 @@ serve and mark the answers. Each front end reads the workers' published state
 - the API server: an endpoint plugin (`EnginehooksEndpoints`, entry point
   `vllm.endpoint_plugins`; vLLM loads endpoint plugins only when they are named in
   `VLLM_PLUGINS`, so start servers with `VLLM_PLUGINS=enginehooks`) adds a middleware:
-  generation requests get HTTP 503 with a JSON body while refused; every generation
+  a generation request that arrives while an update is applied is held until the
+  update ends (at most `ENGINEHOOKS_HOLD_S`, default 60 s) and then served by the new
+  weights, or refused if the update left the engine torn; generation requests get
+  HTTP 503 with a JSON body while refused; every generation
   response carries `X-Enginehooks-Weight-Version` (or `mixed:a->b` when an update
   landed while it ran) and, when served torn, `X-Enginehooks-Torn`;
 - in-process `vllm.LLM` / `AsyncLLM`: the handles (`VLLMEngine`, `VLLMAsyncEngine`)
@@ -18,9 +21,12 @@ serve and mark the answers. Each front end reads the workers' published state
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import functools
 import logging
+import os
+import time
 from argparse import Namespace
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
@@ -46,6 +52,27 @@ def refusal(beacons: Sequence[str]) -> dict[str, Any] | None:
         if s.get("on_torn") == "refuse" and s.get("state") in ("updating", "torn"):
             return refusal_of(s)
     return None
+
+
+HOLD_ENV = "ENGINEHOOKS_HOLD_S"
+
+
+def hold_s() -> float:
+    """How long a front end holds a request that arrives during an update."""
+    return float(os.environ.get(HOLD_ENV, "60"))
+
+
+async def settled_refusal(beacons: Sequence[str], hold: float) -> dict[str, Any] | None:
+    """`refusal`, after holding the caller while an update is being applied (up to
+    `hold` seconds): an update that succeeds costs a request some latency, not an
+    error; one that fails refuses it as torn; one still running after `hold` refuses
+    it as updating."""
+    deadline = time.monotonic() + hold
+    while True:
+        refused = refusal(beacons)
+        if refused is None or refused["state"] != "updating" or time.monotonic() >= deadline:
+            return refused
+        await asyncio.sleep(0.02)  # the beacons are files the workers rewrite
 
 
 def label(beacons: Sequence[str]) -> str:
@@ -97,7 +124,7 @@ def guard_async(engine: Any, beacons: Callable[[], Awaitable[Sequence[str]]]) ->
 
     @functools.wraps(original)
     async def guarded(*args: Any, **kwargs: Any) -> Any:
-        refused = refusal(await beacons())
+        refused = await settled_refusal(await beacons(), hold_s())
         if refused is not None:
             raise EngineTorn(refused)
         async for out in original(*args, **kwargs):
@@ -124,7 +151,7 @@ class EnginehooksEndpoints:
             beacons: Sequence[str] = getattr(request.app.state, "enginehooks_beacons", ())
             if request.method != "POST" or not beacons or not path.startswith(GENERATION_PATHS):
                 return await call_next(request)
-            refused = refusal(beacons)
+            refused = await settled_refusal(beacons, hold_s())
             if refused is not None:
                 return JSONResponse(status_code=503, content={"error": dict(
                     refused, message=refused["error"], type="EngineTorn", code=503)})

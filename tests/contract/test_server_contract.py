@@ -3,6 +3,8 @@ installed here: a real server started with a shared secret in its environment.
 
 - a trainer killed in the middle of a push leaves the server refusing generation
   (HTTP 503, naming the failed version and why) until the next push repairs it;
+- a request that arrives while an update is applied waits for it and is answered by
+  the new weights (no 503 for a healthy update);
 - with on_torn="serve" the server serves and marks its answers;
 - unsigned, wrongly signed and replayed updates are refused and change nothing.
 """
@@ -13,6 +15,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -24,9 +27,9 @@ from enginehooks import EngineHooksError, ReplicaError, WeightSync
 from enginehooks.core.auth import SECRET_ENV, canonical, sign
 from enginehooks.core.manifest import TensorSpec, plan
 from enginehooks.engine.contract import CHECK, method_name
-from enginehooks.testing.engines import first_difference
+from enginehooks.testing.engines import NEW_TOKENS, PROMPTS, first_difference
 from enginehooks.testing.servers import HANDLES, SERVERS
-from enginehooks.testing.tiny import load_tiny, perturb
+from enginehooks.testing.tiny import hf_greedy, load_tiny, perturb
 from enginehooks.trainer_side import ModuleAdapter
 from tests.support import have
 
@@ -99,6 +102,41 @@ def test_a_killed_trainer_leaves_the_server_refusing_until_the_next_push(
     model = perturb(load_tiny(model_dirs["llama"]), seed=3)
     signed_push(server, model, "repaired-3")
     assert {g.version for g in server.generations()} == {"repaired-3"}
+
+
+class AsksMidStream(ModuleAdapter):
+    """Streams, and in the middle sends generation requests to the server, then keeps
+    streaming a second later: the requests arrive while the update is being applied."""
+
+    def __init__(self, model: Any, server: Any) -> None:
+        super().__init__(model)
+        self.server, self.box = server, {}
+        self.thread = threading.Thread(target=self.ask)
+
+    def ask(self) -> None:
+        try:
+            self.box["generations"] = self.server.generations(cold=False)
+        except Exception as e:  # reported by the test
+            self.box["error"] = e
+
+    def stream(self) -> Any:
+        for i, item in enumerate(super().stream()):
+            if i == 5:
+                self.thread.start()
+                time.sleep(1.0)
+            yield item
+
+
+def test_a_request_during_an_update_waits_and_gets_the_new_weights(
+        server: Any, model_dirs: dict[str, Path]) -> None:
+    model = perturb(load_tiny(model_dirs["llama"]), seed=8)
+    adapter = AsksMidStream(model, server)
+    signed_push(server, adapter, "held-8")
+    adapter.thread.join(90)
+    assert "error" not in adapter.box, adapter.box.get("error")
+    gens = adapter.box["generations"]
+    assert {g.version for g in gens} == {"held-8"}
+    assert [list(g.tokens) for g in gens] == hf_greedy(model, PROMPTS, NEW_TOKENS)
 
 
 def test_serve_policy_marks_the_answers(server: Any, model_dirs: dict[str, Path]) -> None:
