@@ -184,7 +184,7 @@ class SGLangServerProcess(EngineServerProcess):
         super().__init__(
             [python, "-m", "sglang.launch_server", "--model-path", self.model,
              "--host", host, "--port", str(self.port), "--device", "cpu", "--dtype", dtype,
-             "--attention-backend", "torch_native", "--mem-fraction-static", "0.05",
+             "--attention-backend", "torch_native", "--mem-fraction-static", "0.2",
              "--max-total-tokens", "4096", "--log-level", "warning", "--random-seed", "0",
              *(extra_args or [])],
             cpu_env(env), log, f"http://{host}:{self.port}",
