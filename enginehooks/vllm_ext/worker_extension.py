@@ -190,10 +190,21 @@ class VLLMBinding(EngineBinding):
         # device context: move those parameters (their loader attributes stay). Never
         # `model.to(...)`: vLLM caches modules such as rotary embeddings and shares them
         # with the live model, whose buffers would move too.
+        # A parameter cannot change device type in place (`p.data = ...` to meta raises),
+        # so each is replaced by a meta twin carrying its attributes, once per
+        # parameter (tied ones stay tied).
         live = {id(p) for p in self.worker.model_runner.get_model().parameters()}
-        for p in model.parameters():
-            if not p.is_meta and id(p) not in live:
-                p.data = p.data.to("meta")
+        twins: dict[int, torch.nn.Parameter] = {}
+        for module in model.modules():
+            for name, p in list(module.named_parameters(recurse=False)):
+                if p.is_meta or id(p) in live:
+                    continue
+                if id(p) not in twins:
+                    twin = torch.nn.Parameter(torch.empty_like(p, device="meta"),
+                                              requires_grad=p.requires_grad)
+                    twin.__dict__.update(p.__dict__)  # weight_loader and friends
+                    twins[id(p)] = twin
+                setattr(module, name, twins[id(p)])
         return model
 
     def _dry_load(self, model: torch.nn.Module, weights: Iterator[tuple[str, torch.Tensor]]) -> Any:

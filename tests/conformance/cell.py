@@ -148,13 +148,16 @@ def run_in_process(req: dict[str, Any], work: Path) -> dict[str, Any]:
     family, engine, dtype = req["family"], req["engine"], req["dtype"]
     engine_args = FAMILIES[family].engine_args.get(engine, {})
     d0 = checkpoint(family, engine, Path(req["root"]))
+    # The trainer's model first: vLLM may decorate transformers' classes in place when it
+    # loads a model through its Transformers backend (Olmo2Model then needs a vLLM
+    # config to be built), so an HF model built after an in-process vLLM engine can fail.
+    model = trained(family, d0)
     try:
         replica = start_engine(engine, d0, dtype=dtype, engine_args=engine_args)
     except EngineUnavailable as e:
         return {"status": "cannot run", "detail": str(e)}
     with replica:
         before = replica.generate()
-        model = trained(family, d0)
         pushed, reference = (model, model) if req["trainer"] == "plain" else with_lora(model)
         with WeightSync("gloo", bucket_bytes=BUCKET, timeout_s=120) as sync:
             sync.add_replica(replica.handle())
