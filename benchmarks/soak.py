@@ -242,6 +242,7 @@ def soak(args: argparse.Namespace, work: Path) -> dict[str, Any]:
         sync = WeightSync("gloo", timeout_s=args.timeout_s, bucket_bytes=args.bucket_bytes,
                           secret=secret, pause=True)
         sync.add_replica(handle)
+        standby = Standby(server, model_dir, args)
         try:
             for k in range(1, args.pushes + 1):
                 # faults mid-period (10, 30, ...): every fault has pushes after it
@@ -251,7 +252,7 @@ def soak(args: argparse.Namespace, work: Path) -> dict[str, Any]:
                 model = model_for(k)
                 ev = Event(k, kind, version, time.monotonic())
                 try:
-                    run_one(kind, ev, sync, handle, server, model, model_dir, args)
+                    run_one(kind, ev, sync, handle, server, model, model_dir, args, standby)
                 except Exception as e:
                     ev.ok, ev.error = False, f"{type(e).__name__}: {e}"[:500]
                 ev.t1 = time.monotonic()
@@ -269,14 +270,48 @@ def soak(args: argparse.Namespace, work: Path) -> dict[str, Any]:
                       f"answers {len(traffic.answers)} {ev.error[:400]}", flush=True)
         finally:
             traffic.stop.set()
+            standby.close()
             thread.join(timeout=120)
             sync.close()
         wall = time.monotonic() - t_start
     return summarise(args, events, traffic.answers, expected, initial, wall)
 
 
+class Standby:
+    """The next trainer to kill, started ahead of time: a fresh interpreter importing
+    torch can take minutes on a small host busy serving, and the fault is the kill, not
+    the start-up."""
+
+    def __init__(self, server: Any, model_dir: Path, args: argparse.Namespace) -> None:
+        self.argv = [sys.executable, "-m", "enginehooks.testing.stalling_trainer", args.engine,
+                     server.url, str(model_dir), "-", str(args.stall_timeout_s),
+                     str(args.fault_after)]
+        self.proc: subprocess.Popen[str] | None = None
+        self.start()
+
+    def start(self) -> None:
+        self.proc = subprocess.Popen(self.argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                     stderr=subprocess.STDOUT, text=True, env=dict(os.environ))
+
+    def take(self, timeout_s: float = 600.0) -> subprocess.Popen[str]:
+        """The standby trainer once it is ready; a new one starts in its place."""
+        proc = self.proc
+        assert proc is not None and proc.stdout is not None
+        deadline = time.monotonic() + timeout_s
+        for line in proc.stdout:  # bounded: the process exits, or says ready
+            if line.strip() == "ready" or time.monotonic() > deadline:
+                break
+        self.start()
+        return proc
+
+    def close(self) -> None:
+        if self.proc is not None:
+            self.proc.kill()
+            self.proc.wait(timeout=30)
+
+
 def run_one(kind: str, ev: Event, sync: WeightSync, handle: Any, server: Any, model: Any,
-            model_dir: Path, args: argparse.Namespace) -> None:
+            model_dir: Path, args: argparse.Namespace, standby: Standby) -> None:
     if kind == "push":
         sync.push(model, version=ev.version)
         ev.ok = True
@@ -310,13 +345,11 @@ def run_one(kind: str, ev: Event, sync: WeightSync, handle: Any, server: Any, mo
         else:
             ev.error = f"cut {adapter.cut} connections and the push still succeeded"
     elif kind == "killed-trainer":
-        trainer = subprocess.Popen(
-            [sys.executable, "-m", "enginehooks.testing.stalling_trainer", args.engine,
-             server.url, str(model_dir), ev.version, str(args.stall_timeout_s),
-             str(args.fault_after)],
-            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=dict(os.environ))
+        trainer = standby.take()
         try:
-            assert trainer.stdout is not None
+            assert trainer.stdin is not None
+            trainer.stdin.write(ev.version + "\n")
+            trainer.stdin.flush()
             stalled = any(line.strip() == "stalled" for line in iter_lines(trainer))
             trainer.send_signal(signal.SIGKILL)
         finally:

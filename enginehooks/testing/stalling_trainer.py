@@ -3,7 +3,9 @@ fail-closed tests and the soak inject. `python -m enginehooks.testing.stalling_t
 ENGINE URL MODEL_DIR VERSION TIMEOUT_S [AFTER]` pushes the model at MODEL_DIR (moved by a
 seeded perturbation) to the server at URL, stalls after AFTER tensors (default 3) and
 prints "stalled" once the engine is receiving. The secret, if any, comes from
-ENGINEHOOKS_SECRET as for any trainer."""
+ENGINEHOOKS_SECRET as for any trainer. With VERSION "-" it gets ready (imports, model),
+prints "ready", and reads the version from stdin before it pushes: a caller on a busy
+host can start it ahead of time."""
 
 from __future__ import annotations
 
@@ -31,6 +33,9 @@ def main() -> None:
                 yield item
 
     model = perturb(load_tiny(model_dir), seed=int(time.time()) % 1000)
+    if version == "-":
+        print("ready", flush=True)
+        version = sys.stdin.readline().strip()
     sync = WeightSync("gloo", bucket_bytes=4096, timeout_s=float(timeout_s))
     sync.add_replica(HANDLES[engine](url, name=engine))
     sync.push(StallingAdapter(model), version=version)
