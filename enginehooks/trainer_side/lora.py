@@ -88,13 +88,17 @@ class PeftAdapter(CheckpointAdapter):
                         return None
                     segs = segs[:i] + segs[i + 2:]
                 break
-        layer = None
-        if "base_layer" in segs:
-            i = segs.index("base_layer")
-            layer = self.base.get_submodule(".".join(segs[:i]))
-            segs = segs[:i] + segs[i + 1:]
-            if segs[-1] != "weight":
-                layer = None  # biases are not adapted by LoRA
+        # LoRA layers wrap their base module (`base_layer`); LoRA on parameters (PEFT's
+        # ParamWrapper, e.g. the fused experts of an MoE layer) nests one wrapper per
+        # targeted parameter. The layer whose delta applies is the wrapper that targets
+        # this tensor: its `parameter_name`, or a module's `weight` (never a bias).
+        wrappers = [self.base.get_submodule(".".join(segs[:i]))
+                    for i, s in enumerate(segs) if s == "base_layer"]
+        segs = [s for s in segs if s != "base_layer"]
+        layer = next((w for w in wrappers
+                      if getattr(w, "parameter_name", None) == segs[-1]
+                      or (getattr(w, "parameter_name", None) is None and segs[-1] == "weight")),
+                     None)
         return self.rename(".".join(segs)), layer
 
     def _raw(self) -> dict[str, tuple[torch.Tensor, Any]]:

@@ -206,9 +206,10 @@ def run_fsdp2(req: dict[str, Any], work: Path) -> dict[str, Any]:
         job = json.dumps({"family": family, "d0": str(d0), "port": port, "url": a.url,
                           "engine": engine, "out": str(work / "d1")})
         outs = []
-        for p in procs:
+        for p in procs:  # both ranks get the job before either is waited for
             p.stdin.write(job)  # type: ignore[union-attr]
             p.stdin.close()  # type: ignore[union-attr]
+            p.stdin = None  # communicate() would flush the closed pipe
         for p in procs:
             try:
                 out, _ = p.communicate(timeout=600)
