@@ -64,7 +64,15 @@ class PeftAdapter(CheckpointAdapter):
         return type(model).__module__.startswith("peft.") and hasattr(model, "get_base_model")
 
     def _checkpoint_format(self) -> CheckpointFormat:
-        return CheckpointFormat(self.base)
+        # transformers looks tensors up by name to find tied ones, but PEFT's wrappers
+        # hide a parameter they target (a ParamWrapper on MoE experts): say which base
+        # names are one tensor instead.
+        tensors = {}
+        for raw, t in self.base.state_dict(keep_vars=True).items():
+            mapped = self._map(raw)
+            if mapped is not None:
+                tensors[mapped[0]] = t
+        return CheckpointFormat(self.base, identity=tensors.__getitem__)
 
     def _map(self, raw: str) -> tuple[str, Any] | None:
         """Module-layout name of a base-model state_dict key and the LoRA layer owning
