@@ -11,5 +11,6 @@ from __future__ import annotations
 
 from enginehooks.sglang_ext.handles import SGLangEngine, SGLangServer
 from enginehooks.sglang_ext.plugin import register
+from enginehooks.sglang_ext.versions import answer_version
 
-__all__ = ["SGLangEngine", "SGLangServer", "register"]
+__all__ = ["SGLangEngine", "SGLangServer", "answer_version", "register"]

@@ -127,13 +127,13 @@ def show_outcome(engine: str, before: list[list[int]], after: list[list[int]],
 
 
 def run_sglang_demo(args: argparse.Namespace) -> int:
-    from enginehooks.sglang_ext import SGLangServer
+    from enginehooks.sglang_ext import SGLangServer, answer_version
     from enginehooks.testing.servers import SGLangServerProcess
 
     def observe(server: SGLangServerProcess, prompts: list[list[int]]
                 ) -> tuple[list[list[int]], list[str]]:
         outs = server.generate(prompts, NEW_TOKENS)
-        served = sorted({str(o["meta_info"].get("weight_version")) for o in outs})
+        served = sorted({str(answer_version(o["meta_info"])) for o in outs})
         return [list(o["output_ids"]) for o in outs], served
 
     return run_demo(

@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 from enginehooks.control.handles import EngineHandle
+from enginehooks.sglang_ext.versions import answer_version
 from enginehooks.testing.generation import NEW_TOKENS, PROMPTS, Generation, first_difference
 
 __all__ = ["NEW_TOKENS", "PROMPTS", "EngineUnavailable", "Generation", "RunningEngine",
@@ -192,7 +193,7 @@ class SGLangInProcess(RunningEngine):
         for o in outs:
             lps = o["meta_info"]["output_token_logprobs"]
             gens.append(Generation(tuple(o["output_ids"]), tuple(float(lp[0]) for lp in lps),
-                                   str(o["meta_info"].get("weight_version"))))
+                                   answer_version(o["meta_info"])))
         return gens
 
     def close(self) -> None:

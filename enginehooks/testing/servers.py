@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import IO, Any
 
 from enginehooks.control._http import request_json
+from enginehooks.sglang_ext.versions import answer_version
 from enginehooks.testing.generation import NEW_TOKENS, PROMPTS, Generation
 
 
@@ -205,7 +206,7 @@ class SGLangServerProcess(EngineServerProcess):
                              timeout_s=60, who=self.url)
             lps = r["meta_info"]["output_token_logprobs"]
             out.append(Generation(tuple(r["output_ids"]), tuple(float(x[0]) for x in lps),
-                                  str(r["meta_info"].get("weight_version"))))
+                                  answer_version(r["meta_info"])))
         return out
 
     def generate(self, prompts: list[list[int]], max_tokens: int) -> list[dict[str, Any]]:
