@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import os
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -112,6 +112,27 @@ def checkpoint_specs(model_dir: str | os.PathLike[str]) -> dict[str, TensorSpec]
                 if stored in DTYPE_SIZES:
                     specs[name] = TensorSpec(name, stored, tuple(sl.get_shape()))
     return specs
+
+
+def to_meta(skeleton: torch.nn.Module, keep: Collection[int] = ()) -> torch.nn.Module:
+    """Every parameter of an engine's model skeleton on the meta device, for the loader
+    dry run. Engines' Transformers backends build some (or all) modules on the CPU even
+    under a meta device context; a parameter cannot change device type in place
+    (`p.data = ...` raises), so each is replaced by a meta twin that keeps its
+    attributes (`weight_loader`, ...), once per parameter so tied ones stay tied.
+    `keep`: ids of parameters shared with the live model, left alone."""
+    twins: dict[int, torch.nn.Parameter] = {}
+    for module in skeleton.modules():
+        for name, p in list(module.named_parameters(recurse=False)):
+            if p.is_meta or id(p) in keep:
+                continue
+            if id(p) not in twins:
+                twin = torch.nn.Parameter(torch.empty_like(p, device="meta"),
+                                          requires_grad=p.requires_grad)
+                twin.__dict__.update(p.__dict__)
+                twins[id(p)] = twin
+            setattr(module, name, twins[id(p)])
+    return skeleton
 
 
 @dataclass

@@ -38,6 +38,7 @@ from enginehooks.engine.expectations import (
     LoaderExpectations,
     checkpoint_specs,
     resolve_model_dir,
+    to_meta,
 )
 from enginehooks.engine.side import EngineSide
 from enginehooks.transports.base import Target
@@ -137,7 +138,8 @@ class SGLangBinding(EngineBinding):
         load_config = getattr(mr, "load_config", None) or LoadConfig(load_format="auto")
         quant = _get_quantization_config(mr.model_config, load_config)
         with set_default_torch_dtype(mr.model_config.dtype), torch.device("meta"):
-            return _initialize_model(mr.model_config, load_config, quant)
+            model = _initialize_model(mr.model_config, load_config, quant)
+        return to_meta(model)  # SGLang's Transformers backend (GPT-NeoX) builds on the CPU
 
     def readable(self) -> Mapping[str, torch.Tensor]:
         # qkv / gate_up are fused; embeddings and norms keep their checkpoint layout.

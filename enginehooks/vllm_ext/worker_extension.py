@@ -35,6 +35,7 @@ from enginehooks.engine.expectations import (
     LoaderExpectations,
     checkpoint_specs,
     resolve_model_dir,
+    to_meta,
 )
 from enginehooks.engine.side import EngineSide
 from enginehooks.transports.base import Target
@@ -186,26 +187,10 @@ class VLLMBinding(EngineBinding):
         with set_current_vllm_config(cfg), set_default_torch_dtype(cfg.model_config.dtype), \
                 torch.device("meta"):
             model = initialize_model(vllm_config=cfg)
-        # vLLM's Transformers backend creates some norms on the CPU even under a meta
-        # device context: move those parameters (their loader attributes stay). Never
-        # `model.to(...)`: vLLM caches modules such as rotary embeddings and shares them
-        # with the live model, whose buffers would move too.
-        # A parameter cannot change device type in place (`p.data = ...` to meta raises),
-        # so each is replaced by a meta twin carrying its attributes, once per
-        # parameter (tied ones stay tied).
+        # Never `model.to(...)`: vLLM caches modules such as rotary embeddings and shares
+        # them with the live model, whose parameters must stay where they are.
         live = {id(p) for p in self.worker.model_runner.get_model().parameters()}
-        twins: dict[int, torch.nn.Parameter] = {}
-        for module in model.modules():
-            for name, p in list(module.named_parameters(recurse=False)):
-                if p.is_meta or id(p) in live:
-                    continue
-                if id(p) not in twins:
-                    twin = torch.nn.Parameter(torch.empty_like(p, device="meta"),
-                                              requires_grad=p.requires_grad)
-                    twin.__dict__.update(p.__dict__)  # weight_loader and friends
-                    twins[id(p)] = twin
-                setattr(module, name, twins[id(p)])
-        return model
+        return to_meta(model, keep=live)
 
     def _dry_load(self, model: torch.nn.Module, weights: Iterator[tuple[str, torch.Tensor]]) -> Any:
         from vllm.config import set_current_vllm_config
