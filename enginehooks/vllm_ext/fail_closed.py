@@ -58,8 +58,14 @@ HOLD_ENV = "ENGINEHOOKS_HOLD_S"
 
 
 def hold_s() -> float:
-    """How long a front end holds a request that arrives during an update."""
-    return float(os.environ.get(HOLD_ENV, "60"))
+    """How long a front end holds a request that arrives during an update (a bad value
+    is logged and the default used: a typo must not turn every request into an error)."""
+    text = os.environ.get(HOLD_ENV, "60")
+    try:
+        return max(0.0, float(text))
+    except ValueError:
+        log.warning("enginehooks: %s=%r is not a number of seconds; holding 60 s", HOLD_ENV, text)
+        return 60.0
 
 
 async def settled_refusal(beacons: Sequence[str], hold: float) -> dict[str, Any] | None:
