@@ -27,8 +27,9 @@ class EngineHandle(ABC):
         """Call `method` on every worker of the replica; one result per worker."""
 
     @abstractmethod
-    def flush_cache(self, timeout_s: float) -> None:
-        """Drop cached prefixes computed with old weights."""
+    def flush_cache(self, timeout_s: float, auth: str | None = None) -> None:
+        """Drop cached prefixes computed with old weights (`auth`: the signed `flush`
+        message, for handles that flush through the engine contract's verb)."""
 
     def pause(self, timeout_s: float) -> None:  # noqa: B027 - optional
         """Stop scheduling new work so no request sees torn weights."""

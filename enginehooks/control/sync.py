@@ -213,7 +213,8 @@ class WeightSync:
             # Flush while still paused: no request may reuse a prefix computed with the
             # old weights, and some engines refuse a flush while requests run.
             self._phase("finish", report, lambda: self._all(
-                report, "finish", lambda r: r.flush_cache(self.timeout_s)))
+                report, "finish", lambda r: r.flush_cache(self.timeout_s,
+                                                          self._token("flush", ""))))
         finally:
             if pause:
                 self._all(report, "resume", lambda r: r.resume(self.timeout_s))

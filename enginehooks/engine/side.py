@@ -78,6 +78,7 @@ class EngineSide:
         secret = load_secret()
         self.verifier = Verifier(secret) if secret else None
         self._busy = threading.Lock()
+        self.binding.state_changed(self.public_state())
 
     def call(self, verb: str, *args: Any) -> Any:
         """Run a contract verb with raw (possibly JSON-text) arguments."""

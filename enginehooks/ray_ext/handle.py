@@ -67,8 +67,8 @@ class RayEngine(EngineHandle):
                 auth: str | None = None) -> list[dict[str, Any]]:
         return self._call("receive", manifest_json, group, timeout_s=timeout_s, auth=auth)
 
-    def flush_cache(self, timeout_s: float) -> None:
-        self._call("flush_cache", timeout_s=timeout_s)
+    def flush_cache(self, timeout_s: float, auth: str | None = None) -> None:
+        self._call("flush_cache", timeout_s=timeout_s, auth=auth)
 
     def pause(self, timeout_s: float) -> None:
         self._call("pause", timeout_s=timeout_s)

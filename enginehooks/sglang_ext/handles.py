@@ -41,10 +41,11 @@ class _FlushTracking(EngineHandle):
         self._last_flushed = all(bool(w.get("flushed")) for w in out)
         return out
 
-    def flush_cache(self, timeout_s: float) -> None:
+    def flush_cache(self, timeout_s: float, auth: str | None = None) -> None:
         if self._last_flushed:
             return
-        results = self.rpc(method_name(FLUSH), timeout_s=timeout_s)
+        results = self.rpc(method_name(FLUSH), *([] if auth is None else [auth]),
+                           timeout_s=timeout_s)
         if not all(r.get("flushed") for r in results):
             raise ReplicaError(
                 self.name,

@@ -32,6 +32,7 @@ import torch
 
 from enginehooks.core.dtypes import dtype_name
 from enginehooks.core.errors import ConfigError
+from enginehooks.engine.beacon import Beacon
 from enginehooks.engine.contract import PREFIX, VERBS, EngineBinding, method_name
 from enginehooks.engine.expectations import (
     Expectations,
@@ -109,6 +110,9 @@ class SGLangBinding(EngineBinding):
         self.sched = sched
         self.worker_rank = _tp(sched)[0]
         self._target = SGLangTarget(sched)
+        # The state, readable on the host without an RPC (which would queue behind
+        # the update this scheduler is applying).
+        self.beacon = Beacon.create(f"sglang-tp{self.worker_rank}")
 
     def target(self) -> Target:
         return self._target
@@ -159,9 +163,11 @@ class SGLangBinding(EngineBinding):
     def info(self) -> dict[str, Any]:
         from sglang.srt.runtime_context import get_serving
 
-        return {"engine_weight_version": get_serving().weight_version}
+        return {"engine_weight_version": get_serving().weight_version,
+                "beacon": str(self.beacon.path)}
 
     def state_changed(self, state: dict[str, Any]) -> None:
+        self.beacon.publish(state)
         # Every answer's meta_info["weight_version"] says which weights produced it: a
         # torn engine (policy "serve") marks its answers so they can be discarded.
         if state["state"] == "torn":

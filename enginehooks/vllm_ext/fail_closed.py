@@ -4,7 +4,7 @@ While a worker is applying an update, or after an update failed after data moved
 ("torn"), vLLM's front ends refuse generation under the policy `on_torn="refuse"`
 (the default) with an error naming the version and the reason; under "serve" they
 serve and mark the answers. Each front end reads the workers' published state
-(`beacon.py`):
+(`engine/beacon.py`):
 
 - the API server: an endpoint plugin (`EnginehooksEndpoints`, entry point
   `vllm.endpoint_plugins`; vLLM loads endpoint plugins only when they are named in
@@ -32,8 +32,8 @@ from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
 from enginehooks.core.errors import EngineTorn
+from enginehooks.engine.beacon import Beacon
 from enginehooks.engine.side import refusal_of
-from enginehooks.vllm_ext.beacon import Beacon
 
 log = logging.getLogger("enginehooks.vllm")
 

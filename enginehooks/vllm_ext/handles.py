@@ -87,7 +87,7 @@ class _VLLMHandle(EngineHandle):
     _beacons: list[str] | None = None
 
     def beacons(self) -> list[str]:
-        """The workers' state files (`beacon.py`), asked for once: what the fail-closed
+        """The workers' state files (`engine/beacon.py`), asked for once: what the fail-closed
         guards read."""
         if self._beacons is None:
             self._beacons = [i["beacon"] for i in self.info(60.0) if i.get("beacon")]
@@ -136,7 +136,7 @@ class VLLMEngine(_VLLMHandle):
     def rpc(self, method: str, *args: Any, timeout_s: float) -> list[Any]:
         return self.llm.collective_rpc(method, timeout=timeout_s, args=args)
 
-    def flush_cache(self, timeout_s: float) -> None:
+    def flush_cache(self, timeout_s: float, auth: str | None = None) -> None:
         self.llm.reset_prefix_cache()
 
     def sleep(self, level: int, timeout_s: float) -> None:
@@ -210,7 +210,7 @@ class VLLMAsyncEngine(_VLLMHandle):
         return self._run(self.engine.collective_rpc(method, timeout=timeout_s, args=args),
                          timeout_s)
 
-    def flush_cache(self, timeout_s: float) -> None:
+    def flush_cache(self, timeout_s: float, auth: str | None = None) -> None:
         self._run(self.engine.reset_prefix_cache(), timeout_s)
 
     def pause(self, timeout_s: float) -> None:
@@ -275,7 +275,7 @@ class VLLMServer(_VLLMHandle):
             raise ReplicaError(self.name, f"/collective_rpc answered {out!r}")
         return out["results"]
 
-    def flush_cache(self, timeout_s: float) -> None:
+    def flush_cache(self, timeout_s: float, auth: str | None = None) -> None:
         self._post("/reset_prefix_cache", None, timeout_s)
 
     def pause(self, timeout_s: float) -> None:

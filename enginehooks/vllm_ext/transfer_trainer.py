@@ -227,7 +227,7 @@ class ClientReplica(EngineHandle):
         self._version = version
         return [{"version": version} for _ in range(self.workers)]
 
-    def flush_cache(self, timeout_s: float) -> None:
+    def flush_cache(self, timeout_s: float, auth: str | None = None) -> None:
         self.client.finish_weight_update(weight_version=self._version)
         self._in_session = False
         reset = getattr(self.client, "reset_prefix_cache", None)

@@ -29,6 +29,7 @@ import torch
 
 from enginehooks.core.dtypes import dtype_name
 from enginehooks.core.manifest import TensorSpec
+from enginehooks.engine.beacon import Beacon
 from enginehooks.engine.contract import VERBS, EngineBinding, method_name
 from enginehooks.engine.expectations import (
     Expectations,
@@ -39,7 +40,6 @@ from enginehooks.engine.expectations import (
 )
 from enginehooks.engine.side import EngineSide
 from enginehooks.transports.base import Target
-from enginehooks.vllm_ext.beacon import Beacon
 
 
 class VLLMTarget(Target):

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import datetime
 import json
+import re
 import sys
 from collections import defaultdict
 from pathlib import Path
@@ -15,6 +16,22 @@ from tests.conformance.matrix import DTYPES, ENGINES
 
 MARK = {"pass": "pass", "fail": "**FAIL**", "cannot run": "engine cannot run"}
 SHORT = {"float32": "fp32", "bfloat16": "bf16"}
+
+
+#: a line of a Python traceback that states the exception ("RuntimeError: ...")
+_EXCEPTION_LINE = re.compile(r"^(?:[\w.]+\.)?\w*(?:Error|Exception|Exit|Interrupt)\b.*")
+
+
+def essence(detail: str, limit: int = 600) -> str:
+    """What a cell's detail says went wrong, short: its first clause and, when it
+    carries an engine's log (lines joined by " | "), the last exception that log
+    states, which is the engine's own error (a traceback cut at `limit` would lose it)."""
+    parts = [p.strip() for p in detail.split(" | ")]
+    errors = [p for p in parts if _EXCEPTION_LINE.match(p)]
+    if len(parts) == 1 or not errors:
+        return detail[:limit]
+    head = parts[0].split(":", 1)[0]
+    return f"{head}: {errors[-1]}"[:limit]
 
 
 def render(results: list[dict[str, Any]], versions: dict[str, str]) -> str:
@@ -57,7 +74,7 @@ def render(results: list[dict[str, Any]], versions: dict[str, str]) -> str:
         for (engine, family), which in seen.items():
             r = next(x for x in notes if (x["engine"], x["family"]) == (engine, family))
             lines.append(f"- **{engine} / {family}** ({', '.join(which)}): {r['status']}: "
-                         f"{r['detail'][:600]}")
+                         f"{essence(r['detail'])}")
     secs = sum(r.get("seconds", 0.0) for r in results)
     lines += ["", f"{len(results)} cells, {sum(r['status'] == 'pass' for r in results)} pass; "
               f"{secs / 60:.0f} minutes of cell time on a 2-core CPU machine.", ""]

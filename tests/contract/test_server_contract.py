@@ -26,6 +26,7 @@ import pytest
 from enginehooks import EngineHooksError, ReplicaError, WeightSync
 from enginehooks.core.auth import SECRET_ENV, canonical, sign
 from enginehooks.core.manifest import TensorSpec, plan
+from enginehooks.engine.beacon import Beacon
 from enginehooks.engine.contract import CHECK, method_name
 from enginehooks.testing.engines import NEW_TOKENS, PROMPTS, first_difference
 from enginehooks.testing.servers import HANDLES, SERVERS
@@ -105,13 +106,24 @@ def test_a_killed_trainer_leaves_the_server_refusing_until_the_next_push(
 
 
 class AsksMidStream(ModuleAdapter):
-    """Streams, and in the middle sends generation requests to the server, then keeps
-    streaming a second later: the requests arrive while the update is being applied."""
+    """Streams, and in the middle, once every worker says it is applying the update (its
+    state file, read on this host: an RPC would queue behind the update), sends
+    generation requests to the server, then keeps streaming a second later: the
+    requests arrive while the update is being applied, never before it began."""
 
     def __init__(self, model: Any, server: Any) -> None:
         super().__init__(model)
         self.server, self.box = server, {}
         self.thread = threading.Thread(target=self.ask)
+        self.beacons = [i["beacon"] for i in handle(server).info(30)]
+
+    def wait_until_updating(self, timeout_s: float = 60.0) -> None:
+        deadline = time.monotonic() + timeout_s
+        while not all((Beacon.read(b) or {}).get("state") == "updating" for b in self.beacons):
+            if time.monotonic() > deadline:
+                raise AssertionError(f"the workers never said they were updating: "
+                                     f"{[Beacon.read(b) for b in self.beacons]}")
+            time.sleep(0.01)
 
     def ask(self) -> None:
         try:
@@ -122,6 +134,7 @@ class AsksMidStream(ModuleAdapter):
     def stream(self) -> Any:
         for i, item in enumerate(super().stream()):
             if i == 5:
+                self.wait_until_updating()
                 self.thread.start()
                 time.sleep(1.0)
             yield item

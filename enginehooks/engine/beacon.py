@@ -1,20 +1,29 @@
-"""A worker's update state, published in a small private file that vLLM's front end reads.
+"""A worker's update state, published in a small private file that anyone on the host
+may read without asking the worker.
 
-vLLM serves generation from a front end (the API server, or `LLM.generate` in the
-trainer's process) that is not the worker applying updates, and an RPC to the worker
-would queue behind a running update. So every state change of the worker's
-`EngineSide` is written here (atomically: write, then rename), and the front-end guards
-(`fail_closed.py`) read it per request: a few microseconds, never blocked by an update.
-The folder is private to the engine's user (mode 0700); the file holds JSON only.
+An RPC to a worker queues behind the update it is applying, so "are you updating?"
+cannot be asked that way. Every state change of the worker's `EngineSide` is written
+here instead (atomically: write, then rename): vLLM's front ends (`vllm_ext/fail_closed.py`)
+read it per request, a few microseconds, never blocked by an update; SGLang workers
+publish theirs too, for watchdogs and tests on the same host. `info` names the file
+(`"beacon"`). The folder is private to the engine's user (mode 0700), holds JSON only,
+and is removed when the worker's process exits.
 """
 
 from __future__ import annotations
 
+import atexit
 import json
 import os
+import shutil
 import tempfile
 from pathlib import Path
 from typing import Any
+
+
+def _remove_if_mine(folder: Path, pid: int) -> None:
+    if os.getpid() == pid:  # not in a forked child that inherited the exit handler
+        shutil.rmtree(folder, ignore_errors=True)
 
 
 class Beacon:
@@ -24,6 +33,7 @@ class Beacon:
     @classmethod
     def create(cls, name: str) -> Beacon:
         folder = Path(tempfile.mkdtemp(prefix="enginehooks-state-"))  # 0700
+        atexit.register(_remove_if_mine, folder, os.getpid())
         beacon = cls(folder / f"{name}.json")
         beacon.publish({"state": "initial", "version": None, "updating_to": None,
                         "failed_version": None, "reason": None, "on_torn": "refuse"})
