@@ -37,9 +37,11 @@ SEED = 1234
 BUCKET = 64 << 10
 
 
-def _tokenizer_files(src: Path, dst: Path) -> None:
+def _processor_files(src: Path, dst: Path) -> None:
+    """What the engine loads beside the weights (tokenizer, image processor), which the
+    model's own save_pretrained does not write."""
     for f in src.iterdir():
-        if f.name.startswith(("tokenizer", "special_tokens")):
+        if f.name.startswith(("tokenizer", "special_tokens", "preprocessor_config")):
             shutil.copy(f, dst / f.name)
 
 
@@ -84,7 +86,7 @@ def with_lora(model: Any) -> tuple[Any, Any]:
 
 def save_reference(model: Any, d0: Path, folder: Path) -> Path:
     model.save_pretrained(folder)
-    _tokenizer_files(d0, folder)
+    _processor_files(d0, folder)
     return folder
 
 

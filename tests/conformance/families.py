@@ -40,6 +40,9 @@ class Family:
     engine_config: dict[str, dict[str, Any]] = field(default_factory=dict)
     engine_args: dict[str, dict[str, Any]] = field(default_factory=dict)
     tags: tuple[str, ...] = ()       # what the family exercises
+    # engine -> (transformers image processor class, its kwargs), saved beside the
+    # weights for an engine that starts a vision-language model with its processor
+    image_processor: dict[str, tuple[str, dict[str, Any]]] = field(default_factory=dict)
 
     def config_kwargs(self, engine: str) -> dict[str, Any]:
         return {**self.kwargs, **self.engine_config.get(engine, {})}
@@ -102,6 +105,8 @@ FAMILIES: dict[str, Family] = {f.name: f for f in [
         bos_token_id=1, eos_token_id=2, pad_token_id=0, tie_word_embeddings=True),
         model_class="PaliGemmaForConditionalGeneration",
         engine_args={"vllm": {"language_model_only": True}},
+        # SGLang serves it through its Transformers backend, which loads the processor
+        image_processor={"sglang": ("SiglipImageProcessor", {"size": {"height": 28, "width": 28}})},
         tags=("vision-language (language part)",)),
 ]}
 
@@ -113,4 +118,8 @@ def build(family: Family, engine: str, folder: Any, seed: int = 0) -> Any:
     from enginehooks.testing.tiny import save_tiny
 
     config = getattr(transformers, family.config)(**family.config_kwargs(engine))
-    return save_tiny(folder, config, model_class=family.model_class, seed=seed)
+    out = save_tiny(folder, config, model_class=family.model_class, seed=seed)
+    if engine in family.image_processor:
+        cls, kwargs = family.image_processor[engine]
+        getattr(transformers, cls)(**kwargs).save_pretrained(out)
+    return out
