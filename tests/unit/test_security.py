@@ -161,3 +161,22 @@ def test_a_restarted_engine_rejoins_at_the_next_push() -> None:
         src = net(2)
         assert sync.push(src, version=2).ok
     assert replica.side.version == 2 and same(src, replica.target.module)
+
+
+def test_replicas_added_or_removed_between_pushes_are_picked_up() -> None:
+    a, b = LocalEngine(net(0), name="a"), LocalEngine(net(0), name="b")
+    with WeightSync("gloo", timeout_s=20) as sync:
+        sync.add_replica(a)
+        sync.push(net(1), version=1)
+        sync.add_replica(b)  # a new rollout replica joins the fleet
+        src = net(2)
+        report = sync.push(src, version=2)
+        assert [r.name for r in report.replicas] == ["a", "b"] and report.ok
+        assert a.side.version == b.side.version == 2
+        assert same(src, a.target.module) and same(src, b.target.module)
+        sync.remove_replica(a)  # and one leaves it
+        src = net(3)
+        assert [r.name for r in sync.push(src, version=3).replicas] == ["b"]
+    assert b.side.version == 3 and same(src, b.target.module)
+    assert a.side.version == 2 and same(net(2), a.target.module)
+    assert a.side.group is None  # the group was rebuilt without it: a left
