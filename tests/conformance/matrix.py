@@ -54,10 +54,6 @@ CANNOT_RUN: dict[tuple[str, str], str] = {
     ("sglang", "deepseek_v3"): "MLA attention with the torch_native backend fails on the first "
                                "prefill (RuntimeError: Expected size for first two dimensions "
                                "of batch2 tensor to be: [2, 96] but got: [2, 576])",
-    ("sglang", "paligemma"): "SGLang starts a vision-language model with its multimodal "
-                             "processor, which needs an image processor config "
-                             "(preprocessor_config.json) that the tiny text-only checkpoint "
-                             "does not have (OSError: Can't load image processor)",
 }
 
 
