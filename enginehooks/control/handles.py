@@ -12,7 +12,16 @@ from abc import ABC, abstractmethod
 from typing import Any
 
 from enginehooks.core.errors import ConfigError, ManifestError
-from enginehooks.engine.contract import CHECK, DIGESTS, INFO, JOIN, LEAVE, RECEIVE, method_name
+from enginehooks.engine.contract import (
+    CHECK,
+    DIGESTS,
+    FLUSH,
+    INFO,
+    JOIN,
+    LEAVE,
+    RECEIVE,
+    method_name,
+)
 
 
 class EngineHandle(ABC):
@@ -79,6 +88,11 @@ class EngineHandle(ABC):
                 auth: str | None = None) -> list[dict[str, Any]]:
         return self.rpc(method_name(RECEIVE), manifest_json, group, *_opt(auth),
                         timeout_s=timeout_s)
+
+    def flush_workers(self, timeout_s: float, auth: str | None = None) -> list[dict[str, Any]]:
+        """The contract's `flush` verb on every worker, for engines that flush their
+        prefix cache from inside the worker (`flush_cache` decides when)."""
+        return self.rpc(method_name(FLUSH), *_opt(auth), timeout_s=timeout_s)
 
     def version(self, timeout_s: float = 30.0) -> int | str | None:
         """The weight version every worker holds; None if they differ or any is torn."""

@@ -34,10 +34,9 @@ class Beacon:
     def create(cls, name: str) -> Beacon:
         folder = Path(tempfile.mkdtemp(prefix="enginehooks-state-"))  # 0700
         atexit.register(_remove_if_mine, folder, os.getpid())
-        beacon = cls(folder / f"{name}.json")
-        beacon.publish({"state": "initial", "version": None, "updating_to": None,
-                        "failed_version": None, "reason": None, "on_torn": "refuse"})
-        return beacon
+        # No file yet: the worker's EngineSide publishes its state as it starts, and
+        # readers skip a worker whose file is missing.
+        return cls(folder / f"{name}.json")
 
     def publish(self, state: dict[str, Any]) -> None:
         tmp = self.path.with_suffix(".tmp")

@@ -24,7 +24,6 @@ from typing import Any
 from enginehooks.control._http import request_json
 from enginehooks.control.handles import EngineHandle
 from enginehooks.core.errors import ConfigError, EngineTorn, PushTimeout, ReplicaError
-from enginehooks.engine.contract import FLUSH, method_name
 
 PAUSE_MODES = ("abort", "retract", "in_place")
 
@@ -44,8 +43,7 @@ class _FlushTracking(EngineHandle):
     def flush_cache(self, timeout_s: float, auth: str | None = None) -> None:
         if self._last_flushed:
             return
-        results = self.rpc(method_name(FLUSH), *([] if auth is None else [auth]),
-                           timeout_s=timeout_s)
+        results = self.flush_workers(timeout_s, auth)
         if not all(r.get("flushed") for r in results):
             raise ReplicaError(
                 self.name,
