@@ -7,7 +7,7 @@ here instead (atomically: write, then rename): vLLM's front ends (`vllm_ext/fail
 read it per request, a few microseconds, never blocked by an update; SGLang workers
 publish theirs too, for watchdogs and tests on the same host. `info` names the file
 (`"beacon"`). The folder is private to the engine's user (mode 0700), holds JSON only,
-and is removed when the worker's process exits.
+and is removed when the worker's process exits normally (a killed one leaves it).
 """
 
 from __future__ import annotations
