@@ -10,6 +10,8 @@ error naming the rendezvous, never a hang.
 from __future__ import annotations
 
 import datetime as _dt
+import os
+import socket
 from dataclasses import dataclass
 from typing import Any
 
@@ -17,29 +19,83 @@ import torch.distributed as dist
 
 from enginehooks.core.errors import TransportError
 
+#: The least time a party is given to connect to a store, whatever the group's timeout.
+#: torch's TCPStore formats every peer address with `getnameinfo()`; for the
+#: IPv4-mapped IPv6 addresses its clients connect through, glibc asks DNS (a PTR query
+#: that /etc/hosts cannot answer), and a resolver that drops the query stalls the
+#: connect for the resolver's own timeout (5 s per try with glibc's defaults; on our CI
+#: machines one connect in about 50 stalls so). A short data-plane timeout must not turn
+#: that into a failed group; an unreachable store is still reported, after this long.
+#: Override per group with the transport option `connect_timeout_s`.
+CONNECT_TIMEOUT_FLOOR_S = 30.0
+
 
 def _td(seconds: float) -> _dt.timedelta:
     return _dt.timedelta(seconds=seconds)
 
 
-def master_store(host: str, port: int, timeout_s: float) -> dist.TCPStore:
-    """The sender's store. `port=0` picks a free port; read it back from `.port`."""
+def connect_timeout(timeout_s: float, connect_timeout_s: float | None = None) -> float:
+    """How long joining a group may take: `connect_timeout_s` if given, else the group's
+    timeout but at least `CONNECT_TIMEOUT_FLOOR_S`."""
+    if connect_timeout_s is not None:
+        return float(connect_timeout_s)
+    return max(float(timeout_s), CONNECT_TIMEOUT_FLOOR_S)
+
+
+def _listen(host: str, port: int) -> socket.socket:
+    """A listening socket on `host` only. TCPStore's own server listens on every
+    interface; ours is handed its socket, so the default `127.0.0.1` means loopback
+    only, and peers arrive as plain IPv4 addresses (no DNS lookup in the server's loop,
+    which would stall every party of the store at once)."""
+    errors = []
+    for family, kind, proto, _, addr in socket.getaddrinfo(
+        host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE | socket.AI_NUMERICSERV
+    ):
+        sock = socket.socket(family, kind, proto)
+        try:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            sock.bind(addr)
+            sock.listen(socket.SOMAXCONN)
+            return sock
+        except OSError as e:
+            sock.close()
+            errors.append(f"{addr}: {e}")
+    raise OSError(f"no address of {host!r} could listen on port {port}: {'; '.join(errors)}")
+
+
+def master_store(
+    host: str, port: int, timeout_s: float, connect_timeout_s: float | None = None
+) -> dist.TCPStore:
+    """The sender's store, listening on `host` only. `port=0` picks a free port; read it
+    back from `.port`. Operations time out after `timeout_s`."""
     try:
-        return dist.TCPStore(
-            host, port, is_master=True, wait_for_workers=False, timeout=_td(timeout_s),
-            use_libuv=True,
-        )
+        with _listen(host, port) as sock:
+            port = sock.getsockname()[1]
+            # The store owns (and closes) a duplicate; ours closes when this block ends.
+            store = dist.TCPStore(
+                host, port, is_master=True, wait_for_workers=False,
+                timeout=_td(connect_timeout(timeout_s, connect_timeout_s)),
+                use_libuv=True, master_listen_fd=os.dup(sock.fileno()),
+            )
     except Exception as e:
         raise TransportError(f"cannot open the rendezvous store on {host}:{port}: {e}") from e
+    store.set_timeout(_td(timeout_s))
+    return store
 
 
-def client_store(host: str, port: int, timeout_s: float) -> dist.TCPStore:
+def client_store(
+    host: str, port: int, timeout_s: float, connect_timeout_s: float | None = None
+) -> dist.TCPStore:
+    """A connection to a sender's store; operations time out after `timeout_s`."""
+    limit = connect_timeout(timeout_s, connect_timeout_s)
     try:
-        return dist.TCPStore(host, port, is_master=False, timeout=_td(timeout_s))
+        store = dist.TCPStore(host, port, is_master=False, timeout=_td(limit))
     except Exception as e:
         raise TransportError(
-            f"cannot reach the rendezvous store at {host}:{port} within {timeout_s}s: {e}"
+            f"cannot reach the rendezvous store at {host}:{port} within {limit}s: {e}"
         ) from e
+    store.set_timeout(_td(timeout_s))
+    return store
 
 
 def new_group(
@@ -84,6 +140,7 @@ class GroupEndpoint:
     group: str
     timeout_s: float
     world_size: int
+    connect_timeout_s: float | None = None
 
     @property
     def prefix(self) -> str:
@@ -97,6 +154,8 @@ class GroupEndpoint:
                 transport=str(endpoint["transport"]), host=str(endpoint["host"]),
                 port=int(endpoint["port"]), group=str(endpoint["group"]),
                 timeout_s=float(endpoint["timeout_s"]), world_size=int(endpoint["world_size"]),
+                connect_timeout_s=(None if endpoint.get("connect_timeout_s") is None
+                                   else float(endpoint["connect_timeout_s"])),
             )
         except (KeyError, TypeError, ValueError) as e:
             raise TransportError(f"bad group endpoint {endpoint!r}: {e!r}") from None

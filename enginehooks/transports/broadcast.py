@@ -43,7 +43,13 @@ from enginehooks.core.auth import load_secret
 from enginehooks.core.buckets import Unpacker, buffer_bytes, message_bytes, pack, write_abort
 from enginehooks.core.errors import TransportError
 from enginehooks.core.manifest import Manifest
-from enginehooks.transports._rendezvous import GroupEndpoint, client_store, master_store, new_group
+from enginehooks.transports._rendezvous import (
+    GroupEndpoint,
+    client_store,
+    connect_timeout,
+    master_store,
+    new_group,
+)
 from enginehooks.transports.base import (
     Abort,
     Receiver,
@@ -190,6 +196,7 @@ class BroadcastSender(Sender):
         host: str = "127.0.0.1",
         port: int = 0,
         timeout_s: float = 120.0,
+        connect_timeout_s: float | None = None,
         device: torch.device | str | None = None,
         secret: bytes | None = None,
         **_: Any,
@@ -198,8 +205,9 @@ class BroadcastSender(Sender):
         self.secret = secret
         self.host = host
         self.timeout_s = timeout_s
+        self.connect_timeout_s = connect_timeout(timeout_s, connect_timeout_s)
         self.device = torch.device(device or ("cuda" if backend == "nccl" else "cpu"))
-        self.store = master_store(host, port, timeout_s)
+        self.store = master_store(host, port, timeout_s, self.connect_timeout_s)
         self.group_id = uuid.uuid4().hex[:12]
         self.pg: Any = None
         self.world_size = 0
@@ -212,6 +220,7 @@ class BroadcastSender(Sender):
             "port": self.store.port,
             "group": self.group_id,
             "timeout_s": self.timeout_s,
+            "connect_timeout_s": self.connect_timeout_s,
         }
 
     def connect(self, world_size: int) -> None:
@@ -310,6 +319,7 @@ class BroadcastReceiver(Receiver):
         ep = GroupEndpoint.parse(endpoint, rank)
         self.host, self.port, self.group_id = ep.host, ep.port, ep.group
         self.timeout_s, self.world_size, self.backend = ep.timeout_s, ep.world_size, ep.transport
+        self.connect_timeout_s = ep.connect_timeout_s
         self.rank = rank
         self.device = device
         self.secret = load_secret()  # this engine process's shared secret, if any
@@ -320,7 +330,7 @@ class BroadcastReceiver(Receiver):
         nccl = self.backend == "nccl" and self.device.type == "cuda"
         if nccl:
             torch.cuda.set_device(self.device)
-        store = client_store(self.host, self.port, self.timeout_s)
+        store = client_store(self.host, self.port, self.timeout_s, self.connect_timeout_s)
         self.pg = new_group(
             self.backend, store, f"enginehooks/{self.group_id}/", self.rank, self.world_size,
             _nccl_timeout(self.timeout_s) if nccl else self.timeout_s, self.host,

@@ -56,7 +56,12 @@ from enginehooks.core.auth import AuthError, load_secret
 from enginehooks.core.buckets import Unpacker, buffer_bytes, manifest_id, message_bytes, pack
 from enginehooks.core.errors import SenderAborted, TransportError
 from enginehooks.core.manifest import Manifest
-from enginehooks.transports._rendezvous import GroupEndpoint, client_store, master_store
+from enginehooks.transports._rendezvous import (
+    GroupEndpoint,
+    client_store,
+    connect_timeout,
+    master_store,
+)
 from enginehooks.transports.base import Abort, Receiver, Sender, SendStats, Stream, Target
 
 OK = b"ok"
@@ -117,6 +122,7 @@ class ColocatedSender(Sender):
         host: str = "127.0.0.1",
         port: int = 0,
         timeout_s: float = 120.0,
+        connect_timeout_s: float | None = None,
         device: torch.device | str | None = None,
         secret: bytes | None = None,
         **_: Any,
@@ -124,8 +130,9 @@ class ColocatedSender(Sender):
         self.host = host
         self.secret = secret
         self.timeout_s = float(timeout_s)
+        self.connect_timeout_s = connect_timeout(self.timeout_s, connect_timeout_s)
         self.device = self._default_device(device)
-        self.store = master_store(host, port, self.timeout_s)
+        self.store = master_store(host, port, self.timeout_s, self.connect_timeout_s)
         self.group_id = uuid.uuid4().hex[:12]
         self.prefix = f"enginehooks/{self.group_id}/"
         self.world_size = 0
@@ -163,6 +170,7 @@ class ColocatedSender(Sender):
             "port": self.store.port,
             "group": self.group_id,
             "timeout_s": self.timeout_s,
+            "connect_timeout_s": self.connect_timeout_s,
         }
 
     def _key(self, *parts: object) -> str:
@@ -177,15 +185,16 @@ class ColocatedSender(Sender):
         self.world_size = world_size
         keys = [self._key("join", r) for r in self._receivers()]
         try:
-            self.store.wait(keys, _dt.timedelta(seconds=self.timeout_s))
+            self.store.wait(keys, _dt.timedelta(seconds=self.connect_timeout_s))
         except Exception as e:
             missing = [k for k in keys if not self.store.check([k])]
             raise TransportError(
                 f"{self.transport_name} group {self.group_id}: receivers "
                 f"{[k.rsplit('/', 1)[-1] for k in missing]} did not join within "
-                f"{self.timeout_s}s ({e})"
+                f"{self.connect_timeout_s}s ({e})"
             ) from None
-        self._watch_store = client_store(self.host, self.store.port, self.timeout_s)
+        self._watch_store = client_store(
+            self.host, self.store.port, self.timeout_s, self.connect_timeout_s)
 
     def _ensure_buffers(self, nbytes: int) -> None:
         if self.bufs and self.bufs[0].numel() >= nbytes:
@@ -346,6 +355,7 @@ class ColocatedReceiver(Receiver):
         self.host, self.port, self.group_id = ep.host, ep.port, ep.group
         self.timeout_s, self.world_size, self.transport_name = (
             ep.timeout_s, ep.world_size, ep.transport)
+        self.connect_timeout_s = ep.connect_timeout_s
         self.rank = rank
         self.device = device
         self.secret = load_secret()  # this engine process's shared secret, if any
@@ -371,7 +381,7 @@ class ColocatedReceiver(Receiver):
         return self.prefix + "/".join(str(p) for p in parts)
 
     def connect(self) -> None:
-        self.store = client_store(self.host, self.port, self.timeout_s)
+        self.store = client_store(self.host, self.port, self.timeout_s, self.connect_timeout_s)
         self.store.set(self._key("join", self.rank), b"1")
 
     def _get(self, key: str, what: str) -> bytes:

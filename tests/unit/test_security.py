@@ -4,6 +4,7 @@ protection, keyed buckets; one update at a time; a restarted engine rejoins."""
 from __future__ import annotations
 
 import json
+import os
 import threading
 from typing import Any
 
@@ -180,3 +181,29 @@ def test_replicas_added_or_removed_between_pushes_are_picked_up() -> None:
     assert b.side.version == 3 and same(src, b.target.module)
     assert a.side.version == 2 and same(net(2), a.target.module)
     assert a.side.group is None  # the group was rebuilt without it: a left
+
+
+def _listeners(port: int) -> list[str]:
+    """Local addresses of the sockets listening on `port` (from /proc/net/tcp{,6})."""
+    found = []
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        with open(table) as f:
+            for line in f.readlines()[1:]:
+                local, state = line.split()[1], line.split()[3]
+                addr, hexport = local.rsplit(":", 1)
+                if state == "0A" and int(hexport, 16) == port:  # 0A: LISTEN
+                    found.append(addr)
+    return found
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/net/tcp"), reason="reads Linux's socket tables")
+@pytest.mark.parametrize("transport", ["gloo", "shm"])
+def test_rendezvous_stores_listen_on_loopback_only(transport: str) -> None:
+    """TCPStore's own server listens on every interface; ours must not (docs/security.md)."""
+    sender = get_transport(transport).sender(host="127.0.0.1", port=0, timeout_s=5)
+    try:
+        port = sender.endpoint()["port"]
+        # 127.0.0.1 in /proc/net/tcp's little-endian hex; nothing on 0.0.0.0 or [::].
+        assert _listeners(port) == ["0100007F"]
+    finally:
+        sender.close()
