@@ -8,6 +8,7 @@ subprocess, and one drives the whole `WeightSync` through an in-process engine s
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import subprocess
@@ -325,3 +326,20 @@ def test_weightsync_pushes_over_shm_into_two_replicas() -> None:
                                      e.target.module.state_dict().values(), strict=True):
                     assert same_bits(a, b), n
     assert set(os.listdir(SHM)) - before == set()
+
+
+def test_an_unreachable_store_fails_the_join_within_the_connect_timeout() -> None:
+    """Joining has its own bound (`connect_timeout_s`, at least 30 s by default so a slow
+    DNS answer inside torch's TCPStore cannot fail a group); the endpoint carries it."""
+    sender = ShmSender(host="127.0.0.1", port=0, timeout_s=2.0)
+    ep = dict(sender.endpoint(), world_size=2)
+    assert ep["connect_timeout_s"] == 30.0  # the floor over a 2 s timeout
+    sender.close()
+    del sender
+    gc.collect()  # the store is gone: nothing listens on that port any more
+    ep["connect_timeout_s"] = 1.0
+    receiver = ShmTransport().receiver(ep, 1, torch.device("cpu"))
+    t0 = time.monotonic()
+    with pytest.raises(TransportError, match=r"cannot reach the rendezvous store .* within 1.0s"):
+        receiver.connect()
+    assert time.monotonic() - t0 < 10
