@@ -189,7 +189,8 @@ def _listeners(port: int) -> list[str]:
     for table in ("/proc/net/tcp", "/proc/net/tcp6"):
         with open(table) as f:
             for line in f.readlines()[1:]:
-                local, state = line.split()[1], line.split()[3]
+                fields = line.split()
+                local, state = fields[1], fields[3]
                 addr, hexport = local.rsplit(":", 1)
                 if state == "0A" and int(hexport, 16) == port:  # 0A: LISTEN
                     found.append(addr)
