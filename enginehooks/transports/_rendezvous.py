@@ -98,6 +98,74 @@ def client_store(
     return store
 
 
+#: The environment variable that names the interface(s) a gloo device binds (torch's
+#: own name for it; a comma-separated list gives one device per interface).
+GLOO_IFNAME_ENV = "GLOO_SOCKET_IFNAME"
+
+_WILDCARDS = {"", "0.0.0.0", "::", "*"}
+
+
+def local_address(peer_host: str, peer_port: int = 9) -> str:
+    """This machine's address on the route that reaches `peer_host`.
+
+    A connected UDP socket makes the kernel choose the route and the source address
+    without sending a packet. Toward `127.0.0.1` it is `127.0.0.1`; toward a trainer on
+    another host it is this host's address on the interface that reaches it."""
+    errors = []
+    try:
+        infos = socket.getaddrinfo(peer_host, peer_port, type=socket.SOCK_DGRAM)
+    except OSError as e:
+        raise TransportError(f"cannot resolve the rendezvous host {peer_host!r}: {e}") from e
+    for family, kind, proto, _, addr in infos:
+        with socket.socket(family, kind, proto) as sock:
+            try:
+                sock.connect(addr)
+                return str(sock.getsockname()[0])
+            except OSError as e:
+                errors.append(f"{addr[0]}: {e}")
+    raise TransportError(
+        f"no route from this host to the rendezvous host {peer_host!r} ({'; '.join(errors)}): "
+        f"check the trainer's address, or name this host's interface with {GLOO_IFNAME_ENV}")
+
+
+def gloo_devices(peer_host: str, peer_port: int = 9) -> list[Any]:
+    """The gloo devices of this process for a group that meets at `peer_host`: each side
+    binds an address of its own machine and tells its peers that one through the store.
+
+    - `GLOO_SOCKET_IFNAME` set (e.g. `eth1`, or `eth1,eth2`): those interfaces;
+    - otherwise this host's address on the route to `peer_host` (`local_address`): the
+      trainer's own address on the trainer, the engine host's address on an engine host.
+
+    The trainer's address is never bound by a receiver: only the trainer's machine has
+    it (gloo said "Cannot resolve <trainer ip> to a (local) address")."""
+    create = dist.ProcessGroupGloo.create_device
+    names = [n.strip() for n in os.environ.get(GLOO_IFNAME_ENV, "").split(",") if n.strip()]
+    if names:
+        devices = []
+        for name in names:
+            try:
+                devices.append(create(interface=name))
+            except Exception as e:
+                raise TransportError(
+                    f"{GLOO_IFNAME_ENV}={os.environ[GLOO_IFNAME_ENV]!r}: no usable interface "
+                    f"{name!r} on this host ({e}); name an interface of this machine (`ip "
+                    f"addr`), or unset it to use the one that reaches the trainer") from e
+        return devices
+    if peer_host in _WILDCARDS:
+        raise TransportError(
+            f"rendezvous host {peer_host!r} is a wildcard: receivers connect to it and the "
+            f"sender's gloo device binds it, so pass the trainer's address that the engines "
+            f"reach (e.g. WeightSync(host='10.0.0.5')), or set {GLOO_IFNAME_ENV}")
+    addr = local_address(peer_host, peer_port)
+    try:
+        return [create(hostname=addr)]
+    except Exception as e:
+        raise TransportError(
+            f"cannot build a gloo device on {addr} (this host's address toward the rendezvous "
+            f"host {peer_host!r}): {e}; set {GLOO_IFNAME_ENV} to the interface that reaches "
+            f"the trainer") from e
+
+
 def new_group(
     backend: str,
     store: dist.Store,
@@ -105,18 +173,26 @@ def new_group(
     rank: int,
     world_size: int,
     timeout_s: float,
-    host: str = "127.0.0.1",
+    host: str | None = None,
 ) -> dist.ProcessGroup:
     """A `Backend` object for `backend` ("gloo" or "nccl") over `store` under `prefix`.
+
+    `host` is where the store listens (default: the store's own host), used only to
+    find the interface this process binds (`gloo_devices`). NCCL picks its interfaces
+    itself (`NCCL_SOCKET_IFNAME` names them).
 
     Blocks until every rank has joined, or raises after `timeout_s`.
     """
     pstore = dist.PrefixStore(prefix, store)
+    store_host = host if host is not None else str(getattr(store, "host", "127.0.0.1"))
+    store_port = int(getattr(store, "port", 0) or 9)
+    if backend == "gloo":
+        devices = gloo_devices(store_host, store_port)
     try:
         if backend == "gloo":
             opts = dist.ProcessGroupGloo._Options()
             opts._timeout = _td(timeout_s)
-            opts._devices = [dist.ProcessGroupGloo.create_device(hostname=host)]
+            opts._devices = devices
             return dist.ProcessGroupGloo(pstore, rank, world_size, opts)
         if backend == "nccl":
             opts = dist.ProcessGroupNCCL.Options()

@@ -228,9 +228,11 @@ class BroadcastSender(Sender):
         if nccl:
             torch.cuda.set_device(self.device)
         self.world_size = world_size
+        # `host` is where the store listens; the gloo device binds this host's address
+        # on the route to it (`gloo_devices`): the trainer's own address here.
         self.pg = new_group(
             self.backend, self.store, f"enginehooks/{self.group_id}/", 0, world_size,
-            _nccl_timeout(self.timeout_s) if nccl else self.timeout_s, self.host,
+            _nccl_timeout(self.timeout_s) if nccl else self.timeout_s, host=self.host,
         )
         if nccl:
             try:
@@ -331,9 +333,12 @@ class BroadcastReceiver(Receiver):
         if nccl:
             torch.cuda.set_device(self.device)
         store = client_store(self.host, self.port, self.timeout_s, self.connect_timeout_s)
+        # The trainer's host is only where to connect: the gloo device binds this engine
+        # host's own address on the route to it (or GLOO_SOCKET_IFNAME), never the
+        # trainer's address, which no other machine has.
         self.pg = new_group(
             self.backend, store, f"enginehooks/{self.group_id}/", self.rank, self.world_size,
-            _nccl_timeout(self.timeout_s) if nccl else self.timeout_s, self.host,
+            _nccl_timeout(self.timeout_s) if nccl else self.timeout_s, host=self.host,
         )
         if nccl:
             try:
