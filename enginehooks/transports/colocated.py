@@ -28,12 +28,41 @@ Ordering, which is what keeps the bytes whole:
    syncs its device once the target moved on (the copies out are done), then acks;
 3. the sender reuses slot k % 2 for bucket k + 2 only after every receiver acked k.
 
+Step 3 is what a forged ack would break: anyone who reaches the store could write `ok`
+for a bucket a receiver is still reading, and the sender would refill the slot under
+it (bytes from two updates, applied without an error). So, **with a shared secret**
+(`ENGINEHOOKS_SECRET` on the trainer and the engines, `core/auth.py`), every control
+message above except `join` carries an HMAC-SHA256 suffix (`<body>\nmac=<hex>`) over:
+the group, the message kind (`buffers`, `ready`, `ack`), the update `seq`, the bucket
+index (the generation for `buffers`), the audience (the receiver rank that writes an
+ack; `*`, every receiver of the group, for the one `ready` and `buffers` key they all
+read), the direction (`trainer->engine`, `engine->trainer`, or `trainer->trainer` for
+the coordinator's abort, which only the sender reads) and the body. A message moved to
+another key, group, update, bucket, rank or direction no longer verifies. A message
+whose MAC fails (or that is unsigned) ends the update at once with a
+`ControlMessageRefused` (an `AuthError` and a `TransportError`) naming the key, on the
+side that read it; that side then tells the other through signed messages, as for any
+failure. It is never taken as a real ack or abort, so the sender refills a slot only
+after each receiver's own authenticated ack, which that receiver writes only after its
+copies out of the slot are done: a receiver never applies bytes the sender could have
+rewritten. (`join` needs no MAC: a forged join lets the sender start early, and every
+message after it is signed.) What a store-reaching attacker keeps is denial of
+service: overwriting a key ends that update with the error naming the key.
+
+**Without a secret**, nothing is signed (messages are the bare bodies, exactly as
+before) and a process that reaches the store can forge acks, aborts and descriptors:
+run with a secret wherever the store is reachable by anyone but the trainer and its
+engines (docs/security.md, "Transport control messages"). A side without a secret
+ignores the MAC suffix of a side that has one (a trainer with a secret refuses such
+engines at join, before this matters).
+
 Failures cross over through the same keys: a receiver that fails writes `error: ...`
-into its remaining acks; a sender that fails (its stream broke, an ack said error, a
-wait timed out, or the coordinator's `Abort` fired) writes `{"abort": ...}` into the
-remaining ready keys. Every store wait carries `timeout_s`. The coordinator's `Abort`
-reaches a sender blocked in a store wait through a watcher thread on a second store
-connection, which writes the abort into the acks the sender waits for.
+into its remaining acks; a sender that fails (its stream broke, an ack said error or
+did not verify, a wait timed out, or the coordinator's `Abort` fired) writes
+`{"abort": ...}` into the remaining ready keys. Every store wait carries `timeout_s`.
+The coordinator's `Abort` reaches a sender blocked in a store wait through a watcher
+thread on a second store connection, which writes the abort into the acks the sender
+waits for.
 """
 
 from __future__ import annotations
@@ -65,39 +94,87 @@ from enginehooks.transports._rendezvous import (
 from enginehooks.transports.base import Abort, Receiver, Sender, SendStats, Stream, Target
 
 OK = b"ok"
+#: What separates a message's body from its MAC on the wire (`<body>\nmac=<64 hex>`).
+MAC_SEP = b"\nmac="
+#: Directions a control message is bound to (see the module docstring).
+TO_ENGINE, TO_TRAINER, TRAINER_SELF = "trainer->engine", "engine->trainer", "trainer->trainer"
+#: The audience of the keys every receiver of the group reads (`ready`, `buffers`).
+EVERY_RECEIVER = "*"
 
 
-def signed(desc: dict[str, Any], secret: bytes | None) -> dict[str, Any]:
-    """A buffer descriptor, with an HMAC when a shared secret is set: receivers map only
-    buffers the trainer described (a process that reached the store cannot point them
-    at memory of its own)."""
-    if secret is None:
-        return desc
-    body = json.dumps(desc, sort_keys=True)
-    return dict(desc, mac=hmac.new(secret, body.encode(), hashlib.sha256).hexdigest())
+class ControlMessageRefused(AuthError, TransportError):
+    """A colocated control message (ack, ready/abort, buffer descriptor) was unsigned or
+    its MAC did not verify: forged by a process that reached the store, moved from
+    another key, or sent by a side without the shared secret. Ends the update."""
 
 
-def verified(desc: Any, secret: bytes | None) -> dict[str, Any]:
-    if not isinstance(desc, dict):
-        raise TransportError(f"malformed buffer descriptor {desc!r:.200}")
-    if secret is None:
-        return desc
-    mac = desc.pop("mac", None)
-    body = json.dumps(desc, sort_keys=True)
-    want = hmac.new(secret, body.encode(), hashlib.sha256).hexdigest()
-    if not isinstance(mac, str) or not hmac.compare_digest(mac, want):
-        raise AuthError("a buffer descriptor is not signed with the shared secret: refusing to "
-                        "map memory the trainer did not describe")
-    return desc
+def control_mac(secret: bytes, *, group: str, kind: str, seq: int, index: int,
+                audience: int | str, direction: str, body: bytes) -> str:
+    """HMAC-SHA256 of one control message, bound to everything that says where it
+    belongs: a message valid for one key verifies under no other."""
+    head = (f"enginehooks-colocated/1\n{group}\n{kind}\n{seq}\n{index}\n{audience}\n"
+            f"{direction}\n").encode()
+    return hmac.new(secret, head + body, hashlib.sha256).hexdigest()
 
 
-def _set_all(store: dist.Store, keys: list[str], value: bytes) -> None:
-    """Best-effort: write `value` under every key (the peer may be gone already), in
+class ControlChannel:
+    """Seals and opens the control messages of one colocated group (both halves use it).
+
+    `seal` appends the MAC when a secret is set, and returns the body unchanged when
+    not. `open` returns the body, raising `ControlMessageRefused` (naming the key) when
+    a secret is set and the MAC is missing or wrong."""
+
+    def __init__(self, secret: bytes | None, group: str, prefix: str, who: str) -> None:
+        self.secret, self.group, self.prefix, self.who = secret, group, prefix, who
+
+    def key(self, kind: str, seq: int, index: int, audience: int | str) -> str:
+        if kind == "buffers":
+            return f"{self.prefix}buffers/{index}"
+        if kind == "ready":
+            return f"{self.prefix}u{seq}/ready/{index}"
+        return f"{self.prefix}u{seq}/ack/{index}/{audience}"
+
+    def seal(self, kind: str, seq: int, index: int, audience: int | str, direction: str,
+             body: bytes) -> bytes:
+        if self.secret is None:
+            return body
+        mac = control_mac(self.secret, group=self.group, kind=kind, seq=seq, index=index,
+                          audience=audience, direction=direction, body=body)
+        return body + MAC_SEP + mac.encode()
+
+    def open(self, kind: str, seq: int, index: int, audience: int | str,
+             directions: tuple[str, ...], raw: bytes) -> bytes:
+        body, sep, mac = raw.rpartition(MAC_SEP)
+        signed = bool(sep) and len(mac) == 64
+        if not signed:
+            body = raw
+        if self.secret is None:
+            return body  # nothing to check against (see the module docstring)
+        key = self.key(kind, seq, index, audience)
+        if not signed:
+            raise ControlMessageRefused(
+                f"{self.who}: control message {key} is not signed with the shared secret "
+                f"(forged by a process that reached the rendezvous store, or the other side "
+                f"runs without ENGINEHOOKS_SECRET: set the same secret on the trainer and "
+                f"every engine); refusing it and ending the update")
+        for direction in directions:
+            want = control_mac(self.secret, group=self.group, kind=kind, seq=seq, index=index,
+                               audience=audience, direction=direction, body=body)
+            if hmac.compare_digest(mac, want.encode()):
+                return body
+        raise ControlMessageRefused(
+            f"{self.who}: control message {key} does not verify with the shared secret "
+            f"(forged, moved from another key, or signed with another secret: the trainer "
+            f"and every engine need the same ENGINEHOOKS_SECRET); refusing it and ending "
+            f"the update")
+
+
+def _set_all(store: dist.Store, keys: list[str], values: list[bytes]) -> None:
+    """Best-effort: write `values[i]` under `keys[i]` (the peer may be gone already), in
     batches so one failure notice never becomes thousands of round trips."""
     try:
         for start in range(0, len(keys), 512):
-            part = keys[start : start + 512]
-            store.multi_set(part, [value] * len(part))
+            store.multi_set(keys[start : start + 512], values[start : start + 512])
     except Exception:
         pass
 
@@ -135,6 +212,8 @@ class ColocatedSender(Sender):
         self.store = master_store(host, port, self.timeout_s, self.connect_timeout_s)
         self.group_id = uuid.uuid4().hex[:12]
         self.prefix = f"enginehooks/{self.group_id}/"
+        self.channel = ControlChannel(secret, self.group_id, self.prefix,
+                                      f"{self.transport_name} sender")
         self.world_size = 0
         self.seq = 0
         self.gen = 0
@@ -204,7 +283,9 @@ class ColocatedSender(Sender):
         self.gen += 1
         bufs, desc = self._allocate(nbytes, self.gen)
         self.bufs = bufs
-        self.store.set(self._key("buffers", self.gen), json.dumps(signed(desc, self.secret)))
+        body = json.dumps(desc, sort_keys=True).encode()
+        self.store.set(self._key("buffers", self.gen),
+                       self.channel.seal("buffers", 0, self.gen, EVERY_RECEIVER, TO_ENGINE, body))
 
     def send(self, manifest: Manifest, stream: Stream, abort: Abort) -> SendStats:
         if self.world_size < 2 or self._watch_store is None:
@@ -235,9 +316,10 @@ class ColocatedSender(Sender):
             for index, buf in pack(manifest, stream, next_buffer, self.secret):
                 self._sealed(index, buf)
                 _sync(self.device)  # the slot's bytes are final before anyone may read
+                body = json.dumps({"gen": self.gen, "slot": index % 2, "mid": mid}).encode()
                 self.store.set(
                     self._key(f"u{seq}", "ready", index),
-                    json.dumps({"gen": self.gen, "slot": index % 2, "mid": mid}),
+                    self.channel.seal("ready", seq, index, EVERY_RECEIVER, TO_ENGINE, body),
                 )
                 published = index + 1
                 pending[index % 2] = index
@@ -277,10 +359,12 @@ class ColocatedSender(Sender):
                 f"{self.transport_name}: receivers {late} did not acknowledge bucket {index} "
                 f"within {self.timeout_s}s ({type(e).__name__})"
             ) from None
-        for r, v in zip(self._receivers(), self.store.multi_get(keys), strict=False):
+        for r, raw in zip(self._receivers(), self.store.multi_get(keys), strict=True):
+            if abort.error is not None:  # the coordinator's abort (the watcher woke us)
+                raise TransportError(f"update aborted: {abort.error}") from abort.error
+            # Only rank r's own authenticated ack frees the slot (module docstring).
+            v = self.channel.open("ack", seq, index, r, (TO_TRAINER, TRAINER_SELF), raw)
             if v != OK:
-                if abort.error is not None:
-                    raise TransportError(f"update aborted: {abort.error}") from abort.error
                 raise TransportError(
                     f"{self.transport_name}: receiver rank {r} failed on bucket {index}: "
                     f"{v.decode('utf-8', 'replace')}"
@@ -302,9 +386,10 @@ class ColocatedSender(Sender):
                 if store is None or finished.is_set():
                     return
                 reason = f"error: update aborted by the coordinator: {e}".encode()
-                keys = [self._key(f"u{seq}", "ack", k, r) for k in range(n)
-                        for r in self._receivers()]
-                _set_all(store, keys, reason)
+                pairs = [(k, r) for k in range(n) for r in self._receivers()]
+                _set_all(store, [self._key(f"u{seq}", "ack", k, r) for k, r in pairs],
+                         [self.channel.seal("ack", seq, k, r, TRAINER_SELF, reason)
+                          for k, r in pairs])
 
         t = threading.Thread(target=run, name="enginehooks-colocated-abort", daemon=True)
         t.start()
@@ -314,8 +399,9 @@ class ColocatedSender(Sender):
         """Tell receivers still waiting for buckets `first..n-1` why the update ended."""
         store = self._watch_store or self.store
         keys = [self._key(f"u{seq}", "ready", k) for k in range(first, n)]
-        value = json.dumps({"abort": reason}).encode()
-        _set_all(store, keys, value)
+        body = json.dumps({"abort": reason}).encode()
+        _set_all(store, keys, [self.channel.seal("ready", seq, k, EVERY_RECEIVER, TO_ENGINE, body)
+                               for k in range(first, n)])
 
     def _forget(self, seq: int, n: int) -> None:
         """Drop the finished update's keys so the store does not grow with every push."""
@@ -360,6 +446,8 @@ class ColocatedReceiver(Receiver):
         self.device = device
         self.secret = load_secret()  # this engine process's shared secret, if any
         self.prefix = f"enginehooks/{self.group_id}/"
+        self.channel = ControlChannel(self.secret, self.group_id, self.prefix,
+                                      f"{self.transport_name} rank {rank}")
         self.store: dist.TCPStore | None = None
         self.seq = 0
         self.gen = 0
@@ -396,10 +484,14 @@ class ColocatedReceiver(Receiver):
 
     def _slot(self, seq: int, index: int, mid: int) -> int:
         raw = self._get(self._key(f"u{seq}", "ready", index), f"bucket {index}")
+        body = self.channel.open("ready", seq, index, EVERY_RECEIVER, (TO_ENGINE,), raw)
         try:
-            msg = json.loads(raw)
+            msg = json.loads(body)
+            if not isinstance(msg, dict):
+                raise ValueError(type(msg).__name__)
         except ValueError:
-            raise TransportError(f"bucket {index}: unreadable ready message {raw[:80]!r}") from None
+            raise TransportError(
+                f"bucket {index}: unreadable ready message {body[:80]!r}") from None
         if "abort" in msg:
             raise SenderAborted(f"the sender aborted the update: {msg['abort']}")
         if msg.get("mid") != mid:
@@ -407,15 +499,27 @@ class ColocatedReceiver(Receiver):
                 f"bucket {index} belongs to another update (manifest id {msg.get('mid')!r}, "
                 f"expected {mid}); the group's update counters drifted"
             )
-        gen = int(msg["gen"])
+        try:
+            gen, slot = int(msg["gen"]), int(msg["slot"])
+        except (KeyError, TypeError, ValueError):
+            raise TransportError(f"bucket {index}: malformed ready message {msg!r:.200}") from None
+        if slot != index % 2:
+            raise TransportError(f"bucket {index}: ready message names slot {slot}, the "
+                                 f"sender packs bucket {index} into slot {index % 2}")
         if gen != self.gen:
             self._unmap()
             self.bufs = []
-            desc = verified(json.loads(self._get(self._key("buffers", gen),
-                                                 f"buffer generation {gen}")), self.secret)
+            raw = self._get(self._key("buffers", gen), f"buffer generation {gen}")
+            body = self.channel.open("buffers", 0, gen, EVERY_RECEIVER, (TO_ENGINE,), raw)
+            try:
+                desc = json.loads(body)
+            except ValueError:
+                desc = None
+            if not isinstance(desc, dict):
+                raise TransportError(f"malformed buffer descriptor {body!r:.200}")
             self.bufs = self._map(desc)
             self.gen = gen
-        return int(msg["slot"])
+        return slot
 
     def stream(
         self, manifest: Manifest, into: Callable[[str], torch.Tensor | None] | None = None
@@ -437,7 +541,8 @@ class ColocatedReceiver(Receiver):
                 buf = self.bufs[slot][: message_bytes(manifest.buckets[index].nbytes)]
                 yield from unpacker.unpack(index, buf)
                 _sync(self.device)  # the target's copies out of the slot are done
-                self.store.set(self._key(f"u{seq}", "ack", index, self.rank), OK)
+                self.store.set(self._key(f"u{seq}", "ack", index, self.rank),
+                               self.channel.seal("ack", seq, index, self.rank, TO_TRAINER, OK))
         except BaseException as e:
             self._broken = True
             self._fail(seq, index, n, f"error: {type(e).__name__}: {e}")
@@ -450,7 +555,9 @@ class ColocatedReceiver(Receiver):
 
     def _fail(self, seq: int, first: int, n: int, reason: str) -> None:
         keys = [self._key(f"u{seq}", "ack", k, self.rank) for k in range(first, n)]
-        _set_all(self._store(), keys, reason.encode())
+        body = reason.encode()
+        _set_all(self._store(), keys, [self.channel.seal("ack", seq, k, self.rank, TO_TRAINER, body)
+                                       for k in range(first, n)])
 
     def deliver(self, manifest: Manifest, target: Target) -> dict[str, Any]:
         t0 = time.perf_counter()
