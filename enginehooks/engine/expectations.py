@@ -12,6 +12,7 @@ baseline of what a complete update covers.
 
 from __future__ import annotations
 
+import logging
 import os
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
@@ -25,6 +26,9 @@ from safetensors import safe_open
 from enginehooks.core.dtypes import dtype_name, torch_dtype
 from enginehooks.core.errors import ManifestError
 from enginehooks.core.manifest import DTYPE_SIZES, TensorSpec
+from enginehooks.engine.trace import ByteTracer, MetaScalars
+
+log = logging.getLogger("enginehooks.expectations")
 
 
 class Expectations(ABC):
@@ -135,6 +139,25 @@ def to_meta(skeleton: torch.nn.Module, keep: Collection[int] = ()) -> torch.nn.M
     return skeleton
 
 
+def skeleton_on_meta(build: Callable[[torch.device], torch.nn.Module], *,
+                     keep: Collection[int] = (), engine: str) -> torch.nn.Module:
+    """The engine's model class built for the loader dry run, on the meta device.
+
+    `build(device)` constructs it exactly as the engine does, under `device`. Model
+    constructors that read a parameter's value (`float(self.beta.item())`) get 0 from
+    meta tensors (`MetaScalars`). A model that still cannot be built on the meta device
+    is built on the CPU for real, then moved to meta parameter by parameter: it costs
+    memory once, and an enginehooks limitation never turns into an engine that refuses
+    updates (or generation)."""
+    try:
+        with MetaScalars():
+            return to_meta(build(torch.device("meta")), keep=keep)
+    except Exception as e:
+        log.warning("%s: the model cannot be built on the meta device for the loader dry run "
+                    "(%s: %s); building it on the CPU instead", engine, type(e).__name__, e)
+    return to_meta(build(torch.device("cpu")), keep=keep)
+
+
 @dataclass
 class Landing:
     """Where the engine's loader put one tensor: the parameters it loaded into (with
@@ -143,45 +166,6 @@ class Landing:
     params: dict[str, str] = field(default_factory=dict)  # parameter -> its dtype
     numel: dict[str, int] = field(default_factory=dict)   # parameter -> elements handed over
     error: str | None = None
-
-
-class _Recorder:
-    """Wraps every meta parameter's weight loader so the dry run sees which tensor the
-    engine loads where. Attribution is by the identity of the tensor handed to the
-    loader (or the view it was cut from), else by the tensor being fed right now."""
-
-    def __init__(self, model: torch.nn.Module, default_loader: Callable[..., Any]) -> None:
-        self.current: str | None = None
-        self.by_id: dict[int, str] = {}
-        self.landings: dict[str, Landing] = {}
-        for pname, param in model.named_parameters():
-            original = getattr(param, "weight_loader", default_loader)
-            param.weight_loader = self._wrap(pname, param, original)
-
-    def _wrap(self, pname: str, param: torch.Tensor, original: Callable[..., Any]) -> Callable[..., Any]:
-        def recording_loader(*args: Any, **kwargs: Any) -> Any:
-            # Loaders take (param, loaded_weight, ...) positionally or by keyword.
-            loaded = kwargs.get("loaded_weight", args[1] if len(args) > 1 else None)
-            root = loaded._base if isinstance(loaded, torch.Tensor) and loaded._base is not None \
-                else loaded
-            name = self.by_id.get(id(root), self.current)
-            if name is not None and isinstance(loaded, torch.Tensor):
-                landing = self.landings.setdefault(name, Landing())
-                landing.params[pname] = dtype_name(param.dtype) if param.dtype in _NAMED else ""
-                landing.numel[pname] = landing.numel.get(pname, 0) + loaded.numel()
-            return original(*args, **kwargs)
-
-        recording_loader.__name__ = getattr(original, "__name__", "weight_loader")
-        return recording_loader
-
-    def feed(self, specs: Sequence[TensorSpec]) -> Iterator[tuple[str, torch.Tensor]]:
-        for s in specs:
-            t = torch.empty(s.shape, dtype=torch_dtype(s.dtype), device="meta")
-            self.by_id[id(t)] = s.name
-            self.current = s.name
-            self.landings.setdefault(s.name, Landing())
-            yield s.name, t
-        self.current = None
 
 
 _NAMED = {getattr(torch, n) for n in DTYPE_SIZES}
@@ -197,26 +181,23 @@ class LoaderExpectations(Expectations):
             update path would (inside its config context).
         checkpoint: name -> spec of the checkpoint the engine started from (the
             baseline: what a complete update covers, and the shapes it had).
-        default_loader: the engine's loader for parameters that declare none.
         engine: the engine's name, for messages.
 
     Problems it reports, each naming the tensor: the loader raises on it (unknown
-    name, wrong shape); the loader loads it into nothing (it would be silently
-    ignored) unless the engine's own checkpoint holds it too; its shape differs from
-    the engine's checkpoint; its dtype differs from the parameter it lands in; and an
-    engine parameter the update would leave (partly) on old values, with the checkpoint
-    tensors that would have covered it.
+    name, wrong shape); the loader writes it into no parameter or buffer (it would be
+    silently ignored) unless a fresh load ignores the engine's own checkpoint tensor of
+    that name too; its shape differs from the engine's checkpoint; an integer tensor
+    whose dtype differs from the checkpoint's; and an engine parameter the update would
+    leave (partly) on old values, with the checkpoint tensors that would have covered it.
+    Floating dtypes the loader casts (an fp32 trainer, a bf16 engine) are accepted.
     """
 
     def __init__(self, skeleton: Callable[[], torch.nn.Module],
                  load: Callable[[torch.nn.Module, Iterator[tuple[str, torch.Tensor]]], Any],
-                 checkpoint: Mapping[str, TensorSpec], *,
-                 default_loader: Callable[..., Any], engine: str) -> None:
+                 checkpoint: Mapping[str, TensorSpec], *, engine: str) -> None:
         self._skeleton_fn, self._load = skeleton, load
         self.checkpoint = dict(checkpoint)
-        self.default_loader = default_loader
         self.engine = engine
-        self._recorder: _Recorder | None = None
         self._model: torch.nn.Module | None = None
         self._cache: dict[tuple[str, str, tuple[int, ...]], Landing] = {}
         self._baseline: dict[str, Landing] | None = None
@@ -225,34 +206,46 @@ class LoaderExpectations(Expectations):
         return self.checkpoint.get(name)
 
     # -- the dry run ----------------------------------------------------------------------
-    def _ready(self) -> tuple[torch.nn.Module, _Recorder]:
-        if self._model is None or self._recorder is None:
+    def _ready(self) -> torch.nn.Module:
+        if self._model is None:
             self._model = self._skeleton_fn()
-            self._recorder = _Recorder(self._model, self.default_loader)
-        return self._model, self._recorder
+        return self._model
 
     def landings(self, specs: Sequence[TensorSpec]) -> dict[str, Landing]:
-        """Where each tensor of `specs` lands (cached per name, dtype and shape)."""
+        """Where each tensor of `specs` lands (cached per name, dtype and shape): the
+        engine's loader runs on meta tensors under a `ByteTracer`, which follows every
+        tensor op by op into the parameter and buffer storage it is written to, whether
+        through a `weight_loader` or a direct copy."""
         todo = [s for s in specs if (s.name, s.dtype, tuple(s.shape)) not in self._cache]
-        model, rec = self._ready()
+        model = self._ready()
         while todo:
-            rec.landings, rec.by_id = {}, {}
+            tracer = ByteTracer(model)
+            feed = ((s.name, torch.empty(s.shape, dtype=torch_dtype(s.dtype), device="meta"))
+                    for s in todo)
+            errors: dict[str, str] = {}
             try:
-                with torch.no_grad():
-                    self._load(model, rec.feed(todo))
+                with torch.no_grad(), tracer:
+                    self._load(model, tracer.feed(feed))
+                tracer.settle(model)
                 done, todo = todo, []
             except Exception as e:
-                culprit = rec.current
+                culprit = tracer.current
                 index = next((i for i, s in enumerate(todo) if s.name == culprit), None)
                 if index is None:  # failed outside any tensor (e.g. after the last one)
-                    for s in todo:
-                        rec.landings.setdefault(s.name, Landing()).error = _first_line(e)
+                    errors = {s.name: _first_line(e) for s in todo}
                     done, todo = todo, []
                 else:
-                    rec.landings.setdefault(culprit, Landing()).error = _first_line(e)
+                    errors[culprit] = _first_line(e)  # type: ignore[index]
                     done, todo = todo[: index + 1], todo[index + 1:]
             for s in done:
-                self._cache[(s.name, s.dtype, tuple(s.shape))] = rec.landings.get(s.name, Landing())
+                w = tracer.written.get(s.name)
+                landing = Landing(error=errors.get(s.name))
+                if w is not None:
+                    for dest, n in w.into.items():
+                        dt = w.dtypes.get(dest)
+                        landing.params[dest] = dtype_name(dt) if dt in _NAMED else ""
+                        landing.numel[dest] = n
+                self._cache[(s.name, s.dtype, tuple(s.shape))] = landing
         return {s.name: self._cache[(s.name, s.dtype, tuple(s.shape))] for s in specs}
 
     def baseline(self) -> dict[str, Landing]:
@@ -293,12 +286,17 @@ class LoaderExpectations(Expectations):
                 if s.name not in self.checkpoint:
                     problems.append(f"unknown tensor {s.name!r}: the {self.engine} loader loads it "
                                     "into no parameter (it would be ignored)")
+                elif base[s.name].params:
+                    problems.append(f"tensor {s.name!r}: the {self.engine} loader writes it into "
+                                    f"no parameter as {s.dtype}, though it loads the engine's "
+                                    f"checkpoint tensor ({self.checkpoint[s.name].dtype}) into "
+                                    f"{sorted(base[s.name].params)[:3]}")
             else:
-                want = {d for d in landing.params.values() if d}
+                # A floating tensor in another dtype than its parameter is the loader's
+                # to cast (fp32 -> bf16, bf16 -> a quantised format): it ran on the
+                # wire dtype above and landed, so the engine takes it as a fresh load
+                # of that checkpoint would.
                 floating = torch_dtype(s.dtype).is_floating_point
-                if floating and want and s.dtype not in want:
-                    problems.append(f"tensor {s.name!r}: dtype {s.dtype} but the engine runs "
-                                    f"{sorted(want)[0]} for it")
                 ck = self.checkpoint.get(s.name)
                 if not floating and ck is not None and ck.dtype != s.dtype:
                     problems.append(f"tensor {s.name!r}: dtype {s.dtype} but the engine's "

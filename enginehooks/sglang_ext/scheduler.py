@@ -39,7 +39,7 @@ from enginehooks.engine.expectations import (
     LoaderExpectations,
     checkpoint_specs,
     resolve_model_dir,
-    to_meta,
+    skeleton_on_meta,
 )
 from enginehooks.engine.side import EngineSide
 from enginehooks.transports.base import Target
@@ -123,14 +123,11 @@ class SGLangBinding(EngineBinding):
     def expectations(self) -> Expectations:
         """SGLang's own `load_weights`, dry-run on a meta-device copy of the model
         (built as SGLang's loader builds it), against the checkpoint it started from."""
-        from sglang.srt.model_loader.weight_utils import default_weight_loader
-
         mr = _model_runner(self.sched)
         path = getattr(self.sched.server_args, "model_path", None) or mr.model_config.model_path
         return LoaderExpectations(
             self._skeleton, lambda model, weights: model.load_weights(weights),
-            checkpoint_specs(resolve_model_dir(path)), default_loader=default_weight_loader,
-            engine="SGLang")
+            checkpoint_specs(resolve_model_dir(path)), engine="SGLang")
 
     def _skeleton(self) -> torch.nn.Module:
         # SGLang's DefaultModelLoader.load_model minus the weights, on the meta device.
@@ -141,9 +138,13 @@ class SGLangBinding(EngineBinding):
         mr = _model_runner(self.sched)
         load_config = getattr(mr, "load_config", None) or LoadConfig(load_format="auto")
         quant = _get_quantization_config(mr.model_config, load_config)
-        with set_default_torch_dtype(mr.model_config.dtype), torch.device("meta"):
-            model = _initialize_model(mr.model_config, load_config, quant)
-        return to_meta(model)  # SGLang's Transformers backend (GPT-NeoX) builds on the CPU
+
+        def build(device: torch.device) -> torch.nn.Module:
+            with set_default_torch_dtype(mr.model_config.dtype), device:
+                return _initialize_model(mr.model_config, load_config, quant)
+
+        # to_meta inside: SGLang's Transformers backend (GPT-NeoX) builds on the CPU
+        return skeleton_on_meta(build, engine="SGLang")
 
     def readable(self) -> Mapping[str, torch.Tensor]:
         # qkv / gate_up are fused; embeddings and norms keep their checkpoint layout.

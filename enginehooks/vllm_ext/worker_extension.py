@@ -36,10 +36,21 @@ from enginehooks.engine.expectations import (
     LoaderExpectations,
     checkpoint_specs,
     resolve_model_dir,
-    to_meta,
+    skeleton_on_meta,
 )
 from enginehooks.engine.side import EngineSide
+from enginehooks.engine.verify import Verifier
 from enginehooks.transports.base import Target
+
+
+def private_config(vllm_config: Any) -> Any:
+    """The worker's config with a private layer registry: vLLM registers every attention
+    layer of a model it builds, and refuses a second one by name (the dry-run skeleton
+    and the verification shadow are second models)."""
+    cfg = copy.copy(vllm_config)
+    cfg.compilation_config = copy.copy(cfg.compilation_config)
+    cfg.compilation_config.static_forward_context = {}
+    return cfg
 
 
 class VLLMTarget(Target):
@@ -48,25 +59,56 @@ class VLLMTarget(Target):
     def __init__(self, worker: Any, landed: Callable[[list[TensorSpec]], set[str]]) -> None:
         self.worker = worker
         self.landed = landed
+        self.verifier = Verifier("vLLM")
         self.device = torch.device(worker.device) if hasattr(worker, "device") else torch.device("cpu")
 
     def apply(self, tensors: Iterator[tuple[str, torch.Tensor]]) -> None:
         # Layerwise reload keeps the tensors it is given until their whole layer has
         # arrived, and the transport reuses bucket buffers: hand it copies, so at most
-        # one layer's worth is held, never views into a buffer being overwritten.
+        # one layer's worth is held, never views into a buffer being overwritten. When
+        # this update is verified, the copies are kept for the fresh-load shadow.
         fed: list[TensorSpec] = []
+        verify = self.verifier.wanted()
+        kept: list[tuple[str, torch.Tensor]] = []
 
         def copies() -> Iterator[tuple[str, torch.Tensor]]:
             for name, t in tensors:
                 fed.append(TensorSpec(name, dtype_name(t.dtype), tuple(t.shape)))
-                yield name, t.clone()
+                c = t.clone()
+                if verify:
+                    kept.append((name, c))
+                yield name, c
 
         try:
             self.worker.reload_weights(weights_iterator=copies(), is_checkpoint_format=True)
         except BaseException:
             self._unwind_reload()
             raise
-        _repair_after_reload(self.worker.model_runner.get_model(), self.landed(fed))
+        model = self.worker.model_runner.get_model()
+        landed = self.landed(fed)
+        _repair_after_reload(model, landed)
+        if verify:
+            self.verifier.run(model, lambda: self.fresh_load(kept), landed)
+
+    def fresh_load(self, weights: list[tuple[str, torch.Tensor]]) -> torch.nn.Module:
+        """The engine's fresh-load path on `weights`, in a model of its own: vLLM's model
+        class built on the worker's device, its `load_weights`, then its post-load
+        processing (what `DefaultModelLoader.load_model` does with a checkpoint)."""
+        from vllm.config import set_current_vllm_config
+        from vllm.model_executor.model_loader.utils import (
+            initialize_model,
+            process_weights_after_loading,
+        )
+        from vllm.utils.torch_utils import set_default_torch_dtype
+
+        cfg = private_config(self.worker.vllm_config)
+        with set_current_vllm_config(cfg), set_default_torch_dtype(cfg.model_config.dtype):
+            with self.device:
+                model = initialize_model(vllm_config=cfg)
+            with torch.no_grad():
+                model.load_weights(iter(weights))
+                process_weights_after_loading(model, cfg.model_config, self.device)
+        return model
 
     def _unwind_reload(self) -> None:
         """After a reload died mid-stream, finish vLLM's layerwise reload anyway.
@@ -157,12 +199,10 @@ class VLLMBinding(EngineBinding):
 
     def _loader_expectations(self) -> LoaderExpectations:
         if self._expectations is None:
-            from vllm.model_executor.model_loader.weight_utils import default_weight_loader
-
             mc = self.worker.vllm_config.model_config
             self._expectations = LoaderExpectations(
                 self._skeleton, self._dry_load, checkpoint_specs(resolve_model_dir(mc.model)),
-                default_loader=default_weight_loader, engine="vLLM")
+                engine="vLLM")
         return self._expectations
 
     def _landed(self, fed: list[TensorSpec]) -> set[str]:
@@ -170,32 +210,27 @@ class VLLMBinding(EngineBinding):
         return {p for landing in self._loader_expectations().landings(fed).values()
                 for p in landing.params}
 
-    def _skeleton_config(self) -> Any:
-        """The worker's config with a private layer registry: vLLM registers every
-        attention layer of a model it builds, and refuses a second one by name."""
-        cfg = copy.copy(self.worker.vllm_config)
-        cfg.compilation_config = copy.copy(cfg.compilation_config)
-        cfg.compilation_config.static_forward_context = {}
-        return cfg
-
     def _skeleton(self) -> torch.nn.Module:
         from vllm.config import set_current_vllm_config
         from vllm.model_executor.model_loader.utils import initialize_model
         from vllm.utils.torch_utils import set_default_torch_dtype
 
-        cfg = self._skeleton_config()
-        with set_current_vllm_config(cfg), set_default_torch_dtype(cfg.model_config.dtype), \
-                torch.device("meta"):
-            model = initialize_model(vllm_config=cfg)
+        cfg = private_config(self.worker.vllm_config)
+
+        def build(device: torch.device) -> torch.nn.Module:
+            with set_current_vllm_config(cfg), set_default_torch_dtype(cfg.model_config.dtype), \
+                    device:
+                return initialize_model(vllm_config=cfg)
+
         # Never `model.to(...)`: vLLM caches modules such as rotary embeddings and shares
         # them with the live model, whose parameters must stay where they are.
         live = {id(p) for p in self.worker.model_runner.get_model().parameters()}
-        return to_meta(model, keep=live)
+        return skeleton_on_meta(build, keep=live, engine="vLLM")
 
     def _dry_load(self, model: torch.nn.Module, weights: Iterator[tuple[str, torch.Tensor]]) -> Any:
         from vllm.config import set_current_vllm_config
 
-        with set_current_vllm_config(self._skeleton_config()):
+        with set_current_vllm_config(private_config(self.worker.vllm_config)):
             return model.load_weights(weights)
 
     def readable(self) -> Mapping[str, torch.Tensor]:
@@ -206,7 +241,7 @@ class VLLMBinding(EngineBinding):
         self.beacon.publish(state)
 
     def info(self) -> dict[str, Any]:
-        return {"beacon": str(self.beacon.path)}
+        return {"beacon": str(self.beacon.path), "verification": self._target.verifier.state()}
 
 
 class WorkerExtension:
