@@ -50,15 +50,35 @@ class Written:
     dtypes: dict[str, torch.dtype] = field(default_factory=dict)
 
 
+_TO_COPY = torch.ops.aten._to_copy.default
+
+
+def _out_of_meta(func: Any, args: Any, kwargs: Any) -> Any:
+    """What reading data out of a meta tensor gives under the tracers: `.item()` -> 0,
+    `.cpu()` / `.to(device)` -> zeros on that device. None: not such an op."""
+    first = args[0] if args else None
+    if not isinstance(first, torch.Tensor) or not first.is_meta:
+        return None
+    if func is _SCALAR:
+        return _zero(first.dtype)
+    if func is _TO_COPY:
+        device = kwargs.get("device")
+        if device is not None and torch.device(device).type != "meta":
+            return torch.zeros(first.shape, dtype=kwargs.get("dtype") or first.dtype,
+                               device=device)
+    return None
+
+
 class MetaScalars(TorchDispatchMode):
-    """`.item()` of a meta tensor answers 0 instead of raising: lets constructors that
-    read a parameter's value build on the meta device (the value is never used to load
-    anything real)."""
+    """Reading a meta tensor's value answers zeros instead of raising: lets
+    constructors that read a parameter's value (`float(self.beta.cpu().item())`) build
+    on the meta device (the value is never used to load anything real)."""
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
-        if func is _SCALAR and isinstance(args[0], torch.Tensor) and args[0].is_meta:
-            return _zero(args[0].dtype)
+        faked = _out_of_meta(func, args, kwargs)
+        if faked is not None:
+            return faked
         return func(*args, **kwargs)
 
 
@@ -125,9 +145,13 @@ class ByteTracer(TorchDispatchMode):
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
         flat_in = [a for a in tree_flatten((args, kwargs))[0] if isinstance(a, torch.Tensor)]
-        if func is _SCALAR and flat_in and flat_in[0].is_meta:
-            self._scalar_from = self._sources(flat_in)
-            return _zero(flat_in[0].dtype)
+        faked = _out_of_meta(func, args, kwargs)
+        if faked is not None:
+            if func is _SCALAR:
+                self._scalar_from = self._sources(flat_in)
+            else:  # data read out of a fed tensor stays tainted with its name
+                self._mark_derived(faked, self._sources(flat_in))
+            return faked
         written = self._destinations(func, args, kwargs)
         out = func(*args, **kwargs)
         sources = self._sources(t for t in flat_in if all(t is not w for w in written))
@@ -148,14 +172,18 @@ class ByteTracer(TorchDispatchMode):
                     w.into[owner] = w.into.get(owner, 0) + dest.numel()
                     w.dtypes[owner] = dest.dtype
             self._scalar_from = set()
-        if sources:
-            for t in tree_flatten(out)[0]:
-                if isinstance(t, torch.Tensor):
-                    key = _storage_key(t)
-                    if key is not None and key not in self.owner:
-                        self.taint.setdefault(key, set()).update(sources)
-                        self._keep.append(t)
+        self._mark_derived(out, sources)
         return out
+
+    def _mark_derived(self, out: Any, sources: set[str]) -> None:
+        if not sources:
+            return
+        for t in tree_flatten(out)[0]:
+            if isinstance(t, torch.Tensor):
+                key = _storage_key(t)
+                if key is not None and key not in self.owner:
+                    self.taint.setdefault(key, set()).update(sources)
+                    self._keep.append(t)
 
     @staticmethod
     def _destinations(func: Any, args: Any, kwargs: Any) -> list[torch.Tensor]:

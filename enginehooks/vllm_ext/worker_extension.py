@@ -215,9 +215,8 @@ class VLLMBinding(EngineBinding):
         from vllm.model_executor.model_loader.utils import initialize_model
         from vllm.utils.torch_utils import set_default_torch_dtype
 
-        cfg = private_config(self.worker.vllm_config)
-
         def build(device: torch.device) -> torch.nn.Module:
+            cfg = private_config(self.worker.vllm_config)  # fresh for each attempt
             with set_current_vllm_config(cfg), set_default_torch_dtype(cfg.model_config.dtype), \
                     device:
                 return initialize_model(vllm_config=cfg)
