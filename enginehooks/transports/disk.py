@@ -6,10 +6,26 @@ into a hidden temporary folder, fsynced, and renamed into place (`v<version>`), 
 engine can never read a half-written update. Every shard's digest goes into
 `enginehooks-manifest.json` beside the shards, and receivers verify the files before
 they load them.
+
+The root may hold other things (a `venv/`, notes, another tool's checkpoints): the
+sender only ever deletes what it made. Pruning (`keep`, the newest versions kept)
+removes only folders named `v<version>` that hold `enginehooks-manifest.json`, the
+marker every version folder gets. A writer killed mid-update leaves its hidden
+`.tmp-v<version>-<hex>` folder; engines never read those, and the next sender on that
+root reclaims it: each writer holds an exclusive `flock` on `.writer.lock` inside its
+folder while it writes, so a folder whose lock can be taken has no live writer (on NFS,
+Linux maps `flock` to NFS locks, which other hosts see too). A folder without that lock
+file (a writer killed in the microseconds between `mkdir` and taking the lock, or one
+from before this rule) is reclaimed once it is `STALE_TMP_S` old.
+
+Versions name folders, so they are 1 to 128 of `A-Z a-z 0-9 . _ -` (not `.` or `..`);
+anything else, a trailing newline included, is refused before anything is written.
 """
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import json
 import os
 import re
@@ -39,14 +55,72 @@ from enginehooks.transports.base import (
 )
 
 MANIFEST_FILE = "enginehooks-manifest.json"
-_VERSION_RE = re.compile(r"^[A-Za-z0-9._-]{1,128}$")
+#: The lock a writer holds inside its temporary folder while it writes.
+WRITER_LOCK = ".writer.lock"
+#: A temporary folder without a writer lock is reclaimed once it is this old.
+STALE_TMP_S = 600.0
+_VERSION = r"[A-Za-z0-9._-]{1,128}"
+_VERSION_RE = re.compile(_VERSION)
+_TMP_RE = re.compile(rf"\.tmp-v{_VERSION}-[0-9a-f]{{8}}")
 
 
 def version_dir(root: str | os.PathLike[str], version: int | str) -> Path:
+    """The folder of `version` under `root`; refuses a version that is not a plain
+    folder name (`fullmatch`: `re.match` with `$` let `"x\n"` through)."""
     v = str(version)
-    if not _VERSION_RE.match(v) or v in {".", ".."}:
-        raise ManifestError(f"weight_version {version!r} cannot name a folder")
+    if not _VERSION_RE.fullmatch(v) or v in {".", ".."}:
+        raise ManifestError(
+            f"weight_version {version!r} cannot name a folder: the disk transport needs 1 to "
+            f"128 of the characters A-Z a-z 0-9 . _ - (no whitespace, newline or slash), "
+            f"not '.' or '..'")
     return Path(root) / f"v{v}"
+
+
+def is_version_folder(path: Path) -> bool:
+    """A folder this transport wrote: `v<version>` with the manifest marker inside."""
+    return (path.name.startswith("v") and _VERSION_RE.fullmatch(path.name[1:]) is not None
+            and path.name[1:] not in {".", ".."} and path.is_dir()
+            and (path / MANIFEST_FILE).is_file())
+
+
+def _writer_alive(folder: Path) -> bool | None:
+    """True if a writer holds `folder`'s lock, False if none does, None if it has no
+    lock file (see the module docstring)."""
+    try:
+        fd = os.open(folder / WRITER_LOCK, os.O_RDWR)
+    except FileNotFoundError:
+        return None
+    except OSError:
+        return True  # cannot tell: leave it alone
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return True
+    except OSError:
+        return True
+    finally:
+        os.close(fd)  # closing drops a lock we took
+    return False
+
+
+def reclaim_tmp(root: Path, now: float | None = None) -> list[Path]:
+    """Remove the temporary folders of writers that died mid-update; return them."""
+    now = time.time() if now is None else now
+    removed = []
+    with contextlib.suppress(OSError):
+        for p in root.iterdir():
+            if not _TMP_RE.fullmatch(p.name) or not p.is_dir() or p.is_symlink():
+                continue
+            alive = _writer_alive(p)
+            if alive is None:
+                try:
+                    alive = now - p.stat().st_mtime < STALE_TMP_S
+                except FileNotFoundError:
+                    continue
+            if not alive:
+                shutil.rmtree(p, ignore_errors=True)
+                removed.append(p)
+    return removed
 
 
 def shard_name(index: int, total: int) -> str:
@@ -77,6 +151,7 @@ class DiskSender(Sender):
         self.root = Path(root).resolve()
         self.root.mkdir(parents=True, exist_ok=True)
         self.keep = keep
+        reclaim_tmp(self.root)
 
     def endpoint(self) -> dict[str, Any]:
         return {"transport": "disk", "root": str(self.root)}
@@ -89,9 +164,13 @@ class DiskSender(Sender):
         final = version_dir(self.root, manifest.weight_version)
         if final.exists():
             raise TransportError(f"{final} already exists: weight versions must not be reused")
+        reclaim_tmp(self.root)
         tmp = self.root / f".tmp-{final.name}-{uuid.uuid4().hex[:8]}"
         tmp.mkdir()
+        # Held until the rename: while it is, no other sender reclaims this folder.
+        lock = os.open(tmp / WRITER_LOCK, os.O_CREAT | os.O_RDWR, 0o600)
         try:
+            fcntl.flock(lock, fcntl.LOCK_EX)
             digests, weight_map = self._write_shards(manifest, stream, tmp, abort)
             done = Manifest(
                 weight_version=manifest.weight_version,
@@ -106,6 +185,7 @@ class DiskSender(Sender):
             index = {"metadata": {"total_size": manifest.total_bytes}, "weight_map": weight_map}
             (tmp / "model.safetensors.index.json").write_text(json.dumps(index, indent=1))
             (tmp / MANIFEST_FILE).write_text(done.to_json())
+            (tmp / WRITER_LOCK).unlink()  # the fd keeps the lock; the folder gets no clutter
             for p in tmp.iterdir():
                 with open(p, "rb") as f:
                     os.fsync(f.fileno())
@@ -115,6 +195,8 @@ class DiskSender(Sender):
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
+        finally:
+            os.close(lock)
         self._prune(final)
         return SendStats(
             bytes=manifest.total_bytes, buckets=len(manifest.buckets),
@@ -157,10 +239,12 @@ class DiskSender(Sender):
         return digests, weight_map
 
     def _prune(self, newest: Path) -> None:
+        """Keep the newest `keep` version folders this transport wrote; never touch
+        anything else in the root (module docstring)."""
         if self.keep <= 0:
             return
         versions = sorted(
-            (p for p in self.root.iterdir() if p.is_dir() and p.name.startswith("v")),
+            (p for p in self.root.iterdir() if not p.is_symlink() and is_version_folder(p)),
             key=lambda p: p.stat().st_mtime,
         )
         for old in versions[: -self.keep]:
