@@ -25,13 +25,14 @@ from __future__ import annotations
 import json
 import logging
 import traceback
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import torch
 
 from enginehooks.core.dtypes import dtype_name
 from enginehooks.core.errors import ConfigError
+from enginehooks.core.manifest import TensorSpec
 from enginehooks.engine.beacon import Beacon
 from enginehooks.engine.contract import PREFIX, VERBS, EngineBinding, method_name
 from enginehooks.engine.expectations import (
@@ -42,6 +43,7 @@ from enginehooks.engine.expectations import (
     skeleton_on_meta,
 )
 from enginehooks.engine.side import EngineSide
+from enginehooks.engine.verify import Verifier
 from enginehooks.transports.base import Target
 
 log = logging.getLogger("enginehooks.sglang")
@@ -72,28 +74,64 @@ def _device(sched: Any) -> torch.device:
 
 class SGLangTarget(Target):
     """Applies received tensors with the model's own `load_weights`, inside SGLang's
-    weight-update session; then flushes the cache and records the version."""
+    weight-update session; then flushes the cache and records the version. Updates are
+    verified against a fresh-load shadow (`engine.verify`) as the policy asks."""
 
-    def __init__(self, sched: Any) -> None:
+    def __init__(self, sched: Any, landed: Callable[[list[TensorSpec]], set[str]]) -> None:
         self.sched = sched
         self.device = _device(sched)
         self.flushed: bool | None = None
+        self.landed = landed
+        self.verifier = Verifier("SGLang")
 
     def apply(self, tensors: Iterator[tuple[str, torch.Tensor]]) -> None:
         mr = _model_runner(self.sched)
         updater = mr.weight_updater
         model = mr.model
+        verify = self.verifier.wanted()
+        fed: list[TensorSpec] = []
+        kept: list[tuple[str, torch.Tensor]] = []
+
+        def watched() -> Iterator[tuple[str, torch.Tensor]]:
+            for name, t in tensors:
+                fed.append(TensorSpec(name, dtype_name(t.dtype), tuple(t.shape)))
+                if verify:  # the buffer is reused: the shadow needs its own copy
+                    kept.append((name, t.clone()))
+                yield name, t
+
         updater.begin_weight_update()
         try:
             # `load_weights` copies each tensor into its (fused) parameter as it goes,
             # so views into the transport's reusable buffers are safe to pass through.
-            model.load_weights(tensors)
+            model.load_weights(watched())
         finally:
             # After a load, SGLang's own request path ends with run_post_load=False
             # (post-load already ran inside load_weights where the model needs it).
             # Always end the session, even after a failed load, so the model's
             # repacked / quantised weights are put back in their serving layout.
             updater.end_weight_update(run_post_load=False)
+        if verify:
+            self.verifier.run(model, lambda: self.fresh_load(kept), self.landed(fed))
+
+    def fresh_load(self, weights: list[tuple[str, torch.Tensor]]) -> torch.nn.Module:
+        """SGLang's fresh-load path on `weights`: the model class built as its loader
+        builds it, then `DefaultModelLoader.load_weights_and_postprocess`."""
+        from sglang.srt.configs.load_config import LoadConfig
+        from sglang.srt.model_loader.loader import (
+            DefaultModelLoader,
+            _get_quantization_config,
+            _initialize_model,
+        )
+        from sglang.srt.model_loader.utils import set_default_torch_dtype
+
+        mr = _model_runner(self.sched)
+        load_config = getattr(mr, "load_config", None) or LoadConfig(load_format="auto")
+        quant = _get_quantization_config(mr.model_config, load_config)
+        with set_default_torch_dtype(mr.model_config.dtype):
+            with self.device:
+                model = _initialize_model(mr.model_config, load_config, quant)
+            DefaultModelLoader.load_weights_and_postprocess(model, iter(weights), self.device)
+        return model
 
     # `load_path` stays False (the default): SGLang's reload-from-disk rewrites the
     # runner's model_path to the update's folder (which the disk transport later
@@ -109,7 +147,8 @@ class SGLangBinding(EngineBinding):
     def __init__(self, sched: Any) -> None:
         self.sched = sched
         self.worker_rank = _tp(sched)[0]
-        self._target = SGLangTarget(sched)
+        self._target = SGLangTarget(sched, self._landed)
+        self._expectations: LoaderExpectations | None = None
         # The state, readable on the host without an RPC (which would queue behind
         # the update this scheduler is applying).
         self.beacon = Beacon.create(f"sglang-tp{self.worker_rank}")
@@ -121,13 +160,24 @@ class SGLangBinding(EngineBinding):
         return dtype_name(_model_runner(self.sched).model_config.dtype)
 
     def expectations(self) -> Expectations:
+        return self._loader_expectations()
+
+    def _loader_expectations(self) -> LoaderExpectations:
         """SGLang's own `load_weights`, dry-run on a meta-device copy of the model
         (built as SGLang's loader builds it), against the checkpoint it started from."""
-        mr = _model_runner(self.sched)
-        path = getattr(self.sched.server_args, "model_path", None) or mr.model_config.model_path
-        return LoaderExpectations(
-            self._skeleton, lambda model, weights: model.load_weights(weights),
-            checkpoint_specs(resolve_model_dir(path)), engine="SGLang")
+        if self._expectations is None:
+            mr = _model_runner(self.sched)
+            path = getattr(self.sched.server_args, "model_path", None) or \
+                mr.model_config.model_path
+            self._expectations = LoaderExpectations(
+                self._skeleton, lambda model, weights: model.load_weights(weights),
+                checkpoint_specs(resolve_model_dir(path)), engine="SGLang")
+        return self._expectations
+
+    def _landed(self, fed: list[TensorSpec]) -> set[str]:
+        """Parameter names the update's tensors land in (from the loader dry run)."""
+        return {p for landing in self._loader_expectations().landings(fed).values()
+                for p in landing.params}
 
     def _skeleton(self) -> torch.nn.Module:
         # SGLang's DefaultModelLoader.load_model minus the weights, on the meta device.
@@ -165,7 +215,7 @@ class SGLangBinding(EngineBinding):
         from sglang.srt.runtime_context import get_serving
 
         return {"engine_weight_version": get_serving().weight_version,
-                "beacon": str(self.beacon.path)}
+                "beacon": str(self.beacon.path), "verification": self._target.verifier.state()}
 
     def state_changed(self, state: dict[str, Any]) -> None:
         self.beacon.publish(state)
