@@ -10,13 +10,22 @@ a SIGBUS mid-update), and mapped with `torch.from_file(shared=True)` on both sid
 No leak: the files are unlinked as soon as every receiver has mapped them (the first
 ack of a generation proves it), and at close otherwise; the mappings live on until
 each side drops them. Until the unlink, `multiprocessing`'s resource tracker holds
-each name, so even a sender killed by SIGKILL has its files removed.
+each name, so even a sender killed by SIGKILL has its files removed. When the tracker
+dies too (the trainer's whole process group killed, a container stopped), the files
+stay until the next `ShmSender` on the host reclaims them: each file's name ends in
+its owner's PID namespace and PID (`enginehooks-<group>-<gen>-<slot>-<ns>-<pid>`), and
+a sender removes the files of owners in its own PID namespace that are no longer
+alive and belong to its own user. A live owner, another namespace's files (whose PIDs
+mean nothing here) and other users' files are never touched; a reused PID only keeps
+a dead owner's files a while longer. Those files are never needed again: a receiver
+maps a generation when its first bucket is ready, and a dead sender sends none.
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
+import re
 from pathlib import Path
 from typing import Any
 
@@ -27,6 +36,51 @@ from enginehooks.transports.base import Receiver, Sender, Transport
 from enginehooks.transports.colocated import ColocatedReceiver, ColocatedSender
 
 SHM_DIR = Path("/dev/shm")
+_OWNED = re.compile(r"enginehooks-[0-9a-f]{12}-\d+-[01]-(\d+)-(\d+)")
+
+
+def pid_namespace() -> int | None:
+    """This process's PID namespace (the inode of `/proc/self/ns/pid`), or None where
+    that cannot be read: then no file's owner can be judged, and none is reclaimed."""
+    try:
+        return os.stat("/proc/self/ns/pid").st_ino
+    except OSError:
+        return None
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:
+        return True  # exists, owned by someone else
+    return True
+
+
+def reclaim_orphans(folder: Path = SHM_DIR) -> list[Path]:
+    """Unlink segments whose sender died with its resource tracker (module docstring);
+    return them."""
+    ns = pid_namespace()
+    if ns is None:
+        return []
+    removed = []
+    try:
+        entries = list(folder.iterdir())
+    except OSError:
+        return []
+    for path in entries:
+        m = _OWNED.fullmatch(path.name)
+        if m is None or int(m.group(1)) != ns or _alive(int(m.group(2))):
+            continue
+        try:
+            if path.lstat().st_uid != os.getuid():
+                continue
+            path.unlink()
+        except OSError:
+            continue
+        removed.append(path)
+    return removed
 
 
 def _track(name: str, register: bool) -> None:
@@ -54,6 +108,9 @@ class ShmSender(ColocatedSender):
         self.shm_dir = Path(shm_dir) if shm_dir is not None else SHM_DIR
         self._linked: list[Path] = []  # files not unlinked yet
         self._files: dict[int, list[Path]] = {}
+        self._owner = f"{pid_namespace() or 0}-{os.getpid()}"
+        if self.shm_dir.is_dir():
+            reclaim_orphans(self.shm_dir)
 
     def _allocate(self, nbytes: int, gen: int) -> tuple[list[torch.Tensor], dict[str, Any]]:
         if not self.shm_dir.is_dir():
@@ -67,7 +124,7 @@ class ShmSender(ColocatedSender):
             )
         bufs, names = [], []
         for slot in (0, 1):
-            name = f"enginehooks-{self.group_id}-{gen}-{slot}"
+            name = f"enginehooks-{self.group_id}-{gen}-{slot}-{self._owner}"
             path = self.shm_dir / name
             fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
             self._linked.append(path)

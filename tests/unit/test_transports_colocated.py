@@ -343,3 +343,78 @@ def test_an_unreachable_store_fails_the_join_within_the_connect_timeout() -> Non
     with pytest.raises(TransportError, match=r"cannot reach the rendezvous store .* within 1.0s"):
         receiver.connect()
     assert time.monotonic() - t0 < 10
+
+
+# -- segments of a sender killed with its resource tracker ---------------------------------
+
+KILLED_SENDER = r"""
+import sys, time
+from enginehooks.transports.shm import ShmSender
+s = ShmSender(host="127.0.0.1", port=0, timeout_s=30)
+s._ensure_buffers(4096)
+print(s.group_id, flush=True)
+time.sleep(600)
+"""
+
+
+def test_segments_of_a_killed_process_group_are_reclaimed_by_the_next_sender() -> None:
+    """SIGKILL to the trainer's whole process group takes `multiprocessing`'s resource
+    tracker with it, so nothing unlinks the segments: the next sender on the host does
+    (issue 19). A live sender's segments are left alone."""
+    proc = subprocess.Popen([sys.executable, "-c", KILLED_SENDER], stdout=subprocess.PIPE,
+                            text=True, start_new_session=True)
+    live = ShmSender(host="127.0.0.1", port=0, timeout_s=5)
+    try:
+        assert proc.stdout is not None
+        group = proc.stdout.readline().strip()
+        assert group, "the sender subprocess did not start"
+        live._ensure_buffers(4096)
+        theirs = sorted(SHM.glob(f"enginehooks-{group}-*"))
+        mine = sorted(SHM.glob(f"enginehooks-{live.group_id}-*"))
+        assert len(theirs) == 2 and len(mine) == 2
+        assert all(p.name.endswith(f"-{proc.pid}") for p in theirs)
+        ShmSender(host="127.0.0.1", port=0, timeout_s=5).close()  # the owner is alive: kept
+        assert sorted(SHM.glob(f"enginehooks-{group}-*")) == theirs
+        os.killpg(proc.pid, 9)  # the sender and its resource tracker
+        proc.wait(timeout=30)
+        time.sleep(0.2)
+        assert sorted(SHM.glob(f"enginehooks-{group}-*")) == theirs  # leaked
+        ShmSender(host="127.0.0.1", port=0, timeout_s=5).close()
+        assert list(SHM.glob(f"enginehooks-{group}-*")) == []  # reclaimed
+        assert sorted(SHM.glob(f"enginehooks-{live.group_id}-*")) == mine  # a live one kept
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, 9)
+            proc.wait(timeout=30)
+        live.close()
+        for p in SHM.glob("enginehooks-*"):
+            if p.name.endswith(f"-{proc.pid}"):
+                p.unlink()
+
+
+def test_segments_of_other_pid_namespaces_users_and_names_are_never_reclaimed(
+        tmp_path: Path) -> None:
+    """A PID means nothing outside its namespace (containers sharing /dev/shm), so only
+    files of this namespace are judged; names not of this form are not ours."""
+    from enginehooks.transports.shm import pid_namespace, reclaim_orphans
+
+    ns = pid_namespace()
+    assert ns is not None
+    dead = 2**22 + 12345  # above the default pid_max: no process has it
+    names = {
+        f"enginehooks-0123456789ab-1-0-{ns}-{dead}": True,  # this namespace, dead owner
+        f"enginehooks-0123456789ab-1-1-{ns + 1}-{dead}": False,  # another namespace
+        f"enginehooks-0123456789ab-1-0-{ns}-{os.getpid()}": False,  # alive (us)
+        f"enginehooks-0123456789ab-1-0-{ns}-{dead}.bak": False,  # not our name
+        "enginehooks-0123456789ab-1-0": False,  # an old-style name: no owner to judge
+    }
+    for name in names:
+        (tmp_path / name).write_bytes(b"x")
+    if os.getuid() == 0:  # only root can make a file another user's
+        other_user = f"enginehooks-0123456789ab-2-0-{ns}-{dead}"
+        (tmp_path / other_user).write_bytes(b"x")
+        os.chown(tmp_path / other_user, 65534, 65534)
+        names[other_user] = False  # another user's: not ours to remove
+    removed = {p.name for p in reclaim_orphans(tmp_path)}
+    assert removed == {n for n, gone in names.items() if gone}
+    assert {p.name for p in tmp_path.iterdir()} == {n for n, gone in names.items() if not gone}
