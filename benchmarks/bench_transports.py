@@ -85,6 +85,39 @@ def qwen25_7b_specs(layers: int = 28) -> list[TensorSpec]:
     return out
 
 
+def qwen3_30b_a3b_specs(layers: int = 12) -> list[TensorSpec]:
+    """Qwen3-30B-A3B: hidden 2048, 128 experts x moe_intermediate 768, 32 q / 4 kv heads
+    of 128, vocab 151936, per-expert tensors as in its checkpoint (48 layers in the real
+    model; 12 layers give 4719 tensors, 16.2 GB)."""
+    h, e, inter, vocab, nq, nkv, d = 2048, 128, 768, 151936, 32, 4, 128
+    bf = "bfloat16"
+    out = [TensorSpec("model.embed_tokens.weight", bf, (vocab, h))]
+    for i in range(layers):
+        p = f"model.layers.{i}."
+        out += [
+            TensorSpec(p + "input_layernorm.weight", bf, (h,)),
+            TensorSpec(p + "self_attn.q_proj.weight", bf, (nq * d, h)),
+            TensorSpec(p + "self_attn.k_proj.weight", bf, (nkv * d, h)),
+            TensorSpec(p + "self_attn.v_proj.weight", bf, (nkv * d, h)),
+            TensorSpec(p + "self_attn.o_proj.weight", bf, (h, nq * d)),
+            TensorSpec(p + "self_attn.q_norm.weight", bf, (d,)),
+            TensorSpec(p + "self_attn.k_norm.weight", bf, (d,)),
+            TensorSpec(p + "post_attention_layernorm.weight", bf, (h,)),
+            TensorSpec(p + "mlp.gate.weight", bf, (e, h)),
+        ]
+        for x in range(e):
+            q = f"{p}mlp.experts.{x}."
+            out += [TensorSpec(q + "gate_proj.weight", bf, (inter, h)),
+                    TensorSpec(q + "up_proj.weight", bf, (inter, h)),
+                    TensorSpec(q + "down_proj.weight", bf, (h, inter))]
+    out += [TensorSpec("model.norm.weight", bf, (h,)), TensorSpec("lm_head.weight", bf, (vocab, h))]
+    return out
+
+
+MODELS = {"qwen2.5-7b": ("Qwen2.5-7B shapes", qwen25_7b_specs, 28),
+          "qwen3-30b-a3b": ("Qwen3-30B-A3B shapes", qwen3_30b_a3b_specs, 12)}
+
+
 def smoke_specs() -> list[TensorSpec]:
     return [
         TensorSpec("embed", "bfloat16", (3000, 64)),
@@ -155,6 +188,7 @@ def receiver_main(
     groups: dict[str, Any] = {}
     bufs: dict[int, torch.Tensor] = {}
     state: dict[str, Any] = {}
+    manifests: dict[str, Manifest] = {}
     i = 0
     while True:
         cmd = json.loads(ctl.get(f"cmd/{i}"))
@@ -198,6 +232,17 @@ def receiver_main(
                 if w is not None:
                     w.wait()
                 sync(device)
+            elif op == "per_tensor_ipc":
+                # One CUDA IPC handle per tensor, opened, copied from and dropped: the
+                # pattern of SGLang's update_weights_from_tensor / verl's colocated sync.
+                from enginehooks.transports.cuda_ipc import rebuild
+
+                for (name_, desc) in cmd["descs"]:
+                    t = params[name_]
+                    src = rebuild(desc, device)
+                    t.view(-1).view(torch.uint8).copy_(src)
+                    del src
+                sync(device)
             elif op == "raw_free":
                 bufs.clear()
                 for pg, _s in groups.values():
@@ -215,11 +260,18 @@ def receiver_main(
                 r.connect()
                 state["receiver"] = r
             elif op == "eh_deliver":
-                m = Manifest.from_json(cmd["manifest"])
+                # Parsed once per manifest text: an engine parses it at `check`, before
+                # the transfer this times.
+                m = manifests.get(cmd["manifest"])
+                if m is None:
+                    manifests.clear()
+                    m = manifests[cmd["manifest"]] = Manifest.from_json(cmd["manifest"])
                 t0 = time.perf_counter()
-                state["receiver"].deliver(m, ModuleTarget(params, device))
+                got = state["receiver"].deliver(m, ModuleTarget(params, device))
                 sync(device)
                 out["seconds"] = time.perf_counter() - t0
+                if "phases_ms" in got:
+                    out["phases_ms"] = got["phases_ms"]
             elif op == "eh_leave":
                 out["peak_extra_bytes"] = mem_peak(device, state.pop("base", 0))
                 state.pop("receiver").close()
@@ -256,7 +308,8 @@ class Driver:
         self.device = torch.device("cpu") if self.smoke else torch.device("cuda", 0)
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
-        self.specs = smoke_specs() if self.smoke else qwen25_7b_specs(args.layers)
+        _title, fn, default_layers = MODELS[args.model]
+        self.specs = smoke_specs() if self.smoke else fn(args.layers or default_layers)
         self.total = sum(s.nbytes for s in self.specs)
         self.ctl = master_store("127.0.0.1", 0, args.timeout_s)
         self.seq = 0
@@ -387,8 +440,11 @@ class Driver:
         from enginehooks.plugins import get_transport
 
         base = mem_base(self.device)
+        opts: dict[str, Any] = {}
+        if transport == "cuda_ipc" and tag.endswith(",packed"):
+            opts["single_copy"] = False
         sender = get_transport(transport).sender(
-            host="127.0.0.1", port=0, timeout_s=self.args.timeout_s, device=self.device)
+            host="127.0.0.1", port=0, timeout_s=self.args.timeout_s, device=self.device, **opts)
         rank_of = {w: i + 1 for i, w in enumerate(who)}
         ep = dict(sender.endpoint(), world_size=len(who) + 1)
         j = self.post("eh_join", who, endpoint=ep, rank_of=rank_of)
@@ -401,17 +457,27 @@ class Driver:
                 text = m.to_json()
                 rs: list[float] = []
 
-                def once(m: Manifest = m, text: str = text, rs: list[float] = rs) -> None:
+                extra: dict[str, Any] = {}
+
+                def once(m: Manifest = m, text: str = text, rs: list[float] = rs,
+                         extra: dict[str, Any] = extra) -> None:
                     k = self.post("eh_deliver", who, manifest=text)
-                    sender.send(m, self.stream(), Abort())
+                    st = sender.send(m, self.stream(), Abort())
+                    extra.update(st.extra)
+                    extra.setdefault("send_seconds", []).append(st.seconds)
                     sync(self.device)
                     out = self.wait(k, who)
                     rs.append(max(o["seconds"] for o in out))
+                    if "phases_ms" in out[0]:
+                        extra.setdefault("receiver_phases_ms", []).append(out[0]["phases_ms"])
+                    if "phases_ms" in st.extra:
+                        extra.setdefault("sender_phases_ms", []).append(st.extra["phases_ms"])
 
                 cs = checksum or "none"
                 self.record(f"{transport}[{tag},checksum={cs}]", self.timed(once),
                             receivers=len(who), bucket_bytes=bucket, buckets=len(m.buckets),
-                            checksum=checksum)
+                            checksum=checksum, sender_extra=dict(extra),
+                            deliver_seconds=list(rs))
                 recv_seconds[cs] = rs
         finally:
             sender_peak = mem_peak(self.device, base)
@@ -450,6 +516,45 @@ class Driver:
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
 
+    def raw_foreach_copy(self) -> None:
+        """The same tensors copied into a second set in one process
+        (`torch._foreach_copy_`): the copy floor for many tensors."""
+        dst = {n: torch.empty_like(t) for n, t in self.params.items()}
+        srcs, dsts = list(self.params.values()), list(dst.values())
+
+        def once() -> None:
+            torch._foreach_copy_(dsts, srcs)
+            sync(self.device)
+
+        self.record("raw_foreach_copy", self.timed(once), tensors=len(srcs))
+        dst.clear()
+        dsts.clear()
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+
+    def per_tensor_ipc(self, who: list[str]) -> None:
+        """One CUDA IPC handle per tensor per push (torch's own sharing), each rebuilt in
+        the engine process and copied into its parameter."""
+        from enginehooks.transports.cuda_ipc import describe
+
+        names = list(self.params)
+
+        def once() -> None:
+            for start in range(0, len(names), 512):
+                part = names[start:start + 512]
+                descs = [[n, describe(self.params[n].reshape(-1).view(torch.uint8))]
+                         for n in part]
+                self.call("per_tensor_ipc", who, descs=descs)
+            torch.cuda.ipc_collect()
+
+        saved = (self.args.warmup, self.args.reps)
+        self.args.warmup, self.args.reps = 1, self.args.per_tensor_reps
+        try:
+            self.record("per_tensor_ipc", self.timed(once), tensors=len(names))
+        finally:
+            self.args.warmup, self.args.reps = saved
+        self.call("digest", who)  # zero the receiver again
+
     def run(self) -> dict[str, Any]:
         a = self.args
         buckets = [int(b * MiB) for b in a.bucket_mib] if not self.smoke else [16384]
@@ -468,9 +573,16 @@ class Driver:
                 self.results["not_run"]["nccl"] = f"needs 2 GPUs, found {self.n_gpus}"
         if "cuda_ipc" in parts:
             self.raw_copy()
+            if not self.smoke:
+                self.raw_foreach_copy()
             for b in buckets:
                 tag = f"{b // MiB}MiB,r1" if not self.smoke else "smoke,r1"
                 self.enginehooks(self.colo, ["c0"], b, checks, tag)
+            if not self.smoke and a.packed:
+                b = buckets[0]
+                self.enginehooks(self.colo, ["c0"], b, checks, f"{b // MiB}MiB,r1,packed")
+            if not self.smoke and a.per_tensor:
+                self.per_tensor_ipc(["c0"])
         if "fanout" in parts:
             if self.n_gpus >= 4 or self.smoke:
                 three = ["g1", "g2", "g3"]
@@ -531,6 +643,16 @@ def summarize(res: dict[str, Any]) -> dict[str, Any]:
         if key.startswith(("cuda_ipc[", "shm[")) and "raw_device_copy" in items:
             out[f"{key} / raw_device_copy"] = (
                 items["raw_device_copy"]["seconds_median"] / v["seconds_median"])
+    for key, v in items.items():
+        if key.startswith("cuda_ipc[") and "raw_foreach_copy" in items:
+            out[f"{key} / raw_foreach_copy"] = (
+                items["raw_foreach_copy"]["seconds_median"] / v["seconds_median"])
+    pti = items.get("per_tensor_ipc")
+    if pti:
+        for key, v in items.items():
+            if key.startswith("cuda_ipc[") and "seconds_median" in v:
+                out[f"{key} speedup over per_tensor_ipc"] = (
+                    pti["seconds_median"] / v["seconds_median"])
     pt = items.get("per_tensor_broadcast[r1]")
     if pt:
         for key, v in items.items():
@@ -572,7 +694,14 @@ def main(argv: list[str] | None = None) -> int:
                     help="checksums for the enginehooks runs: none, sum64, crc32")
     ap.add_argument("--reps", type=int, default=7)
     ap.add_argument("--warmup", type=int, default=2)
-    ap.add_argument("--layers", type=int, default=28, help="fewer layers for a quick look")
+    ap.add_argument("--model", choices=sorted(MODELS), default="qwen2.5-7b",
+                    help="tensor shapes: Qwen2.5-7B (dense) or Qwen3-30B-A3B (MoE, per expert)")
+    ap.add_argument("--layers", type=int, default=None,
+                    help="layers (default: all 28 for 7B, 12 of 48 for the MoE)")
+    ap.add_argument("--per-tensor-reps", type=int, default=2,
+                    help="repetitions of the per-tensor IPC handle baseline (slow)")
+    ap.add_argument("--packed", action="store_true",
+                    help="also run cuda_ipc's two-buffer path (single_copy=False)")
     ap.add_argument("--parts", nargs="+", default=["nccl", "cuda_ipc", "fanout"],
                     choices=["nccl", "cuda_ipc", "fanout"])
     ap.add_argument("--no-per-tensor", dest="per_tensor", action="store_false")
@@ -595,7 +724,7 @@ def main(argv: list[str] | None = None) -> int:
         drv.stop()
     res["machine"] = machine()
     res["config"] = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}
-    res["model"] = {"name": "Qwen2.5-7B shapes" if not args.smoke else "smoke",
+    res["model"] = {"name": MODELS[args.model][0] if not args.smoke else "smoke",
                     "tensors": len(drv.specs), "bytes": drv.total, "dtype": "bfloat16"}
     res["summary"] = summarize(res)
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -16,19 +16,68 @@ buffers, which is how the producer reclaims blocks whose consumers have let go.
 Same GPU only: the descriptor carries the GPU's UUID, and a receiver on another GPU
 gets a clear error (use `nccl` there). A receiver in the sender's own process (CUDA
 refuses to open one's own IPC handle) uses the sender's tensors directly.
+
+**Single copy** (the default where it applies: Triton on the GPU, `checksum` `sum64` or
+none, no expandable segments): the sender packs nothing. It hands over the trainer's own
+tensors by naming, for every piece of a bucket, the CUDA allocation that holds it and the
+offset inside it; each allocation's IPC handle is taken once and announced once, and each
+receiver opens it once and caches the mapping (cuIpcOpenMemHandle through the driver),
+so a push costs one store message per bucket, not one handle per tensor. The receiver
+copies every piece of a bucket with one launch of the fused copy+digest kernel
+(`core/fused_copy.py`) straight into the target's `destination(name)`; for a target
+without one it yields views of the trainer's memory, which the target's own load path
+copies (still one copy), and the digest is a read of those views. The sender's digest
+of each (virtual, zero-padded) bucket is a read of its sources on a side stream; both
+digests travel as one message after the last bucket (`ready/<n>`) and the receiver
+answers with one final ack (`ack/<n>`): a corrupted or torn bucket ends the update with
+`ChecksumError` naming it, after its bytes landed (the engine is then `torn`, as after
+any failure mid-update). Memory: the sender holds references to the tensors of at most
+three buckets in flight (nothing for parameters themselves, at most that many gathered
+temporaries), the receiver allocates nothing but its tables. Mappings are dropped when
+the trainer's allocator has freed a segment since the last push (its `segment.all.freed`
+counter), so a reused address never reads through a stale mapping; a freed segment stays
+mapped until then. Option `single_copy=False` (`WeightSync(transport_options=...)`)
+keeps the two-buffer path.
 """
 
 from __future__ import annotations
 
 import base64
+import bisect
+import ctypes
+import json
 import os
-from typing import Any
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any, cast
 
+import numpy as np
 import torch
 
-from enginehooks.core.errors import TransportError
-from enginehooks.transports.base import Receiver, Sender, Transport
-from enginehooks.transports.colocated import ColocatedReceiver, ColocatedSender
+from enginehooks.core.buckets import Unpacker, check_tensor, manifest_id
+from enginehooks.core.dtypes import torch_dtype
+from enginehooks.core.errors import ChecksumError, ManifestError, SenderAborted, TransportError
+from enginehooks.core.manifest import Manifest, TensorEntry
+from enginehooks.transports.base import (
+    Abort,
+    Receiver,
+    Sender,
+    SendStats,
+    Stream,
+    Target,
+    Transport,
+)
+from enginehooks.transports.colocated import (
+    EVERY_RECEIVER,
+    OK,
+    TO_ENGINE,
+    TO_TRAINER,
+    ColocatedReceiver,
+    ColocatedSender,
+)
 
 # Buffers of senders in this process, for receivers in the same process.
 _LOCAL: dict[tuple[str, int], list[torch.Tensor]] = {}
@@ -102,8 +151,186 @@ def _cuda_device(device: torch.device | str | None) -> torch.device:
     return d
 
 
+# -- the CUDA driver calls single copy needs (ctypes: no extra dependency) -----------------
+class _Handle(ctypes.Structure):
+    _fields_ = [("reserved", ctypes.c_char * 64)]
+
+
+class _Driver:
+    """cuMemGetAddressRange / cuIpcGetMemHandle / cuIpcOpenMemHandle / cuIpcCloseMemHandle
+    on the primary context of the device torch uses."""
+
+    _lock = threading.Lock()
+    _one: _Driver | None = None
+
+    def __init__(self) -> None:
+        lib = ctypes.CDLL("libcuda.so.1")
+        u64, p64 = ctypes.c_uint64, ctypes.POINTER(ctypes.c_uint64)
+        self.range = lib.cuMemGetAddressRange_v2
+        self.range.argtypes = [p64, ctypes.POINTER(ctypes.c_size_t), u64]
+        self.get = lib.cuIpcGetMemHandle
+        self.get.argtypes = [ctypes.POINTER(_Handle), u64]
+        self.open_ = lib.cuIpcOpenMemHandle_v2
+        self.open_.argtypes = [p64, _Handle, ctypes.c_uint]
+        self.close_ = lib.cuIpcCloseMemHandle
+        self.close_.argtypes = [u64]
+        self.ctx_get = lib.cuCtxGetCurrent
+        self.ctx_get.argtypes = [ctypes.POINTER(ctypes.c_void_p)]
+        self.ctx_set = lib.cuCtxSetCurrent
+        self.ctx_set.argtypes = [ctypes.c_void_p]
+        self.retain = lib.cuDevicePrimaryCtxRetain
+        self.retain.argtypes = [ctypes.POINTER(ctypes.c_void_p), ctypes.c_int]
+        self.err = lib.cuGetErrorString
+        self.err.argtypes = [ctypes.c_int, ctypes.POINTER(ctypes.c_char_p)]
+
+    @classmethod
+    def get_driver(cls) -> _Driver:
+        with cls._lock:
+            if cls._one is None:
+                cls._one = cls()
+            return cls._one
+
+    def check(self, rc: int, what: str) -> None:
+        if rc:
+            msg = ctypes.c_char_p()
+            self.err(rc, ctypes.byref(msg))
+            text = msg.value.decode() if msg.value else "unknown"
+            raise TransportError(f"cuda_ipc: {what} failed: CUDA error {rc} ({text})")
+
+    def context(self, device: torch.device) -> None:
+        """Make the device's primary context current on this thread (torch's threads
+        have it; a coordinator's worker thread may not)."""
+        ctx = ctypes.c_void_p()
+        self.check(self.ctx_get(ctypes.byref(ctx)), "cuCtxGetCurrent")
+        if not ctx.value:
+            torch.cuda.init()
+            self.check(self.retain(ctypes.byref(ctx), int(device.index or 0)),
+                       "cuDevicePrimaryCtxRetain")
+            self.check(self.ctx_set(ctx), "cuCtxSetCurrent")
+
+    def allocation(self, ptr: int) -> tuple[int, int]:
+        base, size = ctypes.c_uint64(), ctypes.c_size_t()
+        self.check(self.range(ctypes.byref(base), ctypes.byref(size), ptr), "cuMemGetAddressRange")
+        return int(base.value), int(size.value)
+
+    def handle(self, base: int) -> bytes:
+        h = _Handle()
+        self.check(self.get(ctypes.byref(h), base),
+                   "cuIpcGetMemHandle (allocations of expandable segments cannot be shared "
+                   "this way: pass transport_options={'single_copy': False})")
+        return bytes(h)  # all 64 bytes (.reserved stops at the first NUL)
+
+    def open(self, handle: bytes) -> int:
+        h = _Handle.from_buffer_copy(handle)
+        ptr = ctypes.c_uint64()
+        self.check(self.open_(ctypes.byref(ptr), h, 1), "cuIpcOpenMemHandle")
+        return int(ptr.value)
+
+    def close(self, ptr: int) -> None:
+        self.close_(ptr)
+
+
+def _freed_segments(device: torch.device) -> int:
+    """How many segments the trainer's caching allocator has returned to CUDA so far."""
+    st = torch.cuda.memory_stats(device)
+    return int(st.get("num_device_free", st.get("segment.all.freed", 0)))
+
+
+def _expandable_segments() -> bool:
+    conf = os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "") + os.environ.get(
+        "PYTORCH_ALLOC_CONF", "")
+    return "expandable_segments:true" in conf.replace(" ", "").lower()
+
+
+class _CudaView:
+    """A device buffer at a raw address, for `torch.as_tensor` (zero copy)."""
+
+    def __init__(self, addr: int, nbytes: int) -> None:
+        self.__cuda_array_interface__ = {
+            "shape": (nbytes,), "typestr": "|u1", "data": (addr, False), "version": 3,
+            "strides": None,
+        }
+
+
+def _fused() -> Any:
+    from enginehooks.core import fused_copy
+
+    return fused_copy
+
+
+_WINDOW = 3  # buckets in flight before the sender waits for the oldest acks
+_MASK = (1 << 64) - 1
+
+
+@dataclass
+class _Layout:
+    """A manifest's pieces as arrays sorted by (bucket, offset), and per tensor its
+    first and last bucket: what both halves of single copy index per push."""
+
+    tensors: tuple[TensorEntry, ...]
+    dtypes: list[torch.dtype]
+    first: list[int]
+    last: list[int]
+    split: list[bool]
+    empties: bool
+    p_t: np.ndarray
+    p_start: np.ndarray
+    p_n: np.ndarray
+    p_w: np.ndarray
+    lo: list[int]
+    hi: list[int]
+    starts_in: list[list[int]]
+    ends_in: list[list[int]]
+
+
+def _layout(manifest: Manifest) -> _Layout:
+    memo = getattr(manifest, "__dict__", None)
+    cached = memo.get("_enginehooks_layout") if memo is not None else None
+    if cached is not None:
+        return cast(_Layout, cached)
+    ts = manifest.tensors
+    n = len(manifest.buckets)
+    rows = [(i, p.bucket, p.offset, p.start, p.nbytes) for i, e in enumerate(ts) for p in e.pieces]
+    arr = np.asarray(rows, dtype=np.int64).reshape(-1, 5)
+    arr = arr[np.lexsort((arr[:, 2], arr[:, 1]))]
+    buckets = np.ascontiguousarray(arr[:, 1])
+    first = [e.pieces[0].bucket if e.pieces else -1 for e in ts]
+    last = [e.pieces[-1].bucket if e.pieces else -1 for e in ts]
+    starts_in: list[list[int]] = [[] for _ in range(n)]
+    ends_in: list[list[int]] = [[] for _ in range(n)]
+    for i, (f, g) in enumerate(zip(first, last, strict=True)):
+        if f >= 0:
+            starts_in[f].append(i)
+            ends_in[g].append(i)
+    ks = np.arange(n)
+    dt = {e.dtype: torch_dtype(e.dtype) for e in ts}
+    lay = _Layout(
+        tensors=ts, dtypes=[dt[e.dtype] for e in ts], first=first, last=last,
+        split=[len(e.pieces) > 1 for e in ts], empties=any(not e.pieces for e in ts),
+        p_t=np.ascontiguousarray(arr[:, 0]), p_start=np.ascontiguousarray(arr[:, 3]),
+        p_n=np.ascontiguousarray(arr[:, 4]), p_w=np.ascontiguousarray(arr[:, 2] // 4),
+        lo=np.searchsorted(buckets, ks, side="left").tolist(),
+        hi=np.searchsorted(buckets, ks, side="right").tolist(),
+        starts_in=starts_in, ends_in=ends_in)
+    if memo is not None:
+        memo["_enginehooks_layout"] = lay  # frozen dataclass: a memo, not a field
+    return lay
+
+
 class CudaIpcSender(ColocatedSender):
     transport_name = "cuda_ipc"
+
+    def __init__(self, *, single_copy: bool = True, **options: Any) -> None:
+        super().__init__(**options)
+        self.single_copy = bool(single_copy)
+        self._bases: list[int] = []  # sorted allocation bases seen
+        self._allocs: dict[int, tuple[int, int]] = {}  # base -> (size, id)
+        self._announce: list[dict[str, Any]] = []
+        self._next_id = 0
+        self._epoch = 0
+        self._freed = -1
+        self._dstream: torch.cuda.Stream | None = None
+        self._arr: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None
 
     def _default_device(self, device: torch.device | str | None) -> torch.device:
         return _cuda_device(device)
@@ -125,10 +352,229 @@ class CudaIpcSender(ColocatedSender):
             self.bufs = []
             torch.cuda.ipc_collect()
 
+    # -- single copy ---------------------------------------------------------------------
+    def _single_copy_applies(self, manifest: Manifest) -> bool:
+        return (self.single_copy and len(manifest.buckets) > 0
+                and manifest.checksum in (None, "sum64") and not _expandable_segments()
+                and _fused().available(self.device))
+
+    def send(self, manifest: Manifest, stream: Stream, abort: Abort) -> SendStats:
+        if not self._single_copy_applies(manifest):
+            return super().send(manifest, stream, abort)
+        if self.world_size < 2 or self._watch_store is None:
+            raise TransportError("send() before connect(): the group has not formed")
+        if self._broken:
+            raise TransportError("this group failed an earlier update; rebuild it")
+        with torch.cuda.device(self.device):
+            return self._send_refs(manifest, stream, abort)
+
+    def _check_epoch(self) -> None:
+        freed = _freed_segments(self.device)
+        if freed != self._freed:
+            # A segment went back to CUDA: a new allocation may reuse its address.
+            self._bases, self._allocs, self._announce, self._arr = [], {}, [], None
+            self._epoch += 1
+            self._freed = freed
+
+    def _locate(self, ptr: int) -> tuple[int, int]:
+        """(allocation id, offset) of device address `ptr`, announcing new allocations."""
+        i = bisect.bisect_right(self._bases, ptr) - 1
+        if i >= 0:
+            base = self._bases[i]
+            size, aid = self._allocs[base]
+            if ptr < base + size:
+                return aid, ptr - base
+        drv = _Driver.get_driver()
+        base, size = drv.allocation(ptr)
+        handle = drv.handle(base)
+        aid = self._next_id
+        self._next_id += 1
+        bisect.insort(self._bases, base)
+        self._allocs[base] = (size, aid)
+        self._announce.append({"id": aid, "handle": _b64(handle), "size": size, "base": base})
+        return aid, ptr - base
+
+    def _source(self, t: torch.Tensor) -> torch.Tensor:
+        if t.device != self.device:
+            t = t.to(self.device)
+        if not t.is_contiguous():
+            t = t.contiguous()
+        if t.data_ptr() % 16:
+            t = t.clone()
+        return t
+
+    def _locate_many(self, src: np.ndarray, nbytes: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(allocation ids, offsets) of many device addresses at once."""
+        for attempt in range(2):
+            b_arr, s_arr, i_arr = self._arrays()
+            idx = np.searchsorted(b_arr, src, side="right") - 1
+            ok = idx >= 0
+            safe = np.where(ok, idx, 0)
+            if len(b_arr):
+                ok &= src + nbytes <= b_arr[safe] + s_arr[safe]
+            if ok.all():
+                return i_arr[safe], src - b_arr[safe]
+            if attempt:
+                bad = int(src[~ok][0])
+                raise TransportError(f"cuda_ipc: the tensor at {bad:#x} does not lie in one "
+                                     f"CUDA allocation")
+            for ptr in src[~ok].tolist():
+                self._locate(int(ptr))
+        raise AssertionError("unreachable")
+
+    def _arrays(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        if self._arr is None or len(self._arr[0]) != len(self._bases):
+            b = np.asarray(self._bases, dtype=np.int64)
+            self._arr = (b, np.asarray([self._allocs[x][0] for x in self._bases], dtype=np.int64),
+                         np.asarray([self._allocs[x][1] for x in self._bases], dtype=np.int64))
+        return self._arr
+
+    def _send_refs(self, manifest: Manifest, stream: Stream, abort: Abort) -> SendStats:
+        fused = _fused()
+        t0 = time.perf_counter()
+        self.seq += 1
+        seq, n = self.seq, len(manifest.buckets)
+        mid = manifest_id(manifest)
+        lay = _layout(manifest)
+        _Driver.get_driver().context(self.device)
+        self._check_epoch()
+        epoch, pid, dev = self._epoch, os.getpid(), self.device
+        checksum = manifest.checksum
+        main = torch.cuda.current_stream(dev)
+        if self._dstream is None:
+            self._dstream = torch.cuda.Stream(dev)
+        dstream = self._dstream
+        digests = torch.zeros(n, dtype=torch.int64, device=dev) if checksum else None
+        finished = threading.Event()
+        watcher = self._watch(abort, seq, n + 1, finished)  # index n: the final ack
+        ptrs = np.zeros(len(lay.tensors), dtype=np.int64)
+        held: dict[int, list[torch.Tensor]] = {}
+        inflight: deque[tuple[int, torch.cuda.Event | None]] = deque()
+        stats = SendStats()
+        published = 0
+        current = 0
+        ph: dict[str, float] = {"publish": 0.0, "wait_acks": 0.0, "final": 0.0}
+        clock = time.perf_counter
+
+        def publish(k: int) -> None:
+            nonlocal published
+            c0 = clock()
+            lo, hi = lay.lo[k], lay.hi[k]
+            src = ptrs[lay.p_t[lo:hi]] + lay.p_start[lo:hi]
+            nb = lay.p_n[lo:hi]
+            aid, off = self._locate_many(src, nb)
+            main.synchronize()  # the sources are final
+            body = json.dumps({"mid": mid, "epoch": epoch, "pid": pid, "allocs": self._announce,
+                               "aid": aid.tolist(), "off": off.tolist()},
+                              separators=(",", ":")).encode()
+            self.store.set(self._key(f"u{seq}", "ready", k),
+                           self.channel.seal("ready", seq, k, EVERY_RECEIVER, TO_ENGINE, body))
+            self._announce = []
+            published = k + 1
+            done: torch.cuda.Event | None = None
+            if digests is not None and hi > lo:
+                dstream.wait_stream(main)
+                with torch.cuda.stream(dstream):
+                    z = np.zeros(hi - lo, dtype=np.int64)
+                    fused.launch(fused.build(src, z, nb, lay.p_w[lo:hi], z + k, dev), digests,
+                                 copy=False)
+                    done = torch.cuda.Event()
+                    done.record(dstream)
+            inflight.append((k, done))
+            stats.bytes += manifest.buckets[k].nbytes
+            stats.buckets += 1
+            ph["publish"] += clock() - c0
+            while len(inflight) >= _WINDOW:
+                retire()
+
+        def retire() -> None:
+            k, done = inflight.popleft()
+            c0 = clock()
+            self._wait_acks(seq, k, abort)
+            ph["wait_acks"] += clock() - c0
+            if done is not None:
+                main.wait_event(done)  # the digest read is ordered before any reuse
+            held.pop(k, None)
+
+        try:
+            it = iter(stream)
+            first, last, dtypes = lay.first, lay.last, lay.dtypes
+            for i, entry in enumerate(lay.tensors):
+                try:
+                    name, t = next(it)
+                except StopIteration:
+                    raise ManifestError(
+                        f"stream ended before tensor {entry.name!r} of the manifest") from None
+                if name != entry.name or t.dtype is not dtypes[i] or t.shape != entry.shape:
+                    check_tensor(entry, name, t)
+                if t.device != dev or not t.is_contiguous() or t.data_ptr() % 16:
+                    t = self._source(t)
+                ptrs[i] = t.data_ptr()
+                fb = first[i]
+                while fb > current:
+                    publish(current)
+                    current += 1
+                if last[i] >= 0:
+                    held.setdefault(last[i], []).append(t)
+                del t
+            leftover = next(it, None)
+            if leftover is not None:
+                raise ManifestError(
+                    f"stream yielded {leftover[0]!r}, which the manifest does not plan")
+            while current < n:
+                publish(current)
+                current += 1
+            while inflight:
+                retire()
+            c0 = clock()
+            final: list[int] | None = None
+            if digests is not None:
+                dstream.synchronize()
+                final = [((v & _MASK) ^ (b.nbytes << 40)) & _MASK
+                         for v, b in zip(digests.tolist(), manifest.buckets, strict=True)]
+            if _freed_segments(dev) != self._freed:
+                self._freed = -1  # drop every mapping next push
+                if final is None:
+                    raise TransportError(
+                        "cuda_ipc: the trainer's allocator returned GPU memory to CUDA during "
+                        "the update, and without a checksum the receivers' reads cannot be "
+                        "vouched for; push again (or use checksum='sum64')")
+            body = json.dumps({"mid": mid, "digests": final}).encode()
+            self.store.set(self._key(f"u{seq}", "ready", n),
+                           self.channel.seal("ready", seq, n, EVERY_RECEIVER, TO_ENGINE, body))
+            published = n + 1
+            self._wait_acks(seq, n, abort)
+            ph["final"] = clock() - c0
+        except BaseException as e:
+            self._broken = True
+            self._abort_receivers(seq, published, n + 1, f"{type(e).__name__}: {e}")
+            raise
+        finally:
+            finished.set()
+            abort.poke()
+            watcher.join(timeout=self.timeout_s)
+            inflight.clear()
+            held.clear()
+        stats.seconds = time.perf_counter() - t0
+        threading.Thread(target=self._forget, args=(seq, n + 1), daemon=True,
+                         name="enginehooks-colocated-forget").start()
+        total = stats.seconds - sum(ph.values())
+        stats.extra = {"mode": "single_copy", "allocations": len(self._allocs),
+                       "epoch": epoch,
+                       "phases_ms": {"stream_loop": round(total * 1e3, 2),
+                                     **{k: round(v * 1e3, 2) for k, v in ph.items()}}}
+        return stats
+
 
 class CudaIpcReceiver(ColocatedReceiver):
     def __init__(self, endpoint: dict[str, Any], rank: int, device: torch.device) -> None:
         super().__init__(endpoint, rank, _cuda_device(device))
+        self._opened: list[int] = []
+        self._epoch = 0
+        self._base_by_id = np.zeros(0, dtype=np.int64)  # allocation id -> address here
+        self._size_by_id = np.zeros(0, dtype=np.int64)
+        self._known = np.zeros(0, dtype=bool)
+        self.phases: dict[str, float] = {}
 
     def connect(self) -> None:
         torch.cuda.set_device(self.device)
@@ -155,9 +601,240 @@ class CudaIpcReceiver(ColocatedReceiver):
             self.bufs = []
             torch.cuda.ipc_collect()
 
+    def _unmap_refs(self) -> None:
+        if self._opened:
+            torch.cuda.synchronize(self.device)
+            drv = _Driver.get_driver()
+            for ptr in self._opened:
+                drv.close(ptr)
+        self._opened = []
+        self._base_by_id = np.zeros(0, dtype=np.int64)
+        self._size_by_id = np.zeros(0, dtype=np.int64)
+        self._known = np.zeros(0, dtype=bool)
+
+    def close(self) -> None:
+        try:
+            self._unmap_refs()
+        finally:
+            super().close()
+
+    # -- single copy ---------------------------------------------------------------------
+    def stream(
+        self, manifest: Manifest, into: Callable[[str], torch.Tensor | None] | None = None
+    ) -> Iterator[tuple[str, torch.Tensor]]:
+        n = len(manifest.buckets)
+        if self.store is None or self._broken or n == 0:
+            return super().stream(manifest, into)
+        # The sender says which way this update travels in its first ready message.
+        try:
+            raw = self._get(self._key(f"u{self.seq + 1}", "ready", 0), "bucket 0")
+            body = self.channel.open("ready", self.seq + 1, 0, EVERY_RECEIVER, (TO_ENGINE,), raw)
+        except BaseException as e:
+            self.seq += 1
+            self._broken = True
+            self._fail(self.seq, 0, n + 1, f"error: {type(e).__name__}: {e}")
+            raise
+        if b'"aid"' not in body:
+            return super().stream(manifest, into)
+        return self._stream_refs(manifest, into)
+
+    def _ready(self, seq: int, index: int, mid: int) -> dict[str, Any]:
+        raw = self._get(self._key(f"u{seq}", "ready", index), f"bucket {index}")
+        body = self.channel.open("ready", seq, index, EVERY_RECEIVER, (TO_ENGINE,), raw)
+        try:
+            msg = json.loads(body)
+            if not isinstance(msg, dict):
+                raise ValueError(type(msg).__name__)
+        except ValueError:
+            raise TransportError(
+                f"bucket {index}: unreadable ready message {body[:80]!r}") from None
+        if "abort" in msg:
+            raise SenderAborted(f"the sender aborted the update: {msg['abort']}")
+        if msg.get("mid") != mid:
+            raise TransportError(
+                f"bucket {index} belongs to another update (manifest id {msg.get('mid')!r}, "
+                f"expected {mid}); the group's update counters drifted")
+        return msg
+
+    def _open_allocs(self, msg: dict[str, Any]) -> None:
+        epoch = int(msg["epoch"])
+        if epoch != self._epoch:
+            self._unmap_refs()
+            self._epoch = epoch
+        same = msg.get("pid") == os.getpid()
+        drv = _Driver.get_driver()
+        for a in msg.get("allocs", ()):
+            aid, size = int(a["id"]), int(a["size"])
+            if same:  # CUDA refuses to open one's own handle: the address is valid here
+                self._set_alloc(aid, int(a["base"]), size)
+                continue
+            handle = _unb64(a["handle"])
+            if handle is None or len(handle) != 64:
+                raise TransportError(f"cuda_ipc: bad allocation handle for id {aid}")
+            ptr = drv.open(handle)
+            self._opened.append(ptr)
+            _base, real = drv.allocation(ptr)
+            self._set_alloc(aid, ptr, min(size, real))
+
+    def _set_alloc(self, aid: int, ptr: int, size: int) -> None:
+        if aid < 0 or aid > 1 << 24:
+            raise TransportError(f"cuda_ipc: allocation id {aid} out of range")
+        old = len(self._known)
+        if aid >= old:
+            grow = max(aid + 1, 2 * old)
+            self._base_by_id = np.resize(self._base_by_id, grow)
+            self._size_by_id = np.resize(self._size_by_id, grow)
+            self._known = np.resize(self._known, grow)
+            self._base_by_id[old:], self._size_by_id[old:], self._known[old:] = 0, -1, False
+        self._base_by_id[aid], self._size_by_id[aid] = ptr, size
+        self._known[aid] = True
+
+    def _stream_refs(
+        self, manifest: Manifest, into: Callable[[str], torch.Tensor | None] | None
+    ) -> Iterator[tuple[str, torch.Tensor]]:
+        fused = _fused()
+        if not fused.available(self.device):
+            raise TransportError(
+                f"cuda_ipc rank {self.rank}: the trainer hands tensors over by handle (single "
+                f"copy), which needs Triton in the engine's environment; install it or set "
+                f"transport_options={{'single_copy': False}} on the trainer")
+        self.seq += 1
+        seq, n = self.seq, len(manifest.buckets)
+        mid = manifest_id(manifest)
+        lay = _layout(manifest)
+        dev = self.device
+        T = len(lay.tensors)
+        digests = torch.zeros(n, dtype=torch.int64, device=dev)
+        dests: list[torch.Tensor | None] = [None] * T
+        dptr = np.zeros(T, dtype=np.int64)
+        has = np.zeros(T, dtype=bool)
+        prev: tuple[int, torch.cuda.Event] | None = None
+        index = 0
+        ph = self.phases = {"ready": 0.0, "dests": 0.0, "launch": 0.0, "target": 0.0,
+                            "sync": 0.0, "final": 0.0}
+        clock = time.perf_counter
+        _Driver.get_driver().context(dev)
+        try:
+            with torch.cuda.device(dev):
+                for index in range(n):
+                    c0 = clock()
+                    msg = self._ready(seq, index, mid)
+                    ph["ready"] += clock() - c0
+                    self._open_allocs(msg)
+                    lo, hi = lay.lo[index], lay.hi[index]
+                    try:
+                        aid = np.asarray(msg["aid"], dtype=np.int64)
+                        off = np.asarray(msg["off"], dtype=np.int64)
+                    except (KeyError, TypeError, ValueError):
+                        raise TransportError(f"bucket {index}: malformed ready message") from None
+                    if aid.shape != (hi - lo,) or off.shape != (hi - lo,):
+                        raise TransportError(
+                            f"bucket {index}: the sender describes {aid.size} pieces, the "
+                            f"manifest plans {hi - lo}")
+                    nb = lay.p_n[lo:hi]
+                    if aid.size and (aid.min() < 0 or aid.max() >= len(self._known)
+                                     or not self._known[aid].all()
+                                     or (off < 0).any()
+                                     or (off + nb > self._size_by_id[aid]).any()):
+                        raise TransportError(
+                            f"bucket {index}: a piece refers to bytes outside the trainer's "
+                            f"allocations it announced")
+                    src = self._base_by_id[aid] + off
+                    c0 = clock()
+                    for i in lay.starts_in[index]:  # where each tensor lands
+                        e = lay.tensors[i]
+                        d = into(e.name) if into is not None else None
+                        if not (d is not None and d.dtype is lay.dtypes[i] and d.shape == e.shape
+                                and d.device == dev and d.is_contiguous()
+                                and d.data_ptr() % 4 == 0):
+                            d = (torch.empty(e.shape, dtype=lay.dtypes[i], device=dev)
+                                 if lay.split[i] else None)  # rejoined in a temporary
+                        dests[i] = d
+                        has[i] = d is not None
+                        if d is not None:
+                            dptr[i] = d.data_ptr()
+                    c1 = clock()
+                    ph["dests"] += c1 - c0
+                    t_idx = lay.p_t[lo:hi]
+                    w = lay.p_w[lo:hi]
+                    m = has[t_idx]
+                    if m.any():
+                        fused.launch(fused.build(
+                            src[m], dptr[t_idx[m]] + lay.p_start[lo:hi][m], nb[m], w[m],
+                            np.full(int(m.sum()), index, dtype=np.int64), dev), digests, copy=True)
+                    views: dict[int, torch.Tensor] = {}
+                    if not m.all():  # no destination: the target copies from views
+                        r = ~m
+                        if manifest.checksum is not None:
+                            z = np.zeros(int(r.sum()), dtype=np.int64)
+                            fused.launch(fused.build(src[r], z, nb[r], w[r], z + index, dev),
+                                         digests, copy=False)
+                        for j in np.nonzero(r)[0].tolist():
+                            i = int(t_idx[j])
+                            e = lay.tensors[i]
+                            v = torch.as_tensor(_CudaView(int(src[j]), int(nb[j])), device=dev)
+                            views[i] = v.view(lay.dtypes[i]).view(e.shape)
+                    c2 = clock()
+                    ph["launch"] += c2 - c1
+                    if index == 0 and lay.empties:
+                        yield from Unpacker(manifest, dev, into, self.secret).empties()
+                    for i in lay.ends_in[index]:
+                        d = dests[i]
+                        if d is None:
+                            d = views[i]
+                        else:
+                            dests[i] = None
+                        yield lay.tensors[i].name, d
+                    del views
+                    c3 = clock()
+                    ph["target"] += c3 - c2
+                    ev = torch.cuda.Event()
+                    ev.record()
+                    if prev is not None:  # bucket index-1's copies are done: ack it
+                        prev[1].synchronize()
+                        self._ack(seq, prev[0])
+                    prev = (index, ev)
+                    ph["sync"] += clock() - c3
+                c0 = clock()
+                if prev is not None:
+                    prev[1].synchronize()
+                    self._ack(seq, prev[0])
+                index = n
+                final = self._ready(seq, n, mid)
+                want = final.get("digests")
+                if manifest.checksum is not None:
+                    if not isinstance(want, list) or len(want) != n:
+                        raise TransportError(f"malformed digests message {final!r:.200}")
+                    for k, (v, wv) in enumerate(zip(digests.tolist(), want, strict=True)):
+                        mine = ((v & _MASK) ^ (manifest.buckets[k].nbytes << 40)) & _MASK
+                        if mine != int(wv):
+                            names = [lay.tensors[int(i)].name
+                                     for i in lay.p_t[lay.lo[k]:lay.hi[k]][:4]]
+                            raise ChecksumError(
+                                f"bucket {k}: sum64 {mine:#x} != sender's {int(wv):#x}; tensors "
+                                f"{names}... (single copy: the bytes landed before the check)")
+                self._ack(seq, n)
+                ph["final"] = clock() - c0
+        except BaseException as e:
+            self._broken = True
+            self._fail(seq, index, n + 1, f"error: {type(e).__name__}: {e}")
+            raise
+
+    def deliver(self, manifest: Manifest, target: Target) -> dict[str, Any]:
+        self.phases = {}
+        out = super().deliver(manifest, target)
+        if self.phases:  # single copy: where the receiver's time went
+            out["phases_ms"] = {k: round(v * 1e3, 2) for k, v in self.phases.items()}
+        return out
+
+    def _ack(self, seq: int, index: int) -> None:
+        self._store().set(self._key(f"u{seq}", "ack", index, self.rank),
+                          self.channel.seal("ack", seq, index, self.rank, TO_TRAINER, OK))
+
 
 class CudaIpcTransport(Transport):
-    """Colocated transport on one GPU: two IPC-shared device buffers, acks via the store."""
+    """Colocated transport on one GPU: the trainer's tensors by handle (single copy), or
+    two IPC-shared device buffers; acks via the store."""
 
     name = "cuda_ipc"
     default_checksum = "sum64"

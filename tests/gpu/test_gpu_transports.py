@@ -91,6 +91,8 @@ def build(manifest):
 
 model = build(manifests[0])
 target = ModuleTarget(model)
+if len(sys.argv) > 5 and sys.argv[5] == "nodest":
+    target.destination = lambda name: None  # an engine target without destination()
 receiver = get_transport(endpoint["transport"]).receiver(endpoint, rank, device)
 receiver.connect()
 for m in manifests:
@@ -105,7 +107,8 @@ receiver.close()
 """
 
 
-def run_push(transport: str, receiver_devices: list[str], pushes: int = 3) -> None:
+def run_push(transport: str, receiver_devices: list[str], pushes: int = 3,
+             mode: str = "dest") -> None:
     """Push `pushes` versions (checksum none / sum64 / crc32 in turn) to receivers on
     `receiver_devices` and check every tensor of every push bit for bit."""
     device = torch.device("cuda", 0)
@@ -122,7 +125,7 @@ def run_push(transport: str, receiver_devices: list[str], pushes: int = 3) -> No
     procs = [
         subprocess.Popen(
             [sys.executable, "-c", RECEIVER, json.dumps(ep), str(r + 1), dev,
-             json.dumps([m.to_json() for m in manifests])],
+             json.dumps([m.to_json() for m in manifests]), mode],
             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
         )
         for r, dev in enumerate(receiver_devices)
@@ -158,6 +161,13 @@ def test_nccl_two_gpus_bit_exact_several_pushes() -> None:
 @gpus(1)
 def test_cuda_ipc_same_gpu_two_receivers_bit_exact_several_pushes() -> None:
     run_push("cuda_ipc", ["cuda:0", "cuda:0"])
+
+
+@gpus(1)
+def test_cuda_ipc_target_without_destination_bit_exact_several_pushes() -> None:
+    """Single copy into a target that has no destination(): it copies from views of the
+    trainer's memory itself; pushes 0-1 go by handle, push 2 (crc32) packed."""
+    run_push("cuda_ipc", ["cuda:0"], mode="nodest")
 
 
 @gpus(1)

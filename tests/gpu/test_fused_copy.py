@@ -1,0 +1,106 @@
+"""The fused copy+digest kernel (core/fused_copy.py) against the library's sum64, and
+cuda_ipc's single-copy path end to end in one process (WeightSync + LocalEngine)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from enginehooks.core.checksums import _sum64, sum64_tensor
+
+pytestmark = pytest.mark.gpu
+
+needs_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+def _padded_bucket(runs: list[tuple[torch.Tensor, int]], device: torch.device) -> torch.Tensor:
+    """The bucket the runs would form when packed at their word offsets, padding zero."""
+    end = max(wb * 4 + r.numel() for r, wb in runs)
+    buf = torch.zeros(end, dtype=torch.uint8, device=device)
+    for r, wb in runs:
+        buf[wb * 4: wb * 4 + r.numel()] = r
+    return buf
+
+
+@needs_gpu
+def test_fused_copy_digest_equals_sum64_of_the_padded_bucket() -> None:
+    from enginehooks.core import fused_copy
+
+    dev = torch.device("cuda", 0)
+    assert fused_copy.available(dev), fused_copy._state_reason
+    g = torch.Generator().manual_seed(11)
+    for trial in range(6):
+        sizes = [int(s) for s in torch.randint(1, 3 * fused_copy.CHUNK_BYTES, (5,), generator=g)]
+        sizes += [1, 2, 3, 4, 5, 64, 4 * 2048 + 3]
+        runs, wb = [], 7 * trial
+        for s in sizes:
+            runs.append((torch.randint(0, 256, (s,), dtype=torch.uint8, generator=g).to(dev), wb))
+            wb += (s + 63) // 64 * 16  # 64-byte aligned offsets, as a manifest lays pieces
+        dsts = [torch.full_like(r, 0xA5) for r, _ in runs]  # poisoned: every byte must be written
+        src = np.array([r.data_ptr() for r, _ in runs], dtype=np.int64)
+        dst = np.array([d.data_ptr() for d in dsts], dtype=np.int64)
+        nb = np.array([r.numel() for r, _ in runs], dtype=np.int64)
+        w = np.array([b for _, b in runs], dtype=np.int64)
+        # two buckets: the first three runs in bucket 0, the rest in bucket 1
+        bk = np.array([0] * 3 + [1] * (len(runs) - 3), dtype=np.int64)
+        digests = torch.zeros(2, dtype=torch.int64, device=dev)
+        fused_copy.launch(fused_copy.build(src, dst, nb, w, bk, dev), digests, copy=True)
+        only = torch.zeros(2, dtype=torch.int64, device=dev)
+        fused_copy.launch(fused_copy.build(src, dst * 0, nb, w, bk, dev), only, copy=False)
+        torch.cuda.synchronize()
+        for (r, _), d in zip(runs, dsts, strict=True):
+            assert torch.equal(r, d)
+        want = [int(sum64_tensor(_padded_bucket(runs[:3], dev))),
+                int(sum64_tensor(_padded_bucket(runs[3:], dev)))]
+        assert digests.tolist() == want == only.tolist()
+
+
+@needs_gpu
+def test_fused_single_run_matches_cpu_sum64() -> None:
+    from enginehooks.core import fused_copy
+
+    dev = torch.device("cuda", 0)
+    g = torch.Generator().manual_seed(5)
+    for n in (1, 3, 4, 4099, (1 << 20) + 5, (16 << 20) + 2):
+        cpu = torch.randint(0, 256, (n,), dtype=torch.uint8, generator=g)
+        src, dst = cpu.to(dev), torch.zeros(n, dtype=torch.uint8, device=dev)
+        v = int(fused_copy.copy_digest(dst, src)) & ((1 << 64) - 1)
+        assert (v ^ (n << 40)) & ((1 << 64) - 1) == _sum64(cpu), n
+        assert torch.equal(dst.cpu(), cpu)
+
+
+@needs_gpu
+@pytest.mark.parametrize("checksum", [None, "sum64"])
+def test_weightsync_cuda_ipc_in_process_single_copy_bit_exact(checksum: str | None) -> None:
+    from torch import nn
+
+    from enginehooks import WeightSync
+    from enginehooks.engine.local import LocalEngine
+
+    dev = torch.device("cuda", 0)
+    torch.manual_seed(0)
+
+    def model() -> nn.Module:
+        return nn.Sequential(nn.Linear(300, 517), nn.ReLU(), nn.Linear(517, 33)).to(dev)
+
+    trainer, replica = model(), model()
+    with torch.no_grad():
+        for p in replica.parameters():
+            p.zero_()
+    sync = WeightSync(transport="cuda_ipc", checksum=checksum, bucket_bytes=1 << 18,
+                      timeout_s=60, device=dev)
+    sync.add_replica(LocalEngine(replica, device=dev))
+    try:
+        for v in range(3):
+            with torch.no_grad():
+                for p in trainer.parameters():
+                    p.add_(torch.randn_like(p))
+            report = sync.push(trainer, version=v)
+            torch.cuda.synchronize()
+            for (n, a), b in zip(trainer.state_dict().items(), replica.state_dict().values(),
+                                 strict=True):
+                assert torch.equal(a, b), (v, n)
+        assert report is not None
+    finally:
+        sync.close()
