@@ -267,7 +267,23 @@ def receiver_main(
                     manifests.clear()
                     m = manifests[cmd["manifest"]] = Manifest.from_json(cmd["manifest"])
                 t0 = time.perf_counter()
-                got = state["receiver"].deliver(m, ModuleTarget(params, device))
+                state["delivers"] = state.get("delivers", 0) + 1
+                prof_path = os.environ.get("ENGINEHOOKS_BENCH_PROFILE")
+                if prof_path and state["delivers"] == 4:  # a warm push, under cProfile
+                    import cProfile
+                    import io
+                    import pstats
+
+                    pr = cProfile.Profile()
+                    pr.enable()
+                    got = state["receiver"].deliver(m, ModuleTarget(params, device))
+                    pr.disable()
+                    buf = io.StringIO()
+                    pstats.Stats(pr, stream=buf).sort_stats("tottime").print_stats(30)
+                    with open(f"{prof_path}.{name}.txt", "a") as f:
+                        f.write(buf.getvalue())
+                else:
+                    got = state["receiver"].deliver(m, ModuleTarget(params, device))
                 sync(device)
                 out["seconds"] = time.perf_counter() - t0
                 if "phases_ms" in got:

@@ -63,9 +63,10 @@ def _build() -> Any:
     @triton.jit
     def copy_digest_kernel(tab_ptr, part_ptr, COPY: tl.constexpr, ALIGNED: tl.constexpr,
                            MOD: tl.constexpr, BLOCK: tl.constexpr):
-        # One row of the table per program: src, dst, nbytes, first word index in the bucket.
+        # One row of the table per program: src, dst, nbytes, first word index in the
+        # bucket, bucket (read by the host's reduction, not here).
         pid = tl.program_id(0)
-        row = tab_ptr + pid.to(tl.int64) * 4
+        row = tab_ptr + pid.to(tl.int64) * 5
         src_addr = tl.load(row)
         dst_addr = tl.load(row + 1)
         nbytes = tl.load(row + 2)
@@ -106,16 +107,55 @@ def _build() -> Any:
 class Batch:
     """Runs laid out for one launch: the device table and, per program, its bucket."""
 
-    table: torch.Tensor  # int64 [programs, 4] on the device
+    table: torch.Tensor  # int64 [programs, 5] on the device (contiguous rows)
     bucket_of: torch.Tensor  # int64 [programs] on the device (slot in the digest vector)
     programs: int
     aligned: bool  # every source and destination address is 16-byte aligned
 
 
+class Stager:
+    """Reused pinned host and device memory for the tables of successive launches on one
+    stream (a ring of three slots), so a launch costs no host allocation and no sync."""
+
+    SLOTS = 3
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.rows = 0
+        self.host: list[torch.Tensor] = []
+        self.dev: list[torch.Tensor] = []
+        self.done: list[torch.cuda.Event | None] = [None] * self.SLOTS
+        self.slot = 0
+
+    def upload(self, tab: np.ndarray) -> torch.Tensor:
+        """Host `tab` [rows, 5] on the device (valid until this slot comes round again)."""
+        rows = len(tab)
+        if rows > self.rows:
+            self.rows = max(rows, 2 * self.rows, 4096)
+            self.host = [torch.empty((self.rows, 5), dtype=torch.int64).pin_memory()
+                         for _ in range(self.SLOTS)]
+            self.dev = [torch.empty((self.rows, 5), dtype=torch.int64, device=self.device)
+                        for _ in range(self.SLOTS)]
+            self.done = [None] * self.SLOTS
+        k = self.slot
+        self.slot = (k + 1) % self.SLOTS
+        ev = self.done[k]
+        if ev is not None:
+            ev.synchronize()  # that slot's last upload has left the pinned buffer
+        self.host[k][:rows].numpy()[:] = tab
+        d = self.dev[k][:rows]
+        d.copy_(self.host[k][:rows], non_blocking=True)
+        ev = torch.cuda.Event()
+        ev.record()
+        self.done[k] = ev
+        return d
+
+
 def build(src: np.ndarray, dst: np.ndarray, nbytes: np.ndarray, word_base: np.ndarray,
-          bucket: np.ndarray, device: torch.device) -> Batch:
+          bucket: np.ndarray, device: torch.device, stager: Stager | None = None) -> Batch:
     """Cut every run into chunks of at most `CHUNK_BYTES` (one program each) and upload
-    the table. All arrays are int64 of one length; zero-length runs are dropped."""
+    the table (through `stager` when given). All arrays are int64 of one length;
+    zero-length runs are dropped."""
     keep = nbytes > 0
     src, dst, nbytes, word_base, bucket = (a[keep] for a in (src, dst, nbytes, word_base, bucket))
     chunks = np.maximum((nbytes + CHUNK_BYTES - 1) // CHUNK_BYTES, 1)
@@ -123,19 +163,21 @@ def build(src: np.ndarray, dst: np.ndarray, nbytes: np.ndarray, word_base: np.nd
     first = np.repeat(np.cumsum(chunks) - chunks, chunks)
     k = np.arange(len(rep)) - first  # chunk number inside its run
     off = k * CHUNK_BYTES
-    tab = np.empty((len(rep), 4), dtype=np.int64)
+    tab = np.empty((len(rep), 5), dtype=np.int64)
     tab[:, 0] = src[rep] + off
     tab[:, 1] = dst[rep] + off
     tab[:, 2] = np.minimum(nbytes[rep] - off, CHUNK_BYTES)
     tab[:, 3] = word_base[rep] + off // 4
-    host = torch.from_numpy(tab)
-    bucket_host = torch.from_numpy(np.ascontiguousarray(bucket[rep]))
-    if device.type == "cuda":
-        host = host.pin_memory()
-        bucket_host = bucket_host.pin_memory()
+    tab[:, 4] = bucket[rep]
     aligned = bool(np.all(tab[:, 0] % 16 == 0) and np.all(tab[:, 1] % 16 == 0))
-    return Batch(host.to(device, non_blocking=True), bucket_host.to(device, non_blocking=True),
-                 len(rep), aligned)
+    if stager is not None and device.type == "cuda":
+        d = stager.upload(tab)
+    else:
+        host = torch.from_numpy(tab)
+        if device.type == "cuda":
+            host = host.pin_memory()
+        d = host.to(device, non_blocking=True)
+    return Batch(d, d[:, 4], len(rep), aligned)
 
 
 def launch(batch: Batch, digests: torch.Tensor, copy: bool = True) -> None:

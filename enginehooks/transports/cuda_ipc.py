@@ -283,6 +283,11 @@ class _Layout:
     ends_in: list[list[int]]
 
 
+def _total_bytes(manifest: Manifest) -> int:
+    """The update's payload bytes (pieces cover every byte once; no per-tensor products)."""
+    return int(_layout(manifest).p_n.sum()) if manifest.buckets else manifest.total_bytes
+
+
 def _layout(manifest: Manifest) -> _Layout:
     memo = getattr(manifest, "__dict__", None)
     cached = memo.get("_enginehooks_layout") if memo is not None else None
@@ -331,6 +336,7 @@ class CudaIpcSender(ColocatedSender):
         self._freed = -1
         self._dstream: torch.cuda.Stream | None = None
         self._arr: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None
+        self._stager: Any = None
 
     def _default_device(self, device: torch.device | str | None) -> torch.device:
         return _cuda_device(device)
@@ -444,6 +450,9 @@ class CudaIpcSender(ColocatedSender):
         if self._dstream is None:
             self._dstream = torch.cuda.Stream(dev)
         dstream = self._dstream
+        if self._stager is None:
+            self._stager = fused.Stager(dev)
+        stager = self._stager
         digests = torch.zeros(n, dtype=torch.int64, device=dev) if checksum else None
         finished = threading.Event()
         watcher = self._watch(abort, seq, n + 1, finished)  # index n: the final ack
@@ -476,8 +485,8 @@ class CudaIpcSender(ColocatedSender):
                 dstream.wait_stream(main)
                 with torch.cuda.stream(dstream):
                     z = np.zeros(hi - lo, dtype=np.int64)
-                    fused.launch(fused.build(src, z, nb, lay.p_w[lo:hi], z + k, dev), digests,
-                                 copy=False)
+                    fused.launch(fused.build(src, z, nb, lay.p_w[lo:hi], z + k, dev, stager),
+                                 digests, copy=False)
                     done = torch.cuda.Event()
                     done.record(dstream)
             inflight.append((k, done))
@@ -575,6 +584,7 @@ class CudaIpcReceiver(ColocatedReceiver):
         self._size_by_id = np.zeros(0, dtype=np.int64)
         self._known = np.zeros(0, dtype=bool)
         self.phases: dict[str, float] = {}
+        self._stager: Any = None
 
     def connect(self) -> None:
         torch.cuda.set_device(self.device)
@@ -703,7 +713,11 @@ class CudaIpcReceiver(ColocatedReceiver):
         mid = manifest_id(manifest)
         lay = _layout(manifest)
         dev = self.device
+        devidx = dev.index
         T = len(lay.tensors)
+        if self._stager is None:
+            self._stager = fused.Stager(dev)
+        stager = self._stager
         digests = torch.zeros(n, dtype=torch.int64, device=dev)
         dests: list[torch.Tensor | None] = [None] * T
         dptr = np.zeros(T, dtype=np.int64)
@@ -741,18 +755,23 @@ class CudaIpcReceiver(ColocatedReceiver):
                             f"allocations it announced")
                     src = self._base_by_id[aid] + off
                     c0 = clock()
+                    tensors, dts = lay.tensors, lay.dtypes
                     for i in lay.starts_in[index]:  # where each tensor lands
-                        e = lay.tensors[i]
+                        e = tensors[i]
                         d = into(e.name) if into is not None else None
-                        if not (d is not None and d.dtype is lay.dtypes[i] and d.shape == e.shape
-                                and d.device == dev and d.is_contiguous()
-                                and d.data_ptr() % 4 == 0):
-                            d = (torch.empty(e.shape, dtype=lay.dtypes[i], device=dev)
-                                 if lay.split[i] else None)  # rejoined in a temporary
+                        p = d.data_ptr() if d is not None else 1
+                        if not (p % 4 == 0 and d is not None and d.dtype is dts[i]
+                                and d.is_cuda and d.get_device() == devidx
+                                and d.shape == e.shape and d.is_contiguous()):
+                            if not lay.split[i]:
+                                has[i] = False
+                                dests[i] = None
+                                continue
+                            d = torch.empty(e.shape, dtype=dts[i], device=dev)  # rejoined here
+                            p = d.data_ptr()
                         dests[i] = d
-                        has[i] = d is not None
-                        if d is not None:
-                            dptr[i] = d.data_ptr()
+                        has[i] = True
+                        dptr[i] = p
                     c1 = clock()
                     ph["dests"] += c1 - c0
                     t_idx = lay.p_t[lo:hi]
@@ -761,14 +780,15 @@ class CudaIpcReceiver(ColocatedReceiver):
                     if m.any():
                         fused.launch(fused.build(
                             src[m], dptr[t_idx[m]] + lay.p_start[lo:hi][m], nb[m], w[m],
-                            np.full(int(m.sum()), index, dtype=np.int64), dev), digests, copy=True)
+                            np.full(int(m.sum()), index, dtype=np.int64), dev, stager), digests,
+                            copy=True)
                     views: dict[int, torch.Tensor] = {}
                     if not m.all():  # no destination: the target copies from views
                         r = ~m
                         if manifest.checksum is not None:
                             z = np.zeros(int(r.sum()), dtype=np.int64)
-                            fused.launch(fused.build(src[r], z, nb[r], w[r], z + index, dev),
-                                         digests, copy=False)
+                            fused.launch(fused.build(src[r], z, nb[r], w[r], z + index, dev,
+                                                     stager), digests, copy=False)
                         for j in np.nonzero(r)[0].tolist():
                             i = int(t_idx[j])
                             e = lay.tensors[i]
@@ -821,8 +841,18 @@ class CudaIpcReceiver(ColocatedReceiver):
             raise
 
     def deliver(self, manifest: Manifest, target: Target) -> dict[str, Any]:
+        t0 = time.perf_counter()
         self.phases = {}
-        out = super().deliver(manifest, target)
+        it = self.stream(manifest, target.destination)
+        target.apply(it)
+        # The last ack is sent when the iterator is exhausted: make sure it was.
+        leftover = next(it, None)
+        if leftover is not None:
+            it.close()
+            raise TransportError(
+                f"the target stopped before consuming the whole update (next: {leftover[0]!r})")
+        out: dict[str, Any] = {"bytes": _total_bytes(manifest),
+                               "seconds": time.perf_counter() - t0}
         if self.phases:  # single copy: where the receiver's time went
             out["phases_ms"] = {k: round(v * 1e3, 2) for k, v in self.phases.items()}
         return out
