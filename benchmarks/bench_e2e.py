@@ -1,0 +1,293 @@
+"""Colocated RL on one GPU, end to end: an FSDP2 trainer (world size 1) pushes into a
+replica process on the same GPU through `trainer_side.push` + `WeightSync(transport=
+"cuda_ipc")`, against a raw device copy of the same bytes in the same run.
+
+The trainer is a Llama-architecture `transformers` model (Qwen2.5-7B widths, fewer
+layers by default) wrapped with `fully_shard` on a one-rank NCCL group; the replica is a
+`LocalEngine` around the same architecture in a spawned process, reached through a
+small JSON-over-pipe engine handle (the verbs are JSON in and out; nothing is pickled).
+So the bytes take the user's path: the FSDP2 adapter's checkpoint-format stream, the
+coordinator, the engine contract's verbs, `EngineSide`, and `Receiver.deliver` into the
+module (single copy, digest fused into the receiver's copy). Each push is checked bit
+for bit afterwards (sum64 of every tensor on both sides).
+
+    python benchmarks/bench_e2e.py --out benchmarks/results/e2e-h100.json
+    python benchmarks/bench_e2e.py --layers 2 --hidden 256 --reps 1   # a quick check
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as _dt
+import json
+import multiprocessing as mp
+import os
+import socket
+import statistics
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+import torch  # noqa: E402
+
+from enginehooks.control.handles import EngineHandle  # noqa: E402
+from enginehooks.core.checksums import sum64_tensor  # noqa: E402
+from enginehooks.core.errors import ReplicaError  # noqa: E402
+
+GB = 1e9
+
+
+def build_model(cfg: dict[str, Any], device: torch.device) -> torch.nn.Module:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    conf = LlamaConfig(
+        hidden_size=cfg["hidden"], intermediate_size=cfg["intermediate"],
+        num_hidden_layers=cfg["layers"], num_attention_heads=cfg["heads"],
+        num_key_value_heads=cfg["kv_heads"], vocab_size=cfg["vocab"],
+        tie_word_embeddings=False, max_position_embeddings=4096)
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16)
+    try:
+        with torch.device(device):
+            model = LlamaForCausalLM(conf)
+    finally:
+        torch.set_default_dtype(old)
+    return model.eval()
+
+
+def digest(tensors: dict[str, torch.Tensor]) -> str:
+    """sum64 of every tensor's bytes, combined in name order."""
+    total = 0
+    for i, name in enumerate(sorted(tensors)):
+        b = tensors[name].detach().contiguous().reshape(-1).view(torch.uint8)
+        total = (total * 1000003 + (int(sum64_tensor(b).item()) & ((1 << 64) - 1)) + i) % (
+            (1 << 61) - 1)
+    return f"{total:016x}"
+
+
+# -- the replica process ---------------------------------------------------------------
+def replica_main(conn: Any, cfg_json: str) -> None:
+    from enginehooks.engine.local import LocalEngine
+
+    cfg = json.loads(cfg_json)
+    device = torch.device("cuda", 0)
+    torch.cuda.set_device(device)
+    model = build_model(cfg, device)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.zero_()
+    engine = LocalEngine(model, name="replica", device=device)
+    while True:
+        msg = json.loads(conn.recv_bytes())
+        reply: dict[str, Any]
+        try:
+            if msg["op"] == "stop":
+                conn.send_bytes(b"{}")
+                return
+            if msg["op"] == "zero":
+                with torch.no_grad():
+                    for p in model.parameters():
+                        p.zero_()
+                torch.cuda.synchronize()
+                reply = {}
+            elif msg["op"] == "digest":
+                torch.cuda.synchronize()
+                reply = {"digest": digest(dict(model.state_dict()))}
+            else:
+                out = engine.rpc(msg["method"], *msg["args"], timeout_s=msg["timeout_s"])
+                reply = {"ok": out}
+        except Exception as e:
+            reply = {"error": f"{type(e).__name__}: {e}"}
+        conn.send_bytes(json.dumps(reply).encode())
+
+
+class ProcessReplica(EngineHandle):
+    """A `LocalEngine` in another process, one JSON call at a time over a pipe."""
+
+    def __init__(self, cfg: dict[str, Any]) -> None:
+        self.name = "replica"
+        ctx = mp.get_context("spawn")
+        self.conn, child = ctx.Pipe()
+        self.proc = ctx.Process(target=replica_main, args=(child, json.dumps(cfg)), daemon=True)
+        self.proc.start()
+        self.lock = threading.Lock()
+
+    def _call(self, msg: dict[str, Any], timeout_s: float) -> dict[str, Any]:
+        with self.lock:
+            self.conn.send_bytes(json.dumps(msg).encode())
+            if not self.conn.poll(timeout_s):
+                raise ReplicaError(f"replica: no answer to {msg.get('method', msg['op'])} "
+                                   f"within {timeout_s}s")
+            reply: dict[str, Any] = json.loads(self.conn.recv_bytes())
+        if "error" in reply:
+            raise ReplicaError(f"replica: {reply['error']}")
+        return reply
+
+    def rpc(self, method: str, *args: Any, timeout_s: float) -> list[Any]:
+        out = self._call({"op": "rpc", "method": method, "args": list(args),
+                          "timeout_s": timeout_s}, timeout_s + 30)["ok"]
+        return list(out)
+
+    def flush_cache(self, timeout_s: float, auth: str | None = None) -> None:
+        """A module has no cache."""
+
+    def zero(self) -> None:
+        self._call({"op": "zero"}, 600)
+
+    def digest(self) -> str:
+        return str(self._call({"op": "digest"}, 600)["digest"])
+
+    def stop(self) -> None:
+        try:
+            self._call({"op": "stop"}, 60)
+        finally:
+            self.proc.join(timeout=60)
+            if self.proc.is_alive():
+                self.proc.kill()
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--layers", type=int, default=8)
+    ap.add_argument("--hidden", type=int, default=3584)
+    ap.add_argument("--intermediate", type=int, default=18944)
+    ap.add_argument("--heads", type=int, default=28)
+    ap.add_argument("--kv-heads", type=int, default=4)
+    ap.add_argument("--vocab", type=int, default=152064)
+    ap.add_argument("--bucket-mib", type=int, default=1024)
+    ap.add_argument("--checksums", nargs="+", default=["sum64", "none"])
+    ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--warmup", type=int, default=1)
+    ap.add_argument("--out", type=Path, default=None)
+    args = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        ap.error("needs a CUDA GPU")
+    import torch.distributed as dist
+    from torch.distributed.fsdp import fully_shard
+
+    from enginehooks import WeightSync
+    from enginehooks.trainer_side import push
+
+    cfg = {"layers": args.layers, "hidden": args.hidden, "intermediate": args.intermediate,
+           "heads": args.heads, "kv_heads": args.kv_heads, "vocab": args.vocab}
+    device = torch.device("cuda", 0)
+    torch.cuda.set_device(device)
+    dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0,
+                            world_size=1, device_id=device)
+    replica = ProcessReplica(cfg)
+    model = build_model(cfg, device)
+    for layer in model.model.layers:
+        fully_shard(layer)
+    fully_shard(model)
+    full = {n: t.full_tensor() if hasattr(t, "full_tensor") else t
+            for n, t in model.state_dict().items()}
+    nbytes = sum(t.numel() * t.element_size() for t in full.values())
+    res: dict[str, Any] = {"config": {**cfg, "bucket_mib": args.bucket_mib, "reps": args.reps},
+                           "tensors": len(full), "bytes": nbytes, "items": {}}
+
+    def med(fn: Any) -> dict[str, Any]:
+        for _ in range(args.warmup):
+            fn()
+        ts = []
+        for _ in range(args.reps):
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            fn()
+            torch.cuda.synchronize()
+            ts.append(time.perf_counter() - t0)
+        return {"seconds_median": statistics.median(ts), "seconds_all": ts}
+
+    # raw copies of the same bytes, same run
+    pair = [torch.empty(nbytes, dtype=torch.uint8, device=device).random_()]
+    pair.append(torch.empty_like(pair[0]))
+    res["items"]["raw_device_copy"] = med(lambda: pair[1].copy_(pair[0]))
+    pair.clear()
+    lists = (list(full.values()), [torch.empty_like(t) for t in full.values()])
+    res["items"]["raw_foreach_copy"] = med(lambda: torch._foreach_copy_(lists[1], lists[0]))
+    lists[0].clear()
+    lists[1].clear()
+    mine = digest(full)
+    del full
+    torch.cuda.empty_cache()
+    version = 0
+    try:
+        for cs in args.checksums:
+            sync = WeightSync(transport="cuda_ipc", bucket_bytes=args.bucket_mib << 20,
+                              timeout_s=600, device=device,
+                              checksum=None if cs == "none" else cs)
+            sync.add_replica(replica)
+            replica.zero()  # this mode's pushes must write every byte
+            reports: list[dict[str, Any]] = []
+
+            def once(sync: Any = sync, reports: list[dict[str, Any]] = reports) -> None:
+                nonlocal version
+                version += 1
+                r = push(model, version, sync=sync)
+                reports.append({"phases": dict(r.phases), "bytes": r.bytes})
+
+            item = med(once)
+            prof = os.environ.get("ENGINEHOOKS_BENCH_PROFILE")
+            if prof:  # one more push under cProfile: where the trainer side's time goes
+                import cProfile
+                import io
+                import pstats
+
+                pr = cProfile.Profile()
+                pr.enable()
+                once()
+                pr.disable()
+                buf = io.StringIO()
+                pstats.Stats(pr, stream=buf).sort_stats("cumtime").print_stats(45)
+                with open(f"{prof}.trainer-{cs}.txt", "w") as f:
+                    f.write(buf.getvalue())
+            ok = replica.digest() == mine
+            item.update(checksum=cs, bit_exact=ok,
+                        transfer_seconds_median=statistics.median(
+                            r["phases"].get("transfer", float("nan")) for r in reports),
+                        phases_last=reports[-1]["phases"])
+            res["items"][f"push[checksum={cs}]"] = item
+            sync.close()
+            print(f"push checksum={cs}: {item['seconds_median'] * 1e3:.1f} ms (transfer "
+                  f"{item['transfer_seconds_median'] * 1e3:.1f} ms), bit-exact {ok}", flush=True)
+    finally:
+        replica.stop()
+        dist.destroy_process_group()
+    raw = res["items"]["raw_device_copy"]["seconds_median"]
+    raw_fe = res["items"]["raw_foreach_copy"]["seconds_median"]
+    res["summary"] = {}
+    for k, v in res["items"].items():
+        if k.startswith("push["):
+            for base, t in (("raw_device_copy", raw), ("raw_foreach_copy", raw_fe)):
+                res["summary"][f"{k} transfer / {base}"] = t / v["transfer_seconds_median"]
+                res["summary"][f"{k} whole push / {base}"] = t / v["seconds_median"]
+    res["machine"] = {
+        "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+        "gpu": torch.cuda.get_device_name(0), "torch": torch.__version__,
+        "cuda": torch.version.cuda, "pid": os.getpid()}
+    print(f"\nmodel: {len(res['config'])} cfg, {res['tensors']} tensors, {nbytes / GB:.2f} GB")
+    print("| item | median ms |\n| --- | ---: |")
+    for k, v in res["items"].items():
+        print(f"| {k} | {v['seconds_median'] * 1e3:.2f} |")
+    print("\n| ratio | value |\n| --- | ---: |")
+    for k, v in res["summary"].items():
+        print(f"| {k} | {v:.3f} |")
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(res, indent=1))
+        print(f"wrote {args.out}")
+    return 0 if all(v.get("bit_exact", True) for v in res["items"].values()) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
