@@ -259,6 +259,27 @@ def _fused() -> Any:
 
 
 _WINDOW = 3  # buckets in flight before the sender waits for the oldest acks
+
+
+class _TableCache:
+    """The device table of each bucket's launch, kept across pushes: in a training loop
+    the trainer's and the engine's addresses repeat, so a push whose runs equal the last
+    push's (compared as arrays) launches the table already on the device."""
+
+    def __init__(self) -> None:
+        self.by_bucket: dict[int, tuple[tuple[np.ndarray, ...], Any]] = {}
+
+    def get(self, k: int, src: np.ndarray, dst: np.ndarray, nb: np.ndarray, w: np.ndarray,
+            bucket: np.ndarray, dev: torch.device, stager: Any) -> Any:
+        fused = _fused()
+        key = (src, dst, nb, w)
+        hit = self.by_bucket.get(k)
+        if hit is not None and all(a.shape == b.shape and np.array_equal(a, b)
+                                   for a, b in zip(hit[0], key, strict=True)):
+            return hit[1]
+        batch = fused.build(src, dst, nb, w, bucket, dev)  # its own table, not a ring slot
+        self.by_bucket[k] = (tuple(np.array(a) for a in key), batch)
+        return batch
 _MASK = (1 << 64) - 1
 
 
@@ -337,6 +358,7 @@ class CudaIpcSender(ColocatedSender):
         self._dstream: torch.cuda.Stream | None = None
         self._arr: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None
         self._stager: Any = None
+        self._tables = _TableCache()
 
     def _default_device(self, device: torch.device | str | None) -> torch.device:
         return _cuda_device(device)
@@ -445,6 +467,7 @@ class CudaIpcSender(ColocatedSender):
         _Driver.get_driver().context(self.device)
         self._check_epoch()
         epoch, pid, dev = self._epoch, os.getpid(), self.device
+        devidx = dev.index
         checksum = manifest.checksum
         main = torch.cuda.current_stream(dev)
         if self._dstream is None:
@@ -485,8 +508,8 @@ class CudaIpcSender(ColocatedSender):
                 dstream.wait_stream(main)
                 with torch.cuda.stream(dstream):
                     z = np.zeros(hi - lo, dtype=np.int64)
-                    fused.launch(fused.build(src, z, nb, lay.p_w[lo:hi], z + k, dev, stager),
-                                 digests, copy=False)
+                    fused.launch(self._tables.get(k, src, z, nb, lay.p_w[lo:hi], z + k, dev,
+                                                  stager), digests, copy=False)
                     done = torch.cuda.Event()
                     done.record(dstream)
             inflight.append((k, done))
@@ -516,9 +539,11 @@ class CudaIpcSender(ColocatedSender):
                         f"stream ended before tensor {entry.name!r} of the manifest") from None
                 if name != entry.name or t.dtype is not dtypes[i] or t.shape != entry.shape:
                     check_tensor(entry, name, t)
-                if t.device != dev or not t.is_contiguous() or t.data_ptr() % 16:
+                p = t.data_ptr()
+                if p % 16 or not t.is_cuda or t.get_device() != devidx or not t.is_contiguous():
                     t = self._source(t)
-                ptrs[i] = t.data_ptr()
+                    p = t.data_ptr()
+                ptrs[i] = p
                 fb = first[i]
                 while fb > current:
                     publish(current)
@@ -585,6 +610,9 @@ class CudaIpcReceiver(ColocatedReceiver):
         self._known = np.zeros(0, dtype=bool)
         self.phases: dict[str, float] = {}
         self._stager: Any = None
+        self._tables = _TableCache()
+        self._tables = _TableCache()
+        self._dest_ok: dict[str, int] = {}  # name -> address checked as a destination
 
     def connect(self) -> None:
         torch.cuda.set_device(self.device)
@@ -755,14 +783,19 @@ class CudaIpcReceiver(ColocatedReceiver):
                             f"allocations it announced")
                     src = self._base_by_id[aid] + off
                     c0 = clock()
-                    tensors, dts = lay.tensors, lay.dtypes
+                    tensors, dts, memo = lay.tensors, lay.dtypes, self._dest_ok
                     for i in lay.starts_in[index]:  # where each tensor lands
                         e = tensors[i]
                         d = into(e.name) if into is not None else None
                         p = d.data_ptr() if d is not None else 1
-                        if not (p % 4 == 0 and d is not None and d.dtype is dts[i]
+                        if d is not None and memo.get(e.name) == p and d.dtype is dts[i] and (
+                                d.shape == e.shape and d.is_contiguous()):
+                            pass  # the same memory as the last push, checked then
+                        elif (p % 4 == 0 and d is not None and d.dtype is dts[i]
                                 and d.is_cuda and d.get_device() == devidx
                                 and d.shape == e.shape and d.is_contiguous()):
+                            memo[e.name] = p
+                        else:
                             if not lay.split[i]:
                                 has[i] = False
                                 dests[i] = None
@@ -778,8 +811,8 @@ class CudaIpcReceiver(ColocatedReceiver):
                     w = lay.p_w[lo:hi]
                     m = has[t_idx]
                     if m.any():
-                        fused.launch(fused.build(
-                            src[m], dptr[t_idx[m]] + lay.p_start[lo:hi][m], nb[m], w[m],
+                        fused.launch(self._tables.get(
+                            index, src[m], dptr[t_idx[m]] + lay.p_start[lo:hi][m], nb[m], w[m],
                             np.full(int(m.sum()), index, dtype=np.int64), dev, stager), digests,
                             copy=True)
                     views: dict[int, torch.Tensor] = {}
