@@ -22,8 +22,9 @@ ENGINEHOOKS_SGLANG_PYTHON="$(bash scripts/setup-sglang-env.sh)/bin/python" || st
 ENGINEHOOKS_VLLM_PYTHON="$(bash scripts/setup-vllm-env.sh)/bin/python" || status=1
 export ENGINEHOOKS_SGLANG_PYTHON ENGINEHOOKS_VLLM_PYTHON
 # The vLLM environment: unit tests, the replica contract on vLLM and the module replica,
-# the conformance slice on vLLM, and the vLLM-specific suites (GPU tests skip here).
-run_pytest vllm tests/unit tests/contract tests/conformance tests/vllm tests/gpu -q -rs \
+# the conformance slice on vLLM, the vLLM-specific suites (GPU tests skip here), and the
+# tests across hosts (network namespaces: they need root, and skip with the reason without).
+run_pytest vllm tests/unit tests/contract tests/conformance tests/vllm tests/gpu tests/multihost -q -rs \
   || status=1
 # The SGLang environment: the replica contract and conformance slice on SGLang, and the
 # SGLang suites.
