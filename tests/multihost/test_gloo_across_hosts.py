@@ -133,3 +133,32 @@ def test_fault_mid_push_ends_every_side_in_time_and_the_next_push_heals(
     # Healed: the next push succeeds, and the replica holds exactly the trainer's weights.
     push_ok(trainer, module_replica, seed=12, version=f"{fault}-healed")
     assert_holds(trainer, expected, seed=12)
+
+
+def test_partition_before_data_moves_fails_in_time_and_changes_nothing(
+        net: Network, trainer: TrainerProcess, module_replica: ModuleReplica,
+        expected: Callable[[int], dict[str, int]]) -> None:
+    """The link drops every packet before the push starts: the push's first control
+    calls (`info`, then `check`) get no answer, the push fails within `timeout_s` naming
+    the replica, no byte moved, and the replica stays current on its version."""
+    engine = net.hosts[ENGINE]
+    push_ok(trainer, module_replica, seed=20, version="partition-before")
+    engine.blackhole()
+    try:
+        t0 = time.monotonic()
+        out = trainer.call({"op": "push", "seed": 21, "version": "partition-failed"},
+                           timeout_s=TIMEOUT_S + TRAINER_MARGIN_S + 30.0)
+        trainer_s = time.monotonic() - t0
+        state = module_replica.state()
+    finally:
+        engine.heal()
+    print(f"partition before data moves: trainer ended after {trainer_s:.1f}s: "
+          f"{out.get('type')}: {out.get('error')}")
+    assert not out["ok"], out
+    assert module_replica.name in out["error"] or out.get("replica") == module_replica.name, out
+    assert trainer_s <= TIMEOUT_S + TRAINER_MARGIN_S, (trainer_s, out)
+    assert state["state"] == "current" and state["version"] == "partition-before", state
+    assert_holds(trainer, expected, seed=20)
+
+    push_ok(trainer, module_replica, seed=22, version="partition-healed")
+    assert_holds(trainer, expected, seed=22)
