@@ -11,7 +11,8 @@ import json
 from abc import ABC, abstractmethod
 from typing import Any
 
-from enginehooks.core.errors import ConfigError, ManifestError
+from enginehooks.core.errors import ConfigError, ManifestError, ReplicaError
+from enginehooks.engine import protocol
 from enginehooks.engine.contract import (
     CHECK,
     DIGESTS,
@@ -63,36 +64,78 @@ class EngineHandle(ABC):
         """Whether any of the engine's memory is asleep; None where it cannot say."""
         return None
 
+    # -- one tagged call -----------------------------------------------------------------
+    #: How many answers of earlier calls a handle reads past to find its own
+    #: (vLLM keeps the answer of a timed-out RPC and hands it to the next caller).
+    max_stale_replies: int = 16
+
+    def call(self, verb: str, *args: Any, timeout_s: float) -> list[Any]:
+        """Run contract verb `verb` on every worker under a fresh call id
+        (`engine/protocol.py`): one result per worker, or the worker's error raised as
+        the same class. An answer that belongs to another call is discarded, and the
+        handle reads on (through cheap `info` calls) until its own answers arrive."""
+        deadline = protocol.Deadline.after(timeout_s)
+        call_id = protocol.new_call_id()
+        method = method_name(verb)
+        replies = self._tagged_rpc(method, protocol.call_arg(call_id), *args, deadline=deadline)
+        found: dict[int, Any] = {}
+        self._sort(replies, call_id, found)
+        workers, reads = len(replies), 0
+        while len(found) < workers:
+            reads += 1
+            if reads > self.max_stale_replies:
+                raise ReplicaError(
+                    self.name, f"{method}: the engine's answers are out of step with its calls "
+                               f"by more than {self.max_stale_replies} (another client calls its "
+                               "RPC route with a timeout?); restart the engine")
+            deadline.check(f"{self.name}: {method} (reading past the answers of earlier calls)")
+            ping = protocol.new_call_id()
+            replies = self._tagged_rpc(method_name(INFO), protocol.call_arg(ping),
+                                       deadline=deadline)
+            self._sort(replies, call_id, found)
+            workers = max(workers, len(replies))
+        return [protocol.unwrap(found[i], call_id, self.name) for i in range(workers)]
+
+    @staticmethod
+    def _sort(replies: list[Any], call_id: str, found: dict[int, Any]) -> None:
+        """File the answers of call `call_id` by worker; others are stale: dropped."""
+        for i, reply in enumerate(replies):
+            if protocol.is_envelope(reply) and reply["call"] == call_id:
+                found[i] = reply
+
+    def _tagged_rpc(self, method: str, *args: Any, deadline: protocol.Deadline) -> list[Any]:
+        """`rpc` for a tagged call; handles whose transport can hand back another call's
+        failure (vLLM) override it to return that failure as a stale answer."""
+        return self.rpc(method, *args, timeout_s=deadline.left(floor=0.001))
+
     # -- shared verbs -------------------------------------------------------------------
     def info(self, timeout_s: float) -> list[dict[str, Any]]:
-        return self.rpc(method_name(INFO), timeout_s=timeout_s)
+        return self.call(INFO, timeout_s=timeout_s)
 
     # `auth` is the token of a signed message (`core/auth.py`): required by engines that
     # have a shared secret, ignored by the others.
     def join(self, endpoint: dict[str, Any], rank_offset: int, timeout_s: float,
              auth: str | None = None) -> None:
-        self.rpc(method_name(JOIN), json.dumps(endpoint), rank_offset, *_opt(auth),
-                 timeout_s=timeout_s)
+        self.call(JOIN, json.dumps(endpoint), rank_offset, *_opt(auth), timeout_s=timeout_s)
 
     def leave(self, timeout_s: float, auth: str | None = None) -> None:
-        self.rpc(method_name(LEAVE), *_opt(auth), timeout_s=timeout_s)
+        self.call(LEAVE, *_opt(auth), timeout_s=timeout_s)
 
     def check(self, manifest_json: str, timeout_s: float, auth: str | None = None) -> None:
         """Raise `ManifestError` listing every worker's problems with the manifest."""
-        problems = sorted({p for ps in self.rpc(method_name(CHECK), manifest_json, *_opt(auth),
-                                                timeout_s=timeout_s) for p in ps})
+        problems = sorted({p for ps in self.call(CHECK, manifest_json, *_opt(auth),
+                                                 timeout_s=timeout_s) for p in ps})
         if problems:
             raise ManifestError(f"replica {self.name!r} refused the update: " + "; ".join(problems))
 
     def receive(self, manifest_json: str, group: str, timeout_s: float,
                 auth: str | None = None) -> list[dict[str, Any]]:
-        return self.rpc(method_name(RECEIVE), manifest_json, group, *_opt(auth),
-                        timeout_s=timeout_s)
+        return self.call(RECEIVE, manifest_json, group, *_opt(auth), timeout_s=timeout_s)
 
     def flush_workers(self, timeout_s: float, auth: str | None = None) -> list[dict[str, Any]]:
         """The contract's `flush` verb on every worker, for engines that flush their
         prefix cache from inside the worker (`flush_cache` decides when)."""
-        return self.rpc(method_name(FLUSH), *_opt(auth), timeout_s=timeout_s)
+        return self.call(FLUSH, *_opt(auth), timeout_s=timeout_s)
 
     def version(self, timeout_s: float = 30.0) -> int | str | None:
         """The weight version every worker holds; None if they differ or any is torn."""
@@ -105,7 +148,7 @@ class EngineHandle(ABC):
     def digests(self, names: list[str], timeout_s: float = 60.0) -> dict[str, Any]:
         """Digests of engine-side weights that the engine keeps in checkpoint layout
         (worker 0), for bit-exact checks without moving the tensors."""
-        return self.rpc(method_name(DIGESTS), json.dumps(names), timeout_s=timeout_s)[0]
+        return self.call(DIGESTS, json.dumps(names), timeout_s=timeout_s)[0]
 
 
 def _opt(auth: str | None) -> tuple[str, ...]:

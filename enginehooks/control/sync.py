@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable
-from concurrent.futures import FIRST_EXCEPTION, Future, wait
+from concurrent.futures import FIRST_COMPLETED, FIRST_EXCEPTION, Future, wait
 from typing import Any
 
 import torch
@@ -25,7 +25,7 @@ import torch
 from enginehooks.control._futures import spawn
 from enginehooks.control.handles import EngineHandle
 from enginehooks.control.report import PushReport, ReplicaResult
-from enginehooks.core.auth import canonical, load_secret, sign
+from enginehooks.core.auth import load_secret, sign
 from enginehooks.core.checksums import check_name
 from enginehooks.core.dtypes import torch_dtype
 from enginehooks.core.errors import (
@@ -36,6 +36,7 @@ from enginehooks.core.errors import (
     TransportError,
 )
 from enginehooks.core.manifest import Manifest, plan
+from enginehooks.engine import protocol
 from enginehooks.plugins import get_plugin_manager, get_transport
 from enginehooks.trainer_side.contract import TrainerAdapter, adapter_for
 from enginehooks.transports.base import Abort, GroupRequest, Sender
@@ -111,6 +112,8 @@ class WeightSync:
         self._sender: Sender | None = None
         self._members: list[EngineHandle] = []
         self._worker_counts: dict[int, int] = {}
+        #: each replica's workers' ids (`info`'s `instance`): the audience of its tokens
+        self._audience: dict[int, list[str]] = {}
         self._lock = threading.Lock()  # one push at a time
         self._pm = get_plugin_manager()
 
@@ -201,7 +204,7 @@ class WeightSync:
         manifest_json = manifest.to_json()
         self._phase("check", report, lambda: self._all(
             report, "check", lambda r: r.check(manifest_json, self.timeout_s,
-                                               self._token("check", manifest_json))))
+                                               self._token("check", r, manifest=manifest_json))))
         pause = self.pause and not self.wake_up
         if self.wake_up:
             self._phase("wake_weights", report, lambda: self._all(
@@ -214,7 +217,7 @@ class WeightSync:
             # old weights, and some engines refuse a flush while requests run.
             self._phase("finish", report, lambda: self._all(
                 report, "finish", lambda r: r.flush_cache(self.timeout_s,
-                                                          self._token("flush", ""))))
+                                                          self._token("flush", r))))
         finally:
             if pause:
                 self._all(report, "resume", lambda r: r.resume(self.timeout_s))
@@ -228,9 +231,14 @@ class WeightSync:
                               "to sleeping engines; use pause=True for awake ones")
         r.wake_up(["weights"], self.timeout_s)
 
-    def _token(self, verb: str, payload: Any) -> str | None:
-        """The signature of one control message, when a secret is set (`core/auth.py`)."""
-        return sign(self.secret, verb, canonical(payload)) if self.secret else None
+    def _token(self, verb: str, r: EngineHandle, **fields: Any) -> str | None:
+        """The signature of one control message to replica `r`, when a secret is set
+        (`core/auth.py`): over the verb's payload (`engine/protocol.py`), for the
+        workers of `r` only (its audience)."""
+        if not self.secret:
+            return None
+        return sign(self.secret, verb, protocol.signed_payload(verb, **fields),
+                    audience=self._audience.get(id(r), ()))
 
     def send_dtype(self) -> torch.dtype | None:
         """The dtype floating tensors travel in: `dtype=` if given, else the one the
@@ -307,14 +315,9 @@ class WeightSync:
         trainer, reports another group: then the group is formed anew)."""
         scratch = PushReport(version="", transport=self.transport_name)
         infos = self._all(scratch, "info", lambda r: r.info(self.timeout_s))
-        if self.secret:
-            open_ = [r.name for r, per in zip(self._replicas, infos)
-                     if any(i.get("authenticated") is False for i in per)]
-            if open_:
-                raise ConfigError(
-                    f"replica(s) {', '.join(open_)} run without the shared secret and would "
-                    "accept anyone's push: set ENGINEHOOKS_SECRET or ENGINEHOOKS_SECRET_FILE "
-                    "in their environment too (docs/security.md)")
+        for r, per in zip(self._replicas, infos):
+            protocol.check_infos(per, r.name, secret=bool(self.secret))
+            self._audience[id(r)] = [str(i["instance"]) for i in per if i.get("instance")]
         sender, group = self._sender, self._group_id()
         if (sender is not None and self._members == self._replicas and not sender.broken
                 and all(i.get("group") == group for per in infos for i in per)):
@@ -334,11 +337,11 @@ class WeightSync:
             offsets.append(acc)
             acc += c
         futs = [spawn(r.join, endpoint, off, self.timeout_s,
-                      self._token("join", {"endpoint": endpoint, "rank_offset": off}),
+                      self._token("join", r, endpoint=endpoint, rank_offset=off),
                       name=f"enginehooks-join-{r.name}")
                 for r, off in zip(self._replicas, offsets)]
         try:
-            sender.connect(world)
+            self._connect(sender, world, futs)
         except BaseException:
             # Report which replica kept the group from forming, if one said why.
             self._collect(scratch, "join", self._replicas, futs, 0.1)
@@ -351,6 +354,23 @@ class WeightSync:
             raise
         self._sender, self._members = sender, list(self._replicas)
 
+    def _connect(self, sender: Sender, world: int, joins: list[Future[Any]]) -> None:
+        """Form the group, ending at once when a replica refuses its join (a missing
+        secret, a wrong world size, no worker extension): the refusal is known in
+        milliseconds, so the push must not wait out `timeout_s` for peers that will
+        never come."""
+        connect = spawn(sender.connect, world, name="enginehooks-connect")
+        deadline = protocol.Deadline.after(self.timeout_s)
+        pending: set[Future[Any]] = {connect, *joins}
+        while not connect.done():
+            done, pending = wait(pending, timeout=deadline.left(), return_when=FIRST_COMPLETED)
+            if any(f.exception() is not None for f in done if f is not connect):
+                return  # the caller reports the replica's error (and closes the sender)
+            if not done:
+                raise PushTimeout(f"group: the transport group of {world} did not form within "
+                                  f"{self.timeout_s}s")
+        connect.result()
+
     def _close_group(self, wait_for_leaves: bool = True) -> None:
         """Leave on every member and close the sender. Best effort and bounded: a dead
         replica must not keep the group from closing; after a failure the leaves are
@@ -359,7 +379,7 @@ class WeightSync:
         self._sender, self._members = None, []
         if sender is None:
             return
-        futs = [spawn(r.leave, self.timeout_s, self._token("leave", "")) for r in members]
+        futs = [spawn(r.leave, self.timeout_s, self._token("leave", r)) for r in members]
         if wait_for_leaves:
             wait(futs, timeout=self.timeout_s)
         self._pm.hook.update_group(
@@ -378,7 +398,7 @@ class WeightSync:
         def start_receivers(m: Manifest) -> list[Future[Any]]:
             text = m.to_json()
             futs = [spawn(r.receive, text, group, self.timeout_s,
-                          self._token("receive", {"manifest": text, "group": group}),
+                          self._token("receive", r, manifest=text, group=group),
                           name=f"enginehooks-recv-{r.name}")
                     for r in reps]
             for r, f in zip(reps, futs):

@@ -31,6 +31,7 @@ import secrets
 import threading
 import time
 from collections import OrderedDict
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, NoReturn
 
@@ -77,23 +78,34 @@ def canonical(value: Any) -> str:
     return json.dumps(value, sort_keys=True, separators=(",", ":"))
 
 
-def _mac(secret: bytes, verb: str, nonce: str, ts: float, payload: str) -> str:
-    msg = f"enginehooks/1\n{verb}\n{nonce}\n{ts!r}\n{payload}".encode()
+def _mac(secret: bytes, verb: str, nonce: str, ts: float, payload: str,
+         audience: list[str]) -> str:
+    aud = json.dumps(audience)
+    msg = f"enginehooks/2\n{verb}\n{nonce}\n{ts!r}\n{aud}\n{payload}".encode()
     return hmac.new(secret, msg, hashlib.sha256).hexdigest()
 
 
-def sign(secret: bytes, verb: str, payload: str) -> str:
-    """The token (JSON text) for sending `verb` with `payload`."""
-    nonce, ts = secrets.token_hex(16), time.time()
-    return json.dumps({"nonce": nonce, "ts": ts, "mac": _mac(secret, verb, nonce, ts, payload)})
+def sign(secret: bytes, verb: str, payload: str, audience: Sequence[str] = (),
+         ts: float | None = None) -> str:
+    """The token (JSON text) for sending `verb` with `payload` to the workers named in
+    `audience` (their `instance` ids, from `info`): a worker refuses a token whose
+    audience does not name it, so a message signed for replica A is refused by B.
+    `ts` defaults to now (tests sign old tokens with it)."""
+    nonce, ts = secrets.token_hex(16), time.time() if ts is None else float(ts)
+    aud = sorted(str(a) for a in audience)
+    return json.dumps({"nonce": nonce, "ts": ts, "aud": aud,
+                       "mac": _mac(secret, verb, nonce, ts, payload, aud)})
 
 
 class Verifier:
     """The engine side: checks tokens, remembers the nonces of the replay window."""
 
-    def __init__(self, secret: bytes, window_s: float = WINDOW_S) -> None:
+    def __init__(self, secret: bytes, window_s: float = WINDOW_S,
+                 audience: str | None = None) -> None:
         self.secret = secret
         self.window_s = window_s
+        #: this worker's id: tokens must name it (None: any audience, for tools)
+        self.audience = audience
         self._seen: OrderedDict[str, float] = OrderedDict()
         self._lock = threading.Lock()
 
@@ -103,11 +115,20 @@ class Verifier:
         try:
             data = json.loads(token) if isinstance(token, str) else token
             nonce, ts, mac = str(data["nonce"]), float(data["ts"]), str(data["mac"])
-        except (TypeError, ValueError, KeyError) as e:
+            aud = data.get("aud", [])
+            if not isinstance(aud, list) or len(aud) > 4096:
+                raise TypeError("aud")
+            aud = [str(a) for a in aud]
+        except (TypeError, ValueError, KeyError, AttributeError) as e:
             self._refuse(verb, f"no valid authentication token ({type(e).__name__})")
-        if not hmac.compare_digest(mac, _mac(self.secret, verb, nonce, ts, payload)):
+        if not hmac.compare_digest(mac, _mac(self.secret, verb, nonce, ts, payload, aud)):
             self._refuse(verb, "the authentication token does not match (wrong secret or "
                                "altered message)")
+        # An empty audience: signed by a trainer that cannot ask the workers for their
+        # ids (vLLM's own weight-transfer calls); docs/security.md says what that leaves.
+        if self.audience is not None and aud and self.audience not in aud:
+            self._refuse(verb, "the authentication token was signed for another replica "
+                               f"(audience {aud[:4]}, this worker is {self.audience!r})")
         if abs(time.time() - ts) > self.window_s:
             self._refuse(verb, f"the authentication token is {time.time() - ts:.0f}s old "
                                f"(window {self.window_s:.0f}s)")

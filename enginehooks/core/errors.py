@@ -55,6 +55,10 @@ class ReplicaError(EngineHooksError):
         self.replica: str | None = replica
 
 
+class ReplicaBusy(EngineHooksError):
+    """The worker is applying another update; nothing was changed."""
+
+
 class PluginError(EngineHooksError):
     """A plugin is missing, or two plugins registered the same name."""
 

@@ -23,6 +23,13 @@ from enginehooks.core.errors import ManifestError
 
 FORMAT_VERSION = 1
 ALIGN = 64
+#: Caps checked before anything else is parsed (a manifest arrives from the network):
+#: the text, the number of tensors and buckets, one bucket's size, a name's length.
+MAX_MANIFEST_CHARS = 256 << 20
+MAX_TENSORS = 2_000_000
+MAX_BUCKETS = 2_000_000
+MAX_BUCKET_BYTES = 64 << 30
+MAX_NAME_CHARS = 1024
 
 # Bytes per element of every dtype a manifest may carry (torch names without "torch.").
 DTYPE_SIZES: dict[str, int] = {
@@ -148,6 +155,9 @@ class Manifest:
 
     @classmethod
     def from_json(cls, text: str | bytes) -> Manifest:
+        if isinstance(text, (str, bytes)) and len(text) > MAX_MANIFEST_CHARS:
+            raise ManifestError(f"manifest of {len(text)} characters exceeds the cap of "
+                                f"{MAX_MANIFEST_CHARS}")
         try:
             data = json.loads(text)
         except (TypeError, ValueError) as e:
@@ -169,9 +179,15 @@ class Manifest:
         if not isinstance(version, (int, str)) or isinstance(version, bool):
             raise ManifestError(f"weight_version must be an int or a str, got {version!r}")
         bucket_bytes = _int(data.get("bucket_bytes"), "bucket_bytes", minimum=1)
+        if bucket_bytes > MAX_BUCKET_BYTES:
+            raise ManifestError(f"bucket_bytes {bucket_bytes} exceeds the cap of "
+                                f"{MAX_BUCKET_BYTES} bytes")
         checksum = data.get("checksum")
         if checksum is not None and not isinstance(checksum, str):
             raise ManifestError(f"checksum must be a name or null, got {checksum!r}")
+        from enginehooks.core.checksums import check_name  # torch: imported when used
+
+        check_name(checksum)
         meta = data.get("meta", {})
         if not isinstance(meta, dict):
             raise ManifestError("meta must be a JSON object")
@@ -179,6 +195,8 @@ class Manifest:
         raw_buckets = data.get("buckets")
         if not isinstance(raw_buckets, list):
             raise ManifestError("buckets must be a list")
+        if len(raw_buckets) > MAX_BUCKETS:
+            raise ManifestError(f"{len(raw_buckets)} buckets exceed the cap of {MAX_BUCKETS}")
         buckets = []
         for i, rb in enumerate(raw_buckets):
             if not (isinstance(rb, list) and len(rb) == 3):
@@ -188,13 +206,19 @@ class Manifest:
             nb = _int(rb[1], f"bucket {i} nbytes", minimum=0)
             if nb > bucket_bytes and meta.get("unsplit") is not True:
                 raise ManifestError(f"bucket {i}: {nb} bytes exceed bucket_bytes {bucket_bytes}")
-            if rb[2] is not None and not isinstance(rb[2], str):
-                raise ManifestError(f"bucket {i}: checksum must be a string or null")
+            if nb > MAX_BUCKET_BYTES:
+                raise ManifestError(f"bucket {i}: {nb} bytes exceed the cap of "
+                                    f"{MAX_BUCKET_BYTES} bytes")
+            if rb[2] is not None and not (isinstance(rb[2], str) and len(rb[2]) <= 256):
+                raise ManifestError(f"bucket {i}: checksum must be a string (at most 256 "
+                                    "characters) or null")
             buckets.append(BucketEntry(i, nb, rb[2]))
 
         raw_tensors = data.get("tensors")
         if not isinstance(raw_tensors, list):
             raise ManifestError("tensors must be a list")
+        if len(raw_tensors) > MAX_TENSORS:
+            raise ManifestError(f"{len(raw_tensors)} tensors exceed the cap of {MAX_TENSORS}")
         tensors = []
         seen: set[str] = set()
         for rt in raw_tensors:
@@ -221,8 +245,9 @@ def _tensor_from_dict(rt: Any, buckets: list[BucketEntry], seen: set[str]) -> Te
     if not isinstance(rt, dict):
         raise ManifestError("each tensor must be a JSON object")
     name = rt.get("name")
-    if not isinstance(name, str) or not name:
-        raise ManifestError(f"tensor name must be a non-empty string, got {name!r}")
+    if not isinstance(name, str) or not name or len(name) > MAX_NAME_CHARS:
+        raise ManifestError(f"tensor name must be a non-empty string of at most "
+                            f"{MAX_NAME_CHARS} characters, got {str(name)[:80]!r}")
     if name in seen:
         raise ManifestError(f"tensor {name!r} appears twice")
     seen.add(name)

@@ -26,16 +26,18 @@ import contextlib
 import os
 import threading
 import time
+import uuid
 import zlib
 from collections.abc import Iterable, Iterator
 from typing import Any
 
 import torch
 
-from enginehooks.core.auth import Verifier, canonical, load_secret
+from enginehooks.core.auth import AuthError, Verifier, load_secret
 from enginehooks.core.dtypes import dtype_name
-from enginehooks.core.errors import ConfigError, EngineHooksError, ManifestError, TransportError
+from enginehooks.core.errors import ConfigError, ManifestError, ReplicaBusy, TransportError
 from enginehooks.core.manifest import Manifest
+from enginehooks.engine import protocol
 from enginehooks.engine.contract import EngineBinding, dispatch
 from enginehooks.engine.expectations import Expectations
 from enginehooks.plugins import get_plugin_manager
@@ -45,8 +47,10 @@ ON_TORN_ENV = "ENGINEHOOKS_ON_TORN"
 POLICIES = ("refuse", "serve")
 
 
-class ReplicaBusy(EngineHooksError):
-    """The worker is applying another update; nothing was changed."""
+#: The most tensor names one `digests` call reads (each costs a crc32 of a weight).
+MAX_DIGEST_NAMES = 4096
+
+__all__ = ["EngineSide", "ReplicaBusy", "default_policy", "refusal_of"]
 
 
 def default_policy() -> str:
@@ -75,14 +79,24 @@ class EngineSide:
         self.failed_version: int | str | None = None
         self.updating_to: int | str | None = None
         self.on_torn = default_policy()
+        #: this worker's id: the audience a trainer's tokens must name (`core/auth.py`)
+        self.instance = uuid.uuid4().hex
         secret = load_secret()
-        self.verifier = Verifier(secret) if secret else None
+        self.verifier = Verifier(secret, audience=self.instance) if secret else None
         self._busy = threading.Lock()
         self.binding.state_changed(self.public_state())
 
     def call(self, verb: str, *args: Any) -> Any:
-        """Run a contract verb with raw (possibly JSON-text) arguments."""
-        return dispatch(self, verb, args)
+        """Run a contract verb with raw (possibly JSON-text) arguments. With a call id in
+        front of them (`engine/protocol.py`) the answer is an Ok/Err envelope echoing
+        it, and errors travel back by class name instead of being raised."""
+        call_id, rest = protocol.split_call(args)
+        if call_id is None:
+            return dispatch(self, verb, rest)
+        try:
+            return protocol.ok(call_id, dispatch(self, verb, rest))
+        except Exception as e:
+            return protocol.err(call_id, e)
 
     def expectations(self) -> Expectations:
         if self._expectations is None:
@@ -106,9 +120,17 @@ class EngineSide:
             return None
         return refusal_of(self.public_state())
 
-    def _authorize(self, verb: str, payload: Any, token: str | None) -> None:
+    def _authorize(self, verb: str, token: str | None, **fields: Any) -> None:
+        payload = protocol.signed_payload(verb, **fields)
         if self.verifier is not None:
-            self.verifier.verify(verb, canonical(payload), token)
+            self.verifier.verify(verb, payload, token)
+        elif token is not None:
+            # The trainer signs because it has a secret; this engine has none and would
+            # accept anyone's push: refuse, so mixed setups fail at the first join on
+            # every path (vLLM's own weight-transfer calls cannot ask `info` first).
+            raise AuthError(f"{verb} refused: the trainer signs its updates but this engine "
+                            "has no shared secret: set ENGINEHOOKS_SECRET (or "
+                            "ENGINEHOOKS_SECRET_FILE) in the engine's environment too")
 
     @contextlib.contextmanager
     def _exclusive(self, what: str) -> Iterator[None]:
@@ -138,6 +160,7 @@ class EngineSide:
             # whether this worker verifies signed updates (a trainer with a secret
             # refuses to push to one that does not: it would accept anyone's push)
             "authenticated": self.verifier is not None,
+            "instance": self.instance,
             "dtype": dtype,
             # tensors the engine's loader puts in parameters of another dtype
             "wire_dtypes": {n: d for n, d in self.expectations().wire_dtypes().items()
@@ -150,7 +173,7 @@ class EngineSide:
              auth: str | None = None) -> dict[str, Any]:
         """Join the group described by `endpoint` as rank `rank_offset + worker_rank`
         (leaving any previous group: a later trainer takes the worker over)."""
-        self._authorize("join", {"endpoint": endpoint, "rank_offset": rank_offset}, auth)
+        self._authorize("join", auth, endpoint=endpoint, rank_offset=rank_offset)
         if not isinstance(endpoint, dict) or not isinstance(endpoint.get("transport"), str):
             raise ConfigError(f"a group endpoint is a JSON object naming its transport, not "
                               f"{endpoint!r:.200}")
@@ -171,7 +194,7 @@ class EngineSide:
             return {"rank": rank, "transport": transport, "group": self.group}
 
     def leave(self, auth: str | None = None) -> dict[str, Any]:
-        self._authorize("leave", "", auth)
+        self._authorize("leave", auth)
         with self._exclusive("leave"):
             self._leave()
         return {"left": True}
@@ -183,14 +206,14 @@ class EngineSide:
         self.receiver, self.transport, self.group = None, None, None
 
     def check(self, manifest_json: str, auth: str | None = None) -> list[str]:
-        self._authorize("check", manifest_json, auth)
+        self._authorize("check", auth, manifest=manifest_json)
         return self._problems(Manifest.from_json(manifest_json))
 
     def _problems(self, manifest: Manifest) -> list[str]:
         return self.expectations().problems(manifest.specs())
 
     def receive(self, manifest_json: str, group: str, auth: str | None = None) -> dict[str, Any]:
-        self._authorize("receive", {"manifest": manifest_json, "group": group}, auth)
+        self._authorize("receive", auth, manifest=manifest_json, group=group)
         with self._exclusive("receive"):
             return self._receive(Manifest.from_json(manifest_json), group)
 
@@ -230,6 +253,10 @@ class EngineSide:
         """crc32 of weights the engine keeps in checkpoint layout (embeddings, norms;
         fused or prepacked ones are skipped), for bit-exact checks that move no tensor.
         A vocabulary padded by the engine is compared on the checkpoint's rows."""
+        names = list(names)
+        if len(names) > MAX_DIGEST_NAMES:
+            raise ConfigError(f"digests of {len(names)} tensors asked; at most "
+                              f"{MAX_DIGEST_NAMES} per call")
         params, expect = self.binding.readable(), self.expectations()
         out: dict[str, Any] = {}
         for name in names:
@@ -244,7 +271,7 @@ class EngineSide:
         return out
 
     def flush(self, auth: str | None = None) -> dict[str, Any]:
-        self._authorize("flush", "", auth)
+        self._authorize("flush", auth)
         return {"flushed": self.binding.flush()}
 
 

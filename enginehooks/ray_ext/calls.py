@@ -8,6 +8,7 @@ from __future__ import annotations
 from typing import Any
 
 from enginehooks.core import errors
+from enginehooks.engine import protocol
 
 #: Handle operations an actor runs for `RayEngine` (`EngineHandle` methods, plus the
 #: vLLM handles' native-control readers, where the handle inside has them).
@@ -16,14 +17,9 @@ OPERATIONS: frozenset[str] = frozenset({
     "digests", "version", "engine_version", "weight_checksums",
 })
 
-#: errors that keep their type across the actor boundary (anything else becomes a
-#: `ReplicaError` naming the actor, with the original class name in its text)
-KEPT: dict[str, type[errors.EngineHooksError]] = {
-    cls.__name__: cls for cls in (
-        errors.ConfigError, errors.ManifestError, errors.TransportError, errors.ChecksumError,
-        errors.SenderAborted, errors.PushTimeout, errors.PluginError,
-    )
-}
+#: Every `EngineHooksError` subclass keeps its type across the actor boundary (restored
+#: by `engine/protocol.py`, as on every channel); anything else becomes a `ReplicaError`
+#: naming the actor, with the original class name in its text.
 
 
 def error_reply(e: BaseException) -> dict[str, Any]:
@@ -36,10 +32,7 @@ def raise_reply(reply: Any, who: str, op: str) -> Any:
         return reply["result"]
     if isinstance(reply, dict) and "error" in reply:
         kind, message = str(reply["error"]), str(reply.get("message", ""))
-        cls = KEPT.get(kind)
-        if cls is not None:
-            err = cls(message)
-            err.replica = who
-            raise err
+        if kind in protocol.error_classes() and kind != "ReplicaError":
+            raise protocol.restore_error(kind, message, who)
         raise errors.ReplicaError(who, f"{op} failed in the actor: {kind}: {message}")
     raise errors.ReplicaError(who, f"{op}: the actor answered {reply!r}")

@@ -8,13 +8,21 @@ serve and mark the answers. Each front end reads the workers' published state
 
 - the API server: an endpoint plugin (`EnginehooksEndpoints`, entry point
   `vllm.endpoint_plugins`; vLLM loads endpoint plugins only when they are named in
-  `VLLM_PLUGINS`, so start servers with `VLLM_PLUGINS=enginehooks`) adds a middleware:
-  a generation request that arrives while an update is applied is held until the
-  update ends (at most `ENGINEHOOKS_HOLD_S`, default 60 s) and then served by the new
-  weights, or refused if the update left the engine torn; generation requests get
-  HTTP 503 with a JSON body while refused; every generation
+  `VLLM_PLUGINS`, so start servers with `VLLM_PLUGINS=enginehooks`) adds a middleware.
+  Every route is a generation route except an explicit allow-list (`READ_ONLY_ROUTES`,
+  `CONTROL_ROUTES`, `/weight_info`): nothing is let through by prefix, so a route vLLM
+  adds later is refused while torn rather than served. A generation request that
+  arrives while an update is applied is held until the update ends (at most
+  `ENGINEHOOKS_HOLD_S`, default 60 s) and then served by the new weights, or refused if
+  the update left the engine torn; refused requests get HTTP 503 with a JSON body; a
+  worker whose state file is missing counts as torn (fail closed). Every generation
   response carries `X-Enginehooks-Weight-Version` (or `mixed:a->b` when an update
-  landed while it ran) and, when served torn, `X-Enginehooks-Torn`;
+  landed while it ran) and, when served torn, `X-Enginehooks-Torn`. `/weight_info`
+  answers `torn` as soon as a worker's state says so. With a shared secret in the
+  server's environment, the control routes (vLLM's dev routes: `/collective_rpc`,
+  `/pause`, `/update_weight_version`, ...; vLLM's `--api-key` does not guard them)
+  require a token signed with it (`X-Enginehooks-Auth`, sent by `VLLMServer`), or are
+  refused with HTTP 401;
 - in-process `vllm.LLM` / `AsyncLLM`: the handles (`VLLMEngine`, `VLLMAsyncEngine`)
   guard the engine's `generate` / `chat`, which raise `EngineTorn`.
 """
@@ -24,6 +32,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
+import json
 import logging
 import os
 import time
@@ -31,19 +40,70 @@ from argparse import Namespace
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
+from enginehooks.core.auth import AuthError, Verifier, load_secret
 from enginehooks.core.errors import EngineTorn
 from enginehooks.engine.beacon import Beacon
+from enginehooks.engine.protocol import ROUTE_AUTH_HEADER, ROUTE_VERB, route_payload
 from enginehooks.engine.side import refusal_of
 
 log = logging.getLogger("enginehooks.vllm")
 
-#: Routes that generate tokens (prefix match).
-GENERATION_PATHS = ("/v1/completions", "/v1/chat/completions", "/v1/responses", "/generate",
-                    "/inference/", "/v1/embeddings")
+#: Routes that never generate and change nothing: served whatever the weights' state.
+READ_ONLY_ROUTES = frozenset({
+    "/health", "/ping", "/ready", "/readyz", "/metrics", "/load", "/version", "/v1/models",
+    "/server_info", "/is_paused", "/is_sleeping", "/get_world_size", "/kv_event_sources",
+    "/is_scaling_elastic_ep", "/tokenizer_info", "/fault_tolerance/status", "/tokenize",
+    "/detokenize", "/v1/messages/count_tokens", "/docs", "/docs/oauth2-redirect", "/redoc",
+    "/openapi.json",
+})
+#: vLLM's control routes (dev mode, RL, LoRA, sleep, profiling, scaling): they change
+#: the engine but generate nothing; served while torn (a push repairs the engine through
+#: them) and, with a shared secret, only with a signed token.
+CONTROL_ROUTES = frozenset({
+    "/collective_rpc", "/pause", "/resume", "/update_weight_version", "/reload_weights",
+    "/reset_prefix_cache", "/reset_mm_cache", "/reset_encoder_cache", "/sleep", "/wake_up",
+    "/release_kv_cache_memory", "/init_weight_transfer_engine", "/start_weight_update",
+    "/start_draft_weight_update", "/update_weights", "/finish_weight_update",
+    "/shutdown_weight_transfer_engine", "/weight_checker", "/abort_requests",
+    "/scale_elastic_ep", "/start_profile", "/stop_profile", "/v1/load_lora_adapter",
+    "/v1/unload_lora_adapter",
+})
+WEIGHT_INFO = "/weight_info"
+
+
+def route_kind(path: str) -> str:
+    """"control", "read" (never generates), "weight_info", or "generate" (everything
+    else: an unknown route is treated as one that generates)."""
+    path = path.rstrip("/") or "/"
+    if path in CONTROL_ROUTES or path.startswith("/enginehooks/"):
+        return "control"
+    if path in READ_ONLY_ROUTES:
+        return "read"
+    if path == WEIGHT_INFO:
+        return "weight_info"
+    return "generate"
+
+
+def rpc_deadline(body: bytes) -> Any:
+    """The `timeout` a `/collective_rpc` body asks vLLM for (None: none, or not JSON,
+    which vLLM itself refuses)."""
+    try:
+        data = json.loads(body or b"{}")
+    except ValueError:
+        return None
+    return data.get("timeout") if isinstance(data, dict) else None
+
+
+def _missing(path: str) -> dict[str, Any]:
+    return {"state": "torn", "version": None, "updating_to": None, "failed_version": None,
+            "on_torn": "refuse",
+            "reason": f"the worker's state file {path} is missing, so its weights are unknown"}
 
 
 def states(beacons: Sequence[str]) -> list[dict[str, Any]]:
-    return [s for s in (Beacon.read(b) for b in beacons) if s is not None]
+    """Every worker's published state; a worker whose state file is missing counts as
+    torn (fail closed: never serve weights nobody vouches for)."""
+    return [s if s is not None else _missing(b) for b, s in ((b, Beacon.read(b)) for b in beacons)]
 
 
 def refusal(beacons: Sequence[str]) -> dict[str, Any] | None:
@@ -85,7 +145,8 @@ def label(beacons: Sequence[str]) -> str:
     """The weight version every worker holds, or what is wrong with it."""
     ss = states(beacons)
     if any(s.get("state") == "torn" for s in ss):
-        return "torn:" + ",".join(sorted({str(s.get("failed_version")) for s in ss}))
+        return "torn:" + ",".join(sorted({str(s.get("failed_version")) for s in ss
+                                          if s.get("state") == "torn"}))
     if any(s.get("state") == "updating" for s in ss):
         return "updating"
     versions = sorted({str(s.get("version")) for s in ss})
@@ -151,11 +212,43 @@ class EnginehooksEndpoints:
     def attach_router(self, app: Any) -> None:
         from fastapi.responses import JSONResponse
 
+        secret = load_secret()  # a secret file that cannot be read stops the server here
+        verifier = Verifier(secret) if secret else None
+
         @app.middleware("http")
         async def enginehooks_fail_closed(request: Any, call_next: Any) -> Any:
             path = request.url.path
+            kind = route_kind(path)
             beacons: Sequence[str] = getattr(request.app.state, "enginehooks_beacons", ())
-            if request.method != "POST" or not beacons or not path.startswith(GENERATION_PATHS):
+            if kind == "control":
+                body = await request.body()
+                if path.rstrip("/") == "/collective_rpc" and rpc_deadline(body) is not None:
+                    return JSONResponse(status_code=400, content={"error": {
+                        "message": "enginehooks: /collective_rpc with a \"timeout\" is refused: "
+                                   "vLLM keeps the answer of a call that times out in its "
+                                   "worker queue and hands it to the next call (generation "
+                                   "included), which breaks the engine until it restarts. "
+                                   "Send no timeout and bound the wait on the client side.",
+                        "type": "BadRequest", "code": 400}})
+                if verifier is not None:
+                    try:
+                        verifier.verify(ROUTE_VERB, route_payload(
+                            request.method, request.headers.get("host", ""), path,
+                            request.url.query, body), request.headers.get(ROUTE_AUTH_HEADER))
+                    except AuthError as e:
+                        return JSONResponse(status_code=401, content={"error": {
+                            "message": f"enginehooks: {path} is a control route and this "
+                                       f"engine has a shared secret: {e} (enginehooks' "
+                                       "VLLMServer signs its calls; vLLM's --api-key does "
+                                       "not guard these routes)",
+                            "type": "AuthError", "code": 401}})
+                return await call_next(request)
+            if kind == "read" or not beacons:
+                return await call_next(request)
+            if kind == "weight_info":
+                now = label(beacons)
+                if now.startswith("torn:"):
+                    return JSONResponse(content={"weight_version": "torn", "enginehooks": now})
                 return await call_next(request)
             refused = await settled_refusal(beacons, hold_s())
             if refused is not None:

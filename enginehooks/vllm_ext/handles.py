@@ -28,13 +28,17 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import urllib.parse
 from typing import Any
 
 from enginehooks.control._futures import spawn
 from enginehooks.control._http import request_json
 from enginehooks.control.handles import EngineHandle
-from enginehooks.core.errors import ConfigError, PushTimeout, ReplicaError
+from enginehooks.core.auth import load_secret, sign
+from enginehooks.core.errors import ConfigError, EngineHooksError, PushTimeout, ReplicaError
+from enginehooks.engine.contract import PREFIX
+from enginehooks.engine.protocol import ROUTE_AUTH_HEADER, ROUTE_VERB, Deadline, route_payload
 from enginehooks.vllm_ext.fail_closed import guard, guard_async
 
 #: vLLM's weight version after a failed update (the engine holds a mix of versions).
@@ -65,10 +69,41 @@ def checksum_mismatches(a: dict[str, str], b: dict[str, str]) -> list[str]:
     return sorted(k for k in a.keys() | b.keys() if a.get(k) != b.get(k))
 
 
+SETUP_HINT = ("the vLLM workers have no enginehooks methods: start vLLM with "
+              "--worker-extension-cls enginehooks.vllm_ext.WorkerExtension (and, for a "
+              "server, VLLM_SERVER_DEV_MODE=1)")
+
+
+def worker_failure(e: BaseException) -> list[Any]:
+    """A worker failure vLLM handed to this call. Our verbs answer envelopes and never
+    fail in vLLM's sense, so it is either a setup error (no worker extension: raised,
+    saying the fix) or the late failure of another client's call (returned as a stale
+    answer, which the caller reads past)."""
+    text = str(e)
+    if f"has no attribute '{PREFIX}" in text:
+        raise ConfigError(f"{SETUP_HINT} ({text[:300]})") from None
+    if "Worker failed with error" in text or "Worker failed" in text:
+        return [None]
+    raise e
+
+
 class _VLLMHandle(EngineHandle):
-    """What every vLLM handle adds to the contract: the engine's own weight version."""
+    """What every vLLM handle adds to the contract: the engine's own weight version.
+
+    vLLM's `collective_rpc` keeps the answer of a call that timed out in its worker
+    queue and hands it to the next caller; so no handle gives vLLM a deadline (each
+    bounds its own wait instead), and every call carries a call id that the workers
+    echo (`EngineHandle.call`), so a late answer is never taken for this call's."""
 
     timeout_s: float = 120.0
+
+    def _tagged_rpc(self, method: str, *args: Any, deadline: Deadline) -> list[Any]:
+        try:
+            return super()._tagged_rpc(method, *args, deadline=deadline)
+        except (EngineHooksError, RuntimeError) as e:
+            if isinstance(e, PushTimeout):
+                raise
+            return worker_failure(e)
 
     def set_engine_version(self, version: str, timeout_s: float) -> None:
         """Record `version` as vLLM's weight version (outputs carry it)."""
@@ -134,7 +169,8 @@ class VLLMEngine(_VLLMHandle):
         guard(llm, self.beacons)
 
     def rpc(self, method: str, *args: Any, timeout_s: float) -> list[Any]:
-        return self.llm.collective_rpc(method, timeout=timeout_s, args=args)
+        # No vLLM deadline (see _VLLMHandle): `WeightSync` bounds the wait.
+        return self.llm.collective_rpc(method, args=args)
 
     def flush_cache(self, timeout_s: float, auth: str | None = None) -> None:
         self.llm.reset_prefix_cache()
@@ -207,8 +243,8 @@ class VLLMAsyncEngine(_VLLMHandle):
             raise PushTimeout(f"{self.name}: no answer within {timeout_s}s") from None
 
     def rpc(self, method: str, *args: Any, timeout_s: float) -> list[Any]:
-        return self._run(self.engine.collective_rpc(method, timeout=timeout_s, args=args),
-                         timeout_s)
+        # No vLLM deadline (see _VLLMHandle): this wait is bounded instead.
+        return self._run(self.engine.collective_rpc(method, args=args), timeout_s)
 
     def flush_cache(self, timeout_s: float, auth: str | None = None) -> None:
         self._run(self.engine.reset_prefix_cache(), timeout_s)
@@ -253,24 +289,35 @@ class VLLMServer(_VLLMHandle):
     """
 
     def __init__(self, url: str, name: str | None = None, pause_mode: str = "wait",
-                 api_key: str | None = None, timeout_s: float = 120.0) -> None:
+                 api_key: str | None = None, timeout_s: float = 120.0,
+                 secret: bytes | str | None = None) -> None:
         self.url = url.rstrip("/")
         self.name = name or self.url
         self.pause_mode = _check_mode(pause_mode)
         self.timeout_s = timeout_s
         self._headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        # Signs the control routes, which an engine with a secret guards (fail_closed.py)
+        self._secret = secret.encode() if isinstance(secret, str) else (secret or load_secret())
 
     def _post(self, path: str, body: Any | None, timeout_s: float) -> Any:
-        return request_json(f"{self.url}{path}", body if body is not None else {},
-                            timeout_s=timeout_s, who=self.name, headers=self._headers)
+        body = body if body is not None else {}
+        headers = dict(self._headers)
+        if self._secret:
+            u = urllib.parse.urlsplit(f"{self.url}{path}")
+            headers[ROUTE_AUTH_HEADER] = sign(self._secret, ROUTE_VERB, route_payload(
+                "POST", u.netloc, u.path, u.query, json.dumps(body).encode()))
+        return request_json(f"{self.url}{path}", body, timeout_s=timeout_s, who=self.name,
+                            headers=headers)
 
     def _get(self, path: str, timeout_s: float) -> Any:
         return request_json(f"{self.url}{path}", None, timeout_s=timeout_s, who=self.name,
                             headers=self._headers)
 
     def rpc(self, method: str, *args: Any, timeout_s: float) -> list[Any]:
-        body = {"method": method, "args": [str(a) for a in args], "timeout": timeout_s}
-        out = self._post("/collective_rpc", body, timeout_s + 5.0)
+        # No "timeout" for vLLM: one that expires leaves its answer queued for the next
+        # call (see _VLLMHandle); this client bounds its own wait.
+        body = {"method": method, "args": [str(a) for a in args]}
+        out = self._post("/collective_rpc", body, timeout_s)
         if not isinstance(out, dict) or "results" not in out:
             raise ReplicaError(self.name, f"/collective_rpc answered {out!r}")
         return out["results"]

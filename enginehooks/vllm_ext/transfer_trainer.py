@@ -154,7 +154,8 @@ class ClientReplica(EngineHandle):
     of them, and the per-worker stats of a receive do not travel back.
     """
 
-    def __init__(self, client: Any, workers: int, name: str = "vllm") -> None:
+    def __init__(self, client: Any, workers: int, name: str = "vllm",
+                 dtype: str | None = None) -> None:
         for method in ("init_weight_transfer_engine", "start_weight_update", "update_weights",
                        "finish_weight_update"):
             if not callable(getattr(client, method, None)):
@@ -163,6 +164,7 @@ class ClientReplica(EngineHandle):
         self.client = client
         self.workers = int(workers)
         self.name = name
+        self.dtype = dtype
         self._version: str | None = None
         self._in_session = False
         self._updates = 0
@@ -175,7 +177,14 @@ class ClientReplica(EngineHandle):
 
     def info(self, timeout_s: float) -> list[dict[str, Any]]:
         # vLLM's calls cannot ask the workers: the group is the one this handle joined.
-        return [{"rank": i, "group": self._group} for i in range(self.workers)]
+        # `authenticated` is unknown here (None): an engine without the secret refuses
+        # the signed join itself (EngineSide._authorize), so a trainer with a secret
+        # still never pushes into an engine that would accept anyone's push. The dtype
+        # is the init info's (the workers refuse one their loader would not take).
+        info: dict[str, Any] = {"group": self._group, "authenticated": None}
+        if self.dtype is not None:
+            info.update(dtype=self.dtype, wire_dtypes={})
+        return [dict(info, rank=i) for i in range(self.workers)]
 
     def join(self, endpoint: dict[str, Any], rank_offset: int, timeout_s: float,
              auth: str | None = None) -> None:
@@ -274,7 +283,8 @@ class EnginehooksTrainerWeightTransferEngine(
             dtype=torch_dtype(init_info.dtype) if init_info.dtype else None,
             device=init_info.device, transport_options=init_info.transport_options)
         name = init_info.name or getattr(client, "name", None) or "vllm"
-        sync.add_replica(ClientReplica(client, init_info.world_size - 1, name=str(name)))
+        sync.add_replica(ClientReplica(client, init_info.world_size - 1, name=str(name),
+                                       dtype=init_info.dtype))
         try:
             sync.connect()
         except BaseException:
@@ -290,13 +300,28 @@ class EnginehooksTrainerWeightTransferEngine(
             for _ in source:  # this rank's share of the source's collectives
                 pass
             return None
+        # Automatic numbering continues after the highest version pushed so far, explicit
+        # ones included: a version never goes backwards silently.
         self.pushes += 1
-        version = self.pushes if weight_version is None else weight_version
+        if weight_version is None:
+            version: int | str = self.pushes
+        else:
+            version = weight_version
+            numeric = _as_int(weight_version)
+            if numeric is not None:
+                self.pushes = max(self.pushes, numeric)
         return self.sync.push(WeightSourceAdapter(source), version=version)
 
     def shutdown(self) -> None:
         if self.sync is not None:
             self.sync.close()
+
+
+def _as_int(v: int | str) -> int | None:
+    if isinstance(v, int) and not isinstance(v, bool):
+        return v
+    text = str(v).strip()
+    return int(text) if text.isdigit() else None
 
 
 def _register() -> None:

@@ -1,0 +1,209 @@
+"""The trainer<->worker protocol: what every verb signs, how every call is tagged, how
+every answer (or error) travels back, and one deadline for a whole call.
+
+Every channel (vLLM's `/collective_rpc` and `collective_rpc`, SGLang's scheduler RPC,
+Ray actors, in-process replicas) carries the same messages:
+
+- **a call id on every RPC.** The handle adds one argument, `enginehooks-call:<id>`, in
+  front of the verb's own arguments; the worker answers with an envelope that echoes
+  it. An answer with another call id is the late answer to an earlier call (vLLM keeps
+  the answer of an RPC that timed out in its worker queue and hands it to the *next*
+  caller) and is never taken as this call's answer.
+- **an Ok/Err envelope.** `{"enginehooks": 1, "call": id, "ok": result}` or
+  `{"enginehooks": 1, "call": id, "error": {"type": class name, "message": text}}`:
+  errors travel as their class name and text (never pickled), and the trainer restores
+  the same `EngineHooksError` subclass whatever the channel (a `ChecksumError` in a
+  worker is a `ChecksumError` on the trainer, not a `ReplicaError`).
+- **one signed payload per verb**, built here by both sides (`signed_payload`): the
+  trainer signs exactly what the worker verifies.
+- **`WorkerInfo`**: what `info` answers; `authenticated` is required.
+- **`Deadline`**: one absolute deadline per call, read where the call waits.
+
+Nothing here deserialises anything but JSON.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, TypedDict
+
+from enginehooks.core import errors
+from enginehooks.core.auth import AuthError, canonical
+from enginehooks.core.errors import ConfigError, EngineHooksError, PushTimeout, ReplicaError
+
+CALL_PREFIX = "enginehooks-call:"
+VERSION = 1
+
+
+class StaleReply(EngineHooksError):
+    """An answer that belongs to another call (or carries no call id): discarded."""
+
+
+# -- deadline ---------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Deadline:
+    """One absolute deadline (monotonic clock) for everything a call waits on."""
+
+    at: float
+    seconds: float
+
+    @classmethod
+    def after(cls, seconds: float) -> Deadline:
+        return cls(time.monotonic() + float(seconds), float(seconds))
+
+    def left(self, floor: float = 0.0) -> float:
+        return max(floor, self.at - time.monotonic())
+
+    @property
+    def expired(self) -> bool:
+        return time.monotonic() >= self.at
+
+    def check(self, what: str) -> None:
+        if self.expired:
+            raise PushTimeout(f"{what}: no answer within {self.seconds:g}s")
+
+
+# -- call ids ---------------------------------------------------------------------------
+def new_call_id() -> str:
+    return uuid.uuid4().hex
+
+
+def call_arg(call_id: str) -> str:
+    return CALL_PREFIX + call_id
+
+
+def split_call(args: Sequence[Any]) -> tuple[str | None, tuple[Any, ...]]:
+    """(call id or None, the verb's own arguments) of an RPC's raw arguments."""
+    if args and isinstance(args[0], str) and args[0].startswith(CALL_PREFIX):
+        call_id = args[0][len(CALL_PREFIX):]
+        if not call_id or len(call_id) > 64 or not call_id.isalnum():
+            raise ConfigError(f"malformed call id {args[0][:80]!r}")
+        return call_id, tuple(args[1:])
+    return None, tuple(args)
+
+
+# -- envelopes --------------------------------------------------------------------------
+def ok(call_id: str, result: Any) -> dict[str, Any]:
+    return {"enginehooks": VERSION, "call": call_id, "ok": result}
+
+
+def err(call_id: str, e: BaseException) -> dict[str, Any]:
+    return {"enginehooks": VERSION, "call": call_id,
+            "error": {"type": type(e).__name__, "message": str(e)[:20000]}}
+
+
+def is_envelope(reply: Any) -> bool:
+    return isinstance(reply, dict) and reply.get("enginehooks") == VERSION and "call" in reply
+
+
+def error_classes() -> dict[str, type[EngineHooksError]]:
+    """Every `EngineHooksError` subclass by name (those imported so far; the ones the
+    engine contract raises are imported with it)."""
+    out: dict[str, type[EngineHooksError]] = {}
+    todo: list[type[EngineHooksError]] = [EngineHooksError]
+    while todo:
+        cls = todo.pop()
+        out.setdefault(cls.__name__, cls)
+        todo.extend(cls.__subclasses__())
+    return out
+
+
+def restore_error(kind: str, message: str, who: str) -> EngineHooksError:
+    """The enginehooks error `kind` (a class name) with `message`, from replica `who`;
+    anything else (an engine's own exception) becomes a `ReplicaError` naming it."""
+    cls = error_classes().get(kind)
+    e: EngineHooksError
+    if cls is None or cls is ReplicaError:
+        e = ReplicaError(who, message if cls is ReplicaError else f"{kind}: {message}")
+    elif cls is errors.EngineTorn:
+        e = errors.EngineTorn({"error": message, "state": "torn"})
+    else:
+        try:
+            e = cls(message)
+        except TypeError:  # a subclass with another constructor
+            e = ReplicaError(who, f"{kind}: {message}")
+    e.replica = who
+    return e
+
+
+def unwrap(reply: Any, call_id: str, who: str) -> Any:
+    """The result carried by `reply` for call `call_id`; its error raised as the same
+    class; `StaleReply` when it answers another call."""
+    if not is_envelope(reply):
+        raise StaleReply(f"{who}: an answer without a call id ({str(reply)[:200]})")
+    if reply["call"] != call_id:
+        raise StaleReply(f"{who}: the answer to call {reply['call']!r}, not {call_id!r}")
+    if "error" in reply:
+        e = reply["error"] if isinstance(reply["error"], dict) else {}
+        raise restore_error(str(e.get("type", "ReplicaError")), str(e.get("message", "")), who)
+    return reply.get("ok")
+
+
+# -- signed payloads --------------------------------------------------------------------
+def signed_payload(verb: str, **fields: Any) -> str:
+    """The exact text a verb's token signs (both sides build it here):
+    join(endpoint, rank_offset), check(manifest), receive(manifest, group), leave(),
+    flush()."""
+    if verb == "join":
+        return canonical({"endpoint": fields["endpoint"], "rank_offset": fields["rank_offset"]})
+    if verb == "check":
+        return canonical(fields["manifest"])
+    if verb == "receive":
+        return canonical({"manifest": fields["manifest"], "group": fields["group"]})
+    if verb in ("leave", "flush"):
+        return canonical("")
+    raise ConfigError(f"verb {verb!r} is not signed")
+
+
+# -- signed HTTP routes ------------------------------------------------------------------
+#: The header that carries a token for an engine's control routes (vLLM's dev routes,
+#: guarded by the enginehooks endpoint plugin when the engine has a secret).
+ROUTE_AUTH_HEADER = "X-Enginehooks-Auth"
+ROUTE_VERB = "route"
+
+
+def route_payload(method: str, host: str, path: str, query: str, body: bytes) -> str:
+    """What a control-route token signs: the method, the host the client addressed (the
+    audience: a token for one server is refused by another), the path and query, and
+    the body's sha256."""
+    import hashlib
+
+    return canonical({"method": method.upper(), "host": host.lower(), "path": path,
+                      "query": query, "body": hashlib.sha256(body).hexdigest()})
+
+
+# -- info -------------------------------------------------------------------------------
+class WorkerInfo(TypedDict, total=False):
+    """What `info` answers for one worker (`authenticated` and `instance` required)."""
+
+    rank: int
+    version: int | str | None
+    state: str
+    group: str | None
+    authenticated: bool | None
+    instance: str | None
+    dtype: str
+    param_dtypes: dict[str, str]
+    wire_dtypes: dict[str, str]
+
+
+def check_infos(infos: Sequence[Any], who: str, secret: bool) -> list[WorkerInfo]:
+    """Validate a replica's `info` answers: a JSON object per worker that says whether it
+    verifies signed updates. With a secret on the trainer, a worker that says it does
+    not is refused (it would accept anyone's push)."""
+    out: list[WorkerInfo] = []
+    for i in infos:
+        if not isinstance(i, dict) or "authenticated" not in i:
+            raise ConfigError(f"replica {who!r}: a worker's info does not say whether it "
+                              f"verifies signed updates ({str(i)[:200]}): run the same "
+                              "enginehooks version on the trainer and the engines")
+        out.append(i)  # type: ignore[arg-type]
+    if secret and any(i.get("authenticated") is False for i in out):
+        raise AuthError(
+            f"replica {who!r} runs without the shared secret and would accept anyone's "
+            "push: set ENGINEHOOKS_SECRET or ENGINEHOOKS_SECRET_FILE in its environment "
+            "too (docs/security.md)")
+    return out

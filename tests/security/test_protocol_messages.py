@@ -1,0 +1,217 @@
+"""The protocol's protective checks, on real in-process replicas (`LocalEngine`: the
+same `EngineSide` every engine worker runs) and real gloo groups (issue 19):
+
+- tokens are fresh (the freshness window), bound to the replica they were signed for
+  (audience), and an engine without a secret refuses signed messages;
+- every RPC carries a call id; errors travel by class name and come back as the same
+  `EngineHooksError` subclass on every channel;
+- `check` refuses manifests beyond the caps (unknown digest, a 1 TiB bucket), digests
+  of unbounded name lists are refused;
+- a refused join ends the push at once, not after `timeout_s`;
+- `info` must say whether the worker verifies signatures.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+from enginehooks import WeightSync
+from enginehooks.core import errors
+from enginehooks.core.auth import SECRET_ENV, WINDOW_S, AuthError, sign
+from enginehooks.core.manifest import MAX_BUCKET_BYTES, TensorSpec, plan
+from enginehooks.engine import protocol
+from enginehooks.engine.local import LocalEngine
+from enginehooks.engine.side import MAX_DIGEST_NAMES
+
+SECRET = "protocol-test-secret"
+
+
+def net(seed: int) -> nn.Module:
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(16, 32), nn.Linear(32, 8))
+
+
+def manifest(**overrides: Any) -> str:
+    specs = [TensorSpec(n, "float32", tuple(t.shape)) for n, t in net(0).state_dict().items()]
+    m = plan(specs, weight_version=1, bucket_bytes=1 << 20, checksum="xxh3").to_dict()
+    m.update(overrides)
+    return json.dumps(m)
+
+
+@pytest.fixture
+def guarded(monkeypatch: pytest.MonkeyPatch) -> list[LocalEngine]:
+    """Two replicas whose engine processes have the shared secret."""
+    monkeypatch.setenv(SECRET_ENV, SECRET)
+    engines = [LocalEngine(net(0), name="replica-a"), LocalEngine(net(0), name="replica-b")]
+    monkeypatch.delenv(SECRET_ENV)
+    return engines
+
+
+def test_a_token_older_than_the_window_is_refused(guarded: list[LocalEngine]) -> None:
+    a = guarded[0]
+    m = manifest()
+    aud = [a.side.instance]
+    old = sign(SECRET.encode(), "check", protocol.signed_payload("check", manifest=m), aud,
+               ts=time.time() - WINDOW_S - 30)
+    with pytest.raises(AuthError, match=r"old \(window"):
+        a.side.call("check", m, old)
+    future = sign(SECRET.encode(), "check", protocol.signed_payload("check", manifest=m), aud,
+                  ts=time.time() + WINDOW_S + 30)
+    with pytest.raises(AuthError, match="window"):
+        a.side.call("check", m, future)
+    fresh = sign(SECRET.encode(), "check", protocol.signed_payload("check", manifest=m), aud)
+    assert a.side.call("check", m, fresh) == []
+
+
+def test_a_token_signed_for_one_replica_is_refused_by_another(guarded: list[LocalEngine]) -> None:
+    a, b = guarded
+    m = manifest()
+    token = sign(SECRET.encode(), "check", protocol.signed_payload("check", manifest=m),
+                 [a.side.instance])
+    with pytest.raises(AuthError, match="another replica"):
+        b.side.call("check", m, token)
+    assert a.side.call("check", m, token) == []
+    # The audience is inside the MAC: rewriting it to name B breaks the signature.
+    forged = dict(json.loads(token), aud=[b.side.instance])
+    with pytest.raises(AuthError, match="does not match"):
+        b.side.call("check", m, json.dumps(forged))
+
+
+def test_pushes_sign_for_each_replica_and_work(guarded: list[LocalEngine]) -> None:
+    src = net(3)
+    with WeightSync("gloo", timeout_s=30, secret=SECRET) as sync:
+        for e in guarded:
+            sync.add_replica(e)
+        assert sync.push(src, version=3).ok
+    for e in guarded:
+        assert e.side.version == 3
+
+
+def test_an_engine_without_a_secret_refuses_signed_messages() -> None:
+    """The engine side of "a trainer with a secret never pushes into an engine that
+    would accept anyone's push": it holds where the trainer cannot ask `info` (vLLM's
+    own weight-transfer calls)."""
+    open_engine = LocalEngine(net(0), name="no-secret")
+    m = manifest()
+    token = sign(SECRET.encode(), "check", protocol.signed_payload("check", manifest=m))
+    with pytest.raises(AuthError, match=r"no shared secret.*ENGINEHOOKS_SECRET"):
+        open_engine.side.call("check", m, token)
+    assert open_engine.side.call("check", m) == []
+
+
+def test_a_refused_join_ends_the_push_at_once(guarded: list[LocalEngine]) -> None:
+    """The join is refused in milliseconds (wrong secret); the push must not wait for
+    the group to form for its whole timeout."""
+    t0 = time.monotonic()
+    with WeightSync("gloo", timeout_s=120, secret="not-the-secret") as sync:
+        sync.add_replica(guarded[0])
+        with pytest.raises(AuthError, match="join refused"):
+            sync.push(net(2), version=9)
+    assert time.monotonic() - t0 < 20
+    assert guarded[0].side.state == "initial"
+
+
+@pytest.mark.parametrize("name", sorted(
+    n for n, c in protocol.error_classes().items()
+    if c not in (errors.ReplicaError, errors.EngineTorn)))
+def test_every_error_class_survives_the_envelope(name: str) -> None:
+    """What a worker raises reaches the trainer as the same class (over JSON text,
+    as every channel carries it)."""
+    cls = protocol.error_classes()[name]
+    try:
+        raised = cls("a message")
+    except TypeError:
+        pytest.skip(f"{name} is not built from a message")
+    wire = json.loads(json.dumps(protocol.err("c0ffee", raised)))
+    with pytest.raises(cls) as got:
+        protocol.unwrap(wire, "c0ffee", "replica-x")
+    assert type(got.value) is cls and "a message" in str(got.value)
+    assert got.value.replica == "replica-x"
+
+
+def test_checksum_errors_keep_their_class_through_a_handle() -> None:
+    assert protocol.restore_error("ChecksumError", "bucket 3", "r").__class__ is \
+        errors.ChecksumError
+    engine = LocalEngine(net(0), name="local")
+    with pytest.raises(errors.TransportError, match="has not joined"):
+        engine.receive(manifest(), "no-group", timeout_s=10)
+
+
+def test_an_answer_to_another_call_is_never_taken_for_this_one() -> None:
+    engine = LocalEngine(net(0), name="local")
+    late = engine.side.call("info", protocol.call_arg("aaaa"))
+    with pytest.raises(protocol.StaleReply):
+        protocol.unwrap(late, "bbbb", "local")
+    with pytest.raises(protocol.StaleReply):
+        protocol.unwrap([[]], "bbbb", "local")  # an untagged answer
+
+
+@pytest.mark.parametrize("overrides, why", [
+    ({"checksum": "md5"}, "unknown checksum 'md5'"),
+    ({"bucket_bytes": 1 << 40, "buckets": [[0, 1 << 40, None]]}, "exceeds the cap"),
+    ({"buckets": [[0, 1 << 40, None]], "meta": {"unsplit": True}}, "exceed the cap"),
+])
+def test_check_refuses_manifests_beyond_the_caps(overrides: dict[str, Any], why: str) -> None:
+    assert MAX_BUCKET_BYTES < 1 << 40
+    engine = LocalEngine(net(0), name="local")
+    with pytest.raises(errors.ManifestError, match=why):
+        engine.check(manifest(**overrides), timeout_s=10)
+    assert engine.side.state == "initial"
+
+
+def test_digests_of_unbounded_name_lists_are_refused() -> None:
+    engine = LocalEngine(net(0), name="local")
+    assert set(engine.digests(["0.weight"], timeout_s=10)) == {"0.weight"}
+    with pytest.raises(errors.ConfigError, match="at most"):
+        engine.digests([f"n{i}" for i in range(MAX_DIGEST_NAMES + 1)], timeout_s=10)
+
+
+class OlderEngine(LocalEngine):
+    """A replica whose `info` does not say whether it verifies signatures."""
+
+    def info(self, timeout_s: float) -> list[dict[str, Any]]:
+        return [{k: v for k, v in i.items() if k != "authenticated"}
+                for i in super().info(timeout_s)]
+
+
+def test_info_must_say_whether_the_worker_verifies_signatures() -> None:
+    with WeightSync("gloo", timeout_s=20, secret=SECRET) as sync:
+        sync.add_replica(OlderEngine(net(0), name="older"))
+        with pytest.raises(errors.ConfigError, match="verifies signed updates"):
+            sync.push(net(1), version=1)
+
+
+class LaggingQueue(LocalEngine):
+    """Stand-in for vLLM's worker queue after a `collective_rpc` timed out: every call
+    runs, but each answer comes back one call late (vLLM hands the late answer to the
+    next caller). The real server test cannot make a real queue lag any more (the
+    endpoint plugin refuses RPCs with a timeout), so the handle's side of the defence
+    is checked here, on a real `EngineSide`."""
+
+    def __init__(self, module: nn.Module, name: str) -> None:
+        super().__init__(module, name=name)
+        self.queue: list[list[Any]] = [[["a late answer of an earlier call"]]]
+
+    def rpc(self, method: str, *args: Any, timeout_s: float) -> list[Any]:
+        self.queue.append(super().rpc(method, *args, timeout_s=timeout_s))
+        return self.queue.pop(0)
+
+
+def test_a_handle_reads_past_answers_that_are_not_its_own() -> None:
+    lagging = LaggingQueue(net(0), name="lagging")
+    src = net(5)
+    with WeightSync("gloo", timeout_s=30) as sync:
+        sync.add_replica(lagging)
+        assert sync.push(src, version=5).ok
+    assert lagging.side.version == 5 and lagging.version(10) == 5
+    assert all(torch.equal(a, b) for a, b in zip(src.state_dict().values(),
+                                                 lagging.target.module.state_dict().values()))
+    with pytest.raises(errors.ManifestError, match="unknown checksum"):
+        lagging.check(manifest(checksum="md5"), timeout_s=10)  # its own answer, not the last
+    assert lagging.check(manifest(), timeout_s=10) is None
