@@ -366,7 +366,7 @@ def rank_main(job_path: Path) -> None:
             entry: dict[str, Any] = {"version": step["version"]}
             if step.get("train_steps"):
                 entry["losses"] = train(model, bridge.hf_config.vocab_size,
-                                        steps=int(step["train_steps"]), seed=int(step["version"]))
+                                        steps=int(step["train_steps"]), seed=int(step.get("seed", 0)))
             t1 = time.monotonic()
             report = push(adapter, step["version"], sync=sync)
             entry["push_s"] = round(time.monotonic() - t1, 2)

@@ -1,0 +1,214 @@
+"""Real megatron-core trainer ranks (CPU, 2 gloo ranks, mbridge) pushing into real engines.
+
+For a dense family (Qwen2) and an MoE family (Qwen3-MoE), in every 2-rank layout that
+runs on CPU (TP=2, PP=2; EP=2, TP=2+EP=2), the exact oracle of the conformance matrix:
+after the Megatron ranks push the weights of checkpoint d1, the engine's greedy tokens
+and logprobs equal those of the same engine freshly started from d1. One engine server
+per family serves every layout: it starts from d1 (its outputs then are the oracle), and
+before each layout the test pushes d0 into it from here, so that each Megatron push has
+something to change. One layout per family then trains a few real optimizer steps
+(forward and backward through megatron's schedule, Adam) and pushes again: the outputs
+change and equal those of the engine freshly started from `save_pretrained` of the
+pushed weights (on vLLM; SGLang checks the layouts).
+
+The ranks run in the Megatron environment (scripts/setup-megatron-env.sh, or
+ENGINEHOOKS_MEGATRON_PYTHON); the engines in theirs (this test runs in the vLLM one and
+starts SGLang with ENGINEHOOKS_SGLANG_PYTHON). All of it is bounded by timeouts.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from enginehooks.testing.generation import Generation, first_difference
+from enginehooks.testing.megatron_cpu import LAYOUTS, megatron_python, run_ranks
+from tests.support import requires_vllm
+
+CACHE = Path(os.environ.get("ENGINEHOOKS_CACHE", Path.home() / ".cache" / "enginehooks"))
+SGLANG_PYTHON = Path(os.environ.get("ENGINEHOOKS_SGLANG_PYTHON",
+                                    CACHE / "venv-sglang" / "bin" / "python"))
+TRAIN_STEPS = 3
+RANKS_TIMEOUT_S = 300.0
+
+requires_megatron = pytest.mark.skipif(
+    megatron_python() is None,
+    reason="no Megatron environment: scripts/setup-megatron-env.sh builds it "
+           "(scripts/test.sh does, and sets ENGINEHOOKS_MEGATRON_PYTHON)")
+
+COMMON: dict[str, Any] = dict(vocab_size=256, bos_token_id=1, eos_token_id=2, pad_token_id=0,
+                              max_position_embeddings=512, num_hidden_layers=2,
+                              num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+                              tie_word_embeddings=False)
+
+
+@dataclass(frozen=True)
+class Case:
+    config: str
+    kwargs: dict[str, Any]
+    layouts: tuple[str, ...]
+    trained: str  # the layout that also trains, then pushes again
+    tags: tuple[str, ...] = field(default=())
+
+
+# Sizes: megatron's TP=2 splits query groups (2 KV heads); vLLM's CPU attention wants
+# head_dim >= 32.
+CASES: dict[str, Case] = {
+    "qwen2": Case("Qwen2Config", dict(COMMON, hidden_size=128, intermediate_size=256),
+                  ("tp2", "pp2"), trained="pp2", tags=("dense", "qkv bias")),
+    "qwen3_moe": Case("Qwen3MoeConfig", dict(COMMON, hidden_size=64, intermediate_size=128,
+                                             moe_intermediate_size=32, num_experts=4,
+                                             num_experts_per_tok=2, decoder_sparse_step=1,
+                                             mlp_only_layers=[], norm_topk_prob=True),
+                      ("ep2", "tp2ep2"), trained="tp2ep2", tags=("moe", "q/k norm")),
+}
+
+
+def checkpoints(family: str, root: Path) -> tuple[Path, Path]:
+    """d0 and d1: two random checkpoints of the family (seeds 0 and 1)."""
+    import transformers
+
+    from enginehooks.testing.tiny import save_tiny
+
+    case = CASES[family]
+    config = getattr(transformers, case.config)(**case.kwargs)
+    return (save_tiny(root / family / "d0", config, seed=0),
+            save_tiny(root / family / "d1", config, seed=1))
+
+
+def server(engine: str, model: Path, log: Path) -> Any:
+    from enginehooks.testing.servers import SGLangServerProcess, VLLMServerProcess
+
+    if engine == "vllm":
+        return VLLMServerProcess(model, log)
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PYTHONPATH", "VIRTUAL_ENV"))}
+    env["PATH"] = f"{SGLANG_PYTHON.parent}{os.pathsep}{env.get('PATH', '')}"
+    return SGLangServerProcess(model, log, python=str(SGLANG_PYTHON), env=env)
+
+
+def push_checkpoint(engine: str, url: str, folder: Path, version: str) -> None:
+    """Push a checkpoint's tensors into the engine from this process (the reset)."""
+    from safetensors.torch import load_file
+
+    from enginehooks import WeightSync
+    from enginehooks.testing.servers import HANDLES
+    from enginehooks.trainer_side import StateDictAdapter
+
+    with WeightSync("gloo", timeout_s=120) as sync:
+        sync.add_replica(HANDLES[engine](url, name="server"))
+        sync.push(StateDictAdapter(load_file(str(folder / "model.safetensors"))), version=version)
+
+
+def generations(raw: list[list[Any]]) -> list[Generation]:
+    return [Generation(tuple(tokens), tuple(logprobs)) for tokens, logprobs in raw]
+
+
+def save_trained(d1: Path, tensors: Path, out: Path) -> Path:
+    """`save_pretrained` of the HF model loaded from the exported tensors (checkpoint
+    format: transformers converts them on load, e.g. fuses MoE experts) with d1's config;
+    every weight of the model must be there and nothing else."""
+    import shutil
+
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from tests.conformance.cell import save_reference
+
+    raw = out.parent / f"{out.name}-export"
+    raw.mkdir(parents=True, exist_ok=True)
+    shutil.copy(d1 / "config.json", raw / "config.json")
+    shutil.copy(tensors, raw / "model.safetensors")
+    model, info = AutoModelForCausalLM.from_pretrained(raw, dtype=torch.float32,
+                                                       output_loading_info=True)
+    assert not any(info.get(k) for k in ("missing_keys", "unexpected_keys", "mismatched_keys")), info
+    return save_reference(model, d1, out)
+
+
+def run_family(family: str, engine: str, work: Path) -> dict[str, Any]:
+    case = CASES[family]
+    d0, d1 = checkpoints(family, work / "ckpt")
+    trains = engine == "vllm"
+    timings: dict[str, Any] = {}
+    d2: Path | None = None
+    after: list[Generation] = []
+    t0 = time.monotonic()
+    with server(engine, d1, work / f"{engine}-d1.log") as srv:
+        timings["server_d1_s"] = round(time.monotonic() - t0, 1)
+        fresh = srv.generations()  # the oracle: the engine freshly loaded from d1
+        for layout in case.layouts:
+            push_checkpoint(engine, srv.url, d0, f"reset-{layout}")
+            base = srv.generations()
+            assert first_difference(base, fresh) is not None, "d0 and d1 generate alike"
+            pushes: list[dict[str, Any]] = [{"version": f"{layout}-1", "observe": True}]
+            trained = trains and layout == case.trained
+            if trained:
+                pushes.append({"version": f"{layout}-2", "train_steps": TRAIN_STEPS,
+                               "observe": True, "save": "trained.safetensors"})
+            t1 = time.monotonic()
+            r0, r1 = run_ranks({"checkpoint": str(d1), "layout": layout, "engine": engine,
+                                "url": srv.url, "served_model": srv.model, "pushes": pushes},
+                               work / layout, timeout_s=RANKS_TIMEOUT_S)
+            timings[f"{layout}_ranks_s"] = round(time.monotonic() - t1, 1)
+            pushed = generations(r0["pushes"][0]["generations"])
+            diff = first_difference(pushed, fresh)
+            assert diff is None, f"{family} {layout} on {engine}: after the push != freshly " \
+                                 f"loaded: {diff}"
+            assert first_difference(pushed, base) is not None, f"{layout}: nothing changed"
+            for r in (r0, r1):  # both ranks iterated every push; the plan's dry run once
+                assert len(r["pushes"]) == len(pushes) and r["dry_runs"] == 1, r
+            assert r0["pushes"][0]["tensors"] == len(fresh_names(d1)), r0
+            now = srv.generations()
+            assert {g.version for g in now} <= {pushes[-1]["version"], None}, now
+            if not trained:
+                assert first_difference(now, fresh) is None
+                continue
+            losses = [r["pushes"][1]["losses"] for r in (r0, r1)]
+            last = [ls for ls in losses if ls[0] is not None]  # the last pipeline stage(s)
+            assert last and all(ls[-1] < ls[0] for ls in last), losses
+            after = generations(r0["pushes"][1]["generations"])
+            assert first_difference(after, pushed) is not None, "training changed nothing"
+            assert first_difference(now, after) is None
+            d2 = save_trained(d1, work / layout / "trained.safetensors", work / "d2")
+    if d2 is None:
+        return timings
+    t2 = time.monotonic()
+    with server(engine, d2, work / f"{engine}-d2.log") as fresh_trained:
+        timings["server_d2_s"] = round(time.monotonic() - t2, 1)
+        oracle = fresh_trained.generations()
+    diff = first_difference(after, oracle)
+    assert diff is None, f"{family} {case.trained}: after training and pushing != freshly " \
+                         f"loaded from save_pretrained of the pushed weights: {diff}"
+    return timings
+
+
+def fresh_names(folder: Path) -> list[str]:
+    from safetensors import safe_open
+
+    with safe_open(str(folder / "model.safetensors"), "pt") as f:
+        return list(f.keys())
+
+
+@requires_vllm
+@requires_megatron
+@pytest.mark.vllm
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("family", list(CASES))
+def test_megatron_layouts_push_into_vllm_equal_fresh_load(family: str, tmp_path: Path) -> None:
+    assert set(CASES[family].layouts) <= set(LAYOUTS)
+    print(family, run_family(family, "vllm", tmp_path))
+
+
+@requires_vllm  # run from the vLLM environment, which starts SGLang's interpreter
+@requires_megatron
+@pytest.mark.skipif(not SGLANG_PYTHON.exists(), reason=f"no SGLang environment at {SGLANG_PYTHON}")
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("family", list(CASES))
+def test_megatron_layouts_push_into_sglang_equal_fresh_load(family: str, tmp_path: Path) -> None:
+    print(family, run_family(family, "sglang", tmp_path))
