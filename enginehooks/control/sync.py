@@ -123,6 +123,11 @@ class WeightSync:
         with self._lock:
             if handle not in self._replicas:
                 self._replicas.append(handle)
+            # Handles that sign the engine's own control routes (VLLMServer) sign with
+            # this trainer's secret unless they were given one.
+            adopt = getattr(handle, "adopt_secret", None)
+            if self.secret and callable(adopt):
+                adopt(self.secret)
 
     def remove_replica(self, handle: EngineHandle) -> None:
         with self._lock:

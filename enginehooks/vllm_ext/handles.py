@@ -299,6 +299,11 @@ class VLLMServer(_VLLMHandle):
         # Signs the control routes, which an engine with a secret guards (fail_closed.py)
         self._secret = secret.encode() if isinstance(secret, str) else (secret or load_secret())
 
+    def adopt_secret(self, secret: bytes) -> None:
+        """Sign with `secret` (a `WeightSync`'s) unless this handle has its own."""
+        if not self._secret:
+            self._secret = secret
+
     def _post(self, path: str, body: Any | None, timeout_s: float) -> Any:
         body = body if body is not None else {}
         headers = dict(self._headers)

@@ -51,7 +51,10 @@ def server(request: pytest.FixtureRequest, model_dirs: dict[str, Path],
 
 
 def handle(server: Any) -> Any:
-    return HANDLES[server.engine](server.url, name=f"{server.engine}-server")
+    # A vLLM server with a secret guards its control routes (/collective_rpc, ...):
+    # the handle signs its calls with the secret (docs/security.md).
+    options = {"secret": SECRET} if server.engine == "vllm" else {}
+    return HANDLES[server.engine](server.url, name=f"{server.engine}-server", **options)
 
 
 def signed_push(server: Any, model: Any, version: Any, **options: Any) -> Any:

@@ -1,0 +1,139 @@
+"""Attacks on a real vLLM server that runs WITH a shared secret and vLLM's `--api-key`
+(issue 19): vLLM's API key does not guard its dev-mode control routes
+(`/collective_rpc`, `/pause`, `/update_weight_version`, ...); the enginehooks endpoint
+plugin does: without a token signed with the secret (for this server, fresh, never
+seen) they answer 401 and change nothing, while `VLLMServer` signs its calls and
+pushes. Every route the server has is classified (control, read-only, or one that
+may generate), so a route vLLM adds later is noticed here. One server for every case."""
+
+from __future__ import annotations
+
+import json
+import os
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from enginehooks import WeightSync
+from enginehooks.core.auth import SECRET_ENV, sign
+from enginehooks.engine.protocol import ROUTE_AUTH_HEADER, ROUTE_VERB, route_payload
+from enginehooks.testing.tiny import load_tiny, perturb
+from enginehooks.vllm_ext.fail_closed import CONTROL_ROUTES, route_kind
+from tests.support import requires_vllm
+
+pytestmark = [requires_vllm, pytest.mark.vllm, pytest.mark.slow]
+
+SECRET = "vllm-secret-server"
+API_KEY = "vllm-api-key"
+BEARER = {"Authorization": f"Bearer {API_KEY}"}
+
+#: The routes of vLLM 0.32's server that may generate (everything not allow-listed).
+GENERATING = {"/generative_scoring", "/invocations", "/v1/chat/completions",
+              "/v1/chat/completions/batch", "/v1/completions", "/v1/messages",
+              "/v1/responses", "/v1/responses/{response_id}",
+              "/v1/responses/{response_id}/cancel", "/v1/systemone"}
+
+
+@pytest.fixture(scope="module")
+def server(model_dirs: dict[str, Path], tmp_path_factory: pytest.TempPathFactory
+           ) -> Iterator[Any]:
+    from enginehooks.testing.servers import VLLMServerProcess
+
+    env = dict(os.environ, **{SECRET_ENV: SECRET})
+    log = tmp_path_factory.mktemp("logs") / "vllm-secret.log"
+    with VLLMServerProcess(model_dirs["llama"], log, env=env,
+                           extra_args=["--api-key", API_KEY]) as srv:
+        yield srv
+
+
+def post(url: str, body: Any, headers: dict[str, str] | None = None) -> tuple[int, str]:
+    req = urllib.request.Request(url, data=json.dumps(body).encode(), method="POST",
+                                 headers={"Content-Type": "application/json", **(headers or {})})
+    try:
+        with urllib.request.urlopen(req, timeout=60) as r:
+            return r.status, r.read().decode()
+    except urllib.error.HTTPError as e:
+        return e.code, e.read().decode()
+
+
+def get(url: str) -> Any:
+    req = urllib.request.Request(url, headers=BEARER)
+    with urllib.request.urlopen(req, timeout=60) as r:
+        return json.loads(r.read())
+
+
+def handle(server: Any) -> Any:
+    from enginehooks.vllm_ext import VLLMServer
+
+    return VLLMServer(server.url, name="vllm-secret", api_key=API_KEY, secret=SECRET)
+
+
+def routes(server: Any) -> dict[str, list[str]]:
+    paths = get(f"{server.url}/openapi.json")["paths"]
+    return {p: sorted(m.upper() for m in ms) for p, ms in paths.items()}
+
+
+def test_every_route_of_the_server_is_classified(server: Any) -> None:
+    """Fails when vLLM adds a route: decide whether it is a control route (guarded by
+    the secret) or one that may generate (refused while torn)."""
+    assert {p for p in routes(server) if route_kind(p) == "generate"} == GENERATING
+
+
+def test_control_routes_refuse_calls_without_the_enginehooks_token(
+        server: Any, model_dirs: dict[str, Path]) -> None:
+    h = handle(server)
+    with WeightSync("gloo", timeout_s=60, secret=SECRET) as sync:
+        sync.add_replica(h)
+        sync.push(perturb(load_tiny(model_dirs["llama"]), seed=51), version="good-51")
+    present = sorted(p for p in routes(server) if p in CONTROL_ROUTES)
+    assert {"/collective_rpc", "/pause", "/update_weight_version", "/sleep",
+            "/init_weight_transfer_engine", "/reset_prefix_cache"} <= set(present)
+    wrong = sign(b"not-the-secret", ROUTE_VERB, "{}")
+    for path in present:
+        for headers in (BEARER, {**BEARER, ROUTE_AUTH_HEADER: wrong}):
+            status, text = post(f"{server.url}{path}", {"new_version": "evil",
+                                                        "method": "enginehooks_info"}, headers)
+            assert status == 401 and "control route" in text, (path, status, text[:300])
+    assert get(f"{server.url}/weight_info") == {"weight_version": "good-51"}
+    assert get(f"{server.url}/is_paused") == {"is_paused": False}
+    assert get(f"{server.url}/is_sleeping") == {"is_sleeping": False}
+    assert h.version() == "good-51"
+
+
+def test_route_tokens_are_bound_to_the_request_the_server_and_one_use(server: Any) -> None:
+    host = server.url.removeprefix("http://")
+
+    def token(path: str, body: Any, for_host: str = host) -> str:
+        return sign(SECRET.encode(), ROUTE_VERB, route_payload(
+            "POST", for_host, path, "", json.dumps(body).encode()))
+
+    body = {"new_version": "signed-by-hand"}
+    t = token("/update_weight_version", body)
+    assert post(f"{server.url}/update_weight_version", body, {**BEARER, ROUTE_AUTH_HEADER: t}
+                )[0] == 200
+    status, text = post(f"{server.url}/update_weight_version", body,
+                        {**BEARER, ROUTE_AUTH_HEADER: t})
+    assert status == 401 and "replay" in text
+    other = {"new_version": "altered"}  # the body is signed
+    status, _ = post(f"{server.url}/update_weight_version", other,
+                     {**BEARER, ROUTE_AUTH_HEADER: token("/update_weight_version", body)})
+    assert status == 401
+    for_other_server = token("/update_weight_version", other, "127.0.0.1:1")
+    status, _ = post(f"{server.url}/update_weight_version", other,
+                     {**BEARER, ROUTE_AUTH_HEADER: for_other_server})
+    assert status == 401
+    assert get(f"{server.url}/weight_info") == {"weight_version": "signed-by-hand"}
+
+
+def test_the_handle_signs_vllms_native_controls(server: Any) -> None:
+    h = handle(server)
+    h.pause(30)
+    try:
+        assert h.is_paused()
+    finally:
+        h.resume(30)
+    assert not h.is_paused()
