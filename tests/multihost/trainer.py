@@ -2,8 +2,9 @@
 `python -m tests.multihost.trainer SPEC_JSON`, then one JSON command per stdin line, one
 JSON answer per stdout line.
 
-SPEC: `{"model_dir", "host" (the trainer's address: where the store listens),
-"replica": {"kind": "module" | "vllm", "url", "name"}, "timeout_s", "bucket_bytes"}`.
+SPEC: `{"model_dir", "host", "replica": {"kind", "url", "name"}, "timeout_s",
+"bucket_bytes"}`: `host` is the trainer's address (where the store listens), `kind`
+"module" or "vllm"; `"replicas": [{...}, ...]` instead of `"replica"` pushes to several.
 One `WeightSync` serves every push of the session, as in a training loop.
 
 Commands:
@@ -11,7 +12,8 @@ Commands:
   answers `{"ok": true, "report": ...}` or `{"ok": false, "type", "error", "replica"}`,
   with `"seconds"` (how long `push` took);
 - `{"op": "health"}`: whether the replica's `/health` answers 200 now;
-- `{"op": "digests", "names": [...]}`: the replica's crc32 of those weights;
+- `{"op": "digests", "names": [...], "replica"?: name}`: the replica's (the first
+  one's by default) crc32 of those weights;
 - `{"op": "greedy", "prompts": [[...]], "max_tokens": n}`: greedy tokens from the vLLM
   server (a client on the trainer's host);
 - `{"op": "exit"}`.
@@ -44,10 +46,12 @@ def handle_of(spec: dict[str, Any]) -> EngineHandle:
 def main(spec: dict[str, Any]) -> None:
     model = load_tiny(spec["model_dir"])
     base = {n: t.clone() for n, t in model.state_dict().items()}
-    handle = handle_of(spec["replica"])
+    handles = {r["name"]: handle_of(r) for r in spec.get("replicas", [spec.get("replica")])}
+    handle = next(iter(handles.values()))
     sync = WeightSync("gloo", host=spec["host"], timeout_s=spec["timeout_s"],
                       bucket_bytes=spec["bucket_bytes"])
-    sync.add_replica(handle)
+    for h in handles.values():
+        sync.add_replica(h)
 
     def answer(obj: dict[str, Any]) -> None:
         print(json.dumps(obj), flush=True)
@@ -79,7 +83,8 @@ def main(spec: dict[str, Any]) -> None:
             except OSError as e:
                 answer({"ok": False, "error": str(e)})
         elif op == "digests":
-            answer({"ok": True, "digests": handle.digests(cmd["names"], timeout_s=60.0)})
+            h = handles[cmd["replica"]] if "replica" in cmd else handle
+            answer({"ok": True, "digests": h.digests(cmd["names"], timeout_s=60.0)})
         elif op == "greedy":
             url, out = spec["replica"]["url"], []
             request_json(f"{url}/reset_prefix_cache", {}, timeout_s=60, who=url)
