@@ -104,3 +104,83 @@ def test_weightsync_cuda_ipc_in_process_single_copy_bit_exact(checksum: str | No
         assert report is not None
     finally:
         sync.close()
+
+
+def _pair(checksum: str | None) -> tuple[torch.nn.Module, torch.nn.Module, object, object]:
+    from torch import nn
+
+    from enginehooks import WeightSync
+    from enginehooks.engine.local import LocalEngine
+
+    dev = torch.device("cuda", 0)
+    torch.manual_seed(1)
+
+    def model() -> nn.Module:
+        return nn.Sequential(nn.Linear(300, 517), nn.ReLU(), nn.Linear(517, 33)).to(dev)
+
+    trainer, replica = model(), model()
+    with torch.no_grad():
+        for p in replica.parameters():
+            p.zero_()
+    sync = WeightSync(transport="cuda_ipc", checksum=checksum, bucket_bytes=1 << 18,
+                      timeout_s=60, device=dev)
+    engine = LocalEngine(replica, device=dev)
+    sync.add_replica(engine)
+    return trainer, replica, sync, engine
+
+
+@needs_gpu
+def test_single_copy_digest_mismatch_fails_the_push_naming_the_bucket(monkeypatch) -> None:
+    """The trainer's digest of a bucket disagrees with what the engine copied: the push
+    fails with the engine's ChecksumError, and the next push (fresh group) is exact."""
+    from enginehooks.core import fused_copy
+
+    trainer, replica, sync, _ = _pair("sum64")
+    real = fused_copy.launch
+
+    def bad(batch, digests, copy=True):  # the trainer's digest-only pass, off by one
+        real(batch, digests, copy)
+        if not copy:
+            digests.add_(1)
+
+    try:
+        monkeypatch.setattr(fused_copy, "launch", bad)
+        with pytest.raises(Exception, match=r"ChecksumError|sum64"):
+            sync.push(trainer, version=1)
+        monkeypatch.setattr(fused_copy, "launch", real)
+        sync.push(trainer, version=2)
+        torch.cuda.synchronize()
+        for a, b in zip(trainer.state_dict().values(), replica.state_dict().values(),
+                        strict=True):
+            assert torch.equal(a, b)
+    finally:
+        sync.close()
+
+
+@needs_gpu
+@pytest.mark.parametrize("checksum", [None, "sum64"])
+def test_single_copy_trainer_stream_failure_ends_the_update_on_both_sides(
+        checksum: str | None) -> None:
+    """The trainer's stream raises after some buckets were handed over: the push fails
+    with that error, the engine is not left waiting, and the next push is exact."""
+    from enginehooks.trainer_side.module import ModuleAdapter
+
+    trainer, replica, sync, _ = _pair(checksum)
+
+    class Broken(ModuleAdapter):
+        def stream(self, *a, **k):  # type: ignore[no-untyped-def]
+            for i, item in enumerate(super().stream(*a, **k)):
+                if i == 3:
+                    raise RuntimeError("trainer stream broke")
+                yield item
+
+    try:
+        with pytest.raises(Exception, match="trainer stream broke"):
+            sync.push(Broken(trainer), version=1)
+        sync.push(trainer, version=2)
+        torch.cuda.synchronize()
+        for a, b in zip(trainer.state_dict().values(), replica.state_dict().values(),
+                        strict=True):
+            assert torch.equal(a, b)
+    finally:
+        sync.close()
