@@ -18,6 +18,7 @@ import json
 import threading
 import time
 from collections.abc import Iterator
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -29,6 +30,8 @@ from enginehooks.core.auth import SECRET_ENV, AuthError
 from enginehooks.core.buckets import message_bytes, read_trailer
 from enginehooks.core.errors import ChecksumError, SenderAborted, TransportError
 from enginehooks.core.manifest import Manifest, plan
+from enginehooks.markers import hookimpl
+from enginehooks.plugins import register_plugin, unregister_plugin
 from enginehooks.transports._rendezvous import client_store
 from enginehooks.transports.base import Abort
 from enginehooks.transports.colocated import (
@@ -336,3 +339,65 @@ def test_without_a_secret_messages_are_bare_and_a_signed_one_is_read() -> None:
     signed = ControlChannel(b"k", "g", "enginehooks/g/", "t").seal("ack", 1, 0, 1, TO_TRAINER, b"ok")
     assert bare.open("ack", 1, 0, 1, (TO_TRAINER,), signed) == b"ok"
     assert bare.open("ack", 1, 0, 1, (TO_TRAINER,), b"error: boom") == b"error: boom"
+
+
+# -- what an engine makes of a forged abort, end to end ----------------------------------
+
+
+class ForgedAbortFirst:
+    """A trainer-side plugin that plays the attacker's timing: before the real send, a
+    third store client writes an unsigned abort into the ready key the engine waits
+    for, and waits (bounded) until the engine has answered it. The forged write goes
+    through the attacker's own connection; the plugin only orders it first."""
+
+    def __init__(self) -> None:
+        self.key: str | None = None
+
+    @hookimpl(wrapper=True)
+    def send_weights(self, transport: str, sender: Any, manifest: Manifest, stream: Any,
+                     abort: Abort) -> Any:
+        ep = sender.endpoint()
+        attacker = client_store("127.0.0.1", ep["port"], 10.0)
+        prefix = f"enginehooks/{ep['group']}/u{sender.seq + 1}"
+        self.key = f"{prefix}/ready/0"
+        attacker.set(self.key, json.dumps({"abort": "forged: stop serving"}).encode())
+        attacker.wait([f"{prefix}/ack/0/1"], timedelta(seconds=10))  # the engine answered
+        return (yield)
+
+
+def test_a_forged_abort_leaves_the_engine_torn_with_the_key_named_never_silent(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """What a forged abort does to an engine (issue 19 asked to define it): the update
+    ends, the engine reports `torn` (its policy then refuses generation until the next
+    push) with the refused key in its error, and the trainer's push fails naming the
+    replica and the key. The attacker's text is never shown as the trainer's reason."""
+    from torch import nn
+
+    from enginehooks import EngineHooksError, WeightSync
+    from enginehooks.engine.local import LocalEngine
+
+    def net(seed: int) -> nn.Module:
+        torch.manual_seed(seed)
+        return nn.Sequential(nn.Linear(64, 48), nn.Linear(48, 8))
+
+    # The engine process has the secret for its whole life (its receivers read it when
+    # they join); the in-process trainer passes its own explicitly.
+    monkeypatch.setenv(SECRET_ENV, SECRET)
+    engine = LocalEngine(net(0), name="r0")
+    attacker = ForgedAbortFirst()
+    register_plugin(attacker, name="forged-abort-first")
+    try:
+        with WeightSync("shm", timeout_s=10, bucket_bytes=4096, secret=SECRET) as sync:
+            sync.add_replica(engine)
+            t0 = time.monotonic()
+            with pytest.raises(EngineHooksError,
+                               match=r"r0.*u1/ready/0 is not signed with the shared secret"):
+                sync.push(net(1), version=1)
+            assert time.monotonic() - t0 < 10
+    finally:
+        unregister_plugin(attacker)
+    assert attacker.key is not None and attacker.key.endswith("u1/ready/0")
+    assert engine.side.state == "torn" and engine.side.version is None
+    assert "ControlMessageRefused: " in (engine.side.last_error or "")
+    assert "u1/ready/0 is not signed" in (engine.side.last_error or "")
+    assert "forged: stop serving" not in (engine.side.last_error or "")
