@@ -233,3 +233,15 @@ def test_a_shadow_that_cannot_be_built_leaves_the_update_unverified_not_failed()
     v = Verifier("toy")
     assert v.run(Conv(), broken, {"weight"}) is None
     assert v.state()["last"]["ok"] is None and "no memory" in v.state()["last"]["error"]
+
+
+def test_a_model_the_dry_run_cannot_build_refuses_updates_and_info_still_answers() -> None:
+    def unbuildable() -> nn.Module:
+        raise RuntimeError("a constructor that needs real data")
+
+    exp = LoaderExpectations(unbuildable, lambda m, w: m.load_weights(w),
+                             {"a": spec("a")}, engine="toy")
+    assert exp.wire_dtypes() == {}  # `info` answers (no exception reaches the engine)
+    problems = exp.problems([spec("a")])
+    assert len(problems) == 1 and "cannot build this model" in problems[0]
+    assert "keeps serving" in problems[0]
