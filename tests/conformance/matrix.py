@@ -41,6 +41,12 @@ def full() -> list[Cell]:
 #: whose checkpoint holds fused qkv / gate_up, on both engines.
 SLICE = [Cell(f, e, "plain", "float32") for f in ("qwen3_moe", "gemma3_text", "phi3")
          for e in ENGINES]
+#: ...and the last-hop classes the byte tracer and verify-after-apply exist for: writes
+#: vLLM's layerwise reload drops (GPT-OSS experts, biases and sinks), a buffer aliasing
+#: a parameter that CPU bf16 repacks (Mamba2's conv), a constructor that reads a
+#: parameter's value (Apertus' xIELU; in SGLang its loader's `fill_(w.item())` too).
+SLICE += [Cell("gpt_oss", "vllm", "plain", "float32"), Cell("mamba2", "vllm", "plain", "bfloat16"),
+          Cell("apertus", "vllm", "plain", "float32"), Cell("apertus", "sglang", "plain", "float32")]
 
 #: (engine, family) -> why that engine cannot run the family on CPU here. A cell that
 #: fails to start outside this table fails the suite, and so does one listed here that
