@@ -81,14 +81,60 @@ def render(results: list[dict[str, Any]], versions: dict[str, str]) -> str:
     return "\n".join(lines)
 
 
+GEN_MARK = dict(MARK, **{"not built": "transformers cannot build it small"})
+
+
+def render_generated(results: list[dict[str, Any]], versions: dict[str, str]) -> str:
+    """docs/models-generated.md: the generated matrix (`tests/conformance/generated.py`),
+    one row per architecture, a column per engine and dtype, every non-pass explained."""
+    today = datetime.date.today().isoformat()
+    by = {(r["family"], r["engine"], r["dtype"]): r for r in results}
+    cols = sorted({(r["engine"], r["dtype"]) for r in results})
+    lines = [
+        "# Generated model matrix",
+        "",
+        f"Rendered on {today} from `benchmarks/results/conformance/generated-*.json` "
+        f"({', '.join(f'{k} {v}' for k, v in versions.items())}) by "
+        "`python -m tests.conformance.report --generated FILES`. Rows: every text architecture "
+        "the engine registers that transformers has a class for, built from transformers' "
+        "default config shrunk by one generic rule (`tests/conformance/generated.py`), pushed "
+        "from an fp32 trainer; each cell checks the exact oracle (push == fresh load, tokens "
+        "and logprobs) and that three bad updates are refused. `engine cannot run`: a plain "
+        "load of the same checkpoint fails, the engine's error quoted below. The sweep runs "
+        "in parts (`python -m tests.conformance.sweep`); architectures without a row were not "
+        "reached yet.",
+        "",
+        "| architecture | " + " | ".join(f"{e} {SHORT[d]}" for e, d in cols) + " |",
+        "| --- | " + " | ".join("---" for _ in cols) + " |",
+    ]
+    for fam in sorted({r["family"] for r in results}):
+        row = [f"`{fam[4:] if fam.startswith('gen:') else fam}`"]
+        for e, d in cols:
+            r = by.get((fam, e, d))
+            row.append(GEN_MARK.get(r["status"], r["status"]) if r else "")
+        lines.append("| " + " | ".join(row) + " |")
+    notes = [r for r in results if r["status"] != "pass"]
+    if notes:
+        lines += ["", "## Why the others did not pass", ""]
+        for r in sorted(notes, key=lambda x: (x["family"], x["engine"], x["dtype"])):
+            lines.append(f"- **{r['engine']} / {r['family'][4:]}** ({SHORT[r['dtype']]}): "
+                         f"{GEN_MARK.get(r['status'], r['status'])}: {essence(r.get('detail', ''))}")
+    counts = {k: sum(r["status"] == k for r in results) for k in GEN_MARK}
+    lines += ["", f"{len(results)} cells: " + ", ".join(f"{v} {k}" for k, v in counts.items())
+              + ".", ""]
+    return "\n".join(lines)
+
+
 def main(paths: list[str]) -> None:
+    generated = bool(paths) and paths[0] == "--generated"
     results: list[dict[str, Any]] = []
     versions: dict[str, str] = {}
-    for p in paths:
+    for p in paths[1:] if generated else paths:
         data = json.loads(Path(p).read_text())
         results += data["results"]
         versions.update(data.get("versions", {}))
-    sys.stdout.write(render(results, versions))
+    sys.stdout.write(render_generated(results, versions) if generated
+                     else render(results, versions))
 
 
 if __name__ == "__main__":
