@@ -19,6 +19,7 @@ import json
 import os
 import sys
 import threading
+import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
@@ -77,7 +78,7 @@ def serve(model_dir: str, host: str, port: int, state_file: str) -> None:
 
     class Handler(BaseHTTPRequestHandler):
         def log_message(self, format: str, *args: Any) -> None:
-            sys.stderr.write(f"[replica] {format % args}\n")
+            sys.stderr.write(f"[replica] {time.time():.3f} {format % args}\n")
 
         def _answer(self, code: int, body: Any) -> None:
             data = json.dumps(body).encode()
@@ -98,6 +99,8 @@ def serve(model_dir: str, host: str, port: int, state_file: str) -> None:
                 self._answer(404, {"error": self.path})
                 return
             body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+            sys.stderr.write(f"[replica] {time.time():.3f} {body['method']} from "
+                             f"{self.client_address[0]}\n")
             try:
                 result = engine.side.call(verb_of(body["method"]), *body["args"])
             except Exception as e:
