@@ -215,3 +215,16 @@ def test_a_handle_reads_past_answers_that_are_not_its_own() -> None:
     with pytest.raises(errors.ManifestError, match="unknown checksum"):
         lagging.check(manifest(checksum="md5"), timeout_s=10)  # its own answer, not the last
     assert lagging.check(manifest(), timeout_s=10) is None
+
+
+def test_the_security_page_gives_no_advice_a_test_shows_false() -> None:
+    """docs/security.md named a `headers=` argument no handle has (TypeError) and said
+    `--api-key` guards vLLM's dev routes; the handles take `api_key=` and `secret=`."""
+    from pathlib import Path
+
+    from enginehooks.vllm_ext import VLLMServer
+
+    text = (Path(__file__).resolve().parents[2] / "docs" / "security.md").read_text()
+    assert "headers=" not in text
+    assert "does **not** guard these routes" in text and "X-Enginehooks-Auth" in text
+    VLLMServer("http://127.0.0.1:1", api_key="k", secret="s")  # the arguments it names
