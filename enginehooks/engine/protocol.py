@@ -175,6 +175,21 @@ def route_payload(method: str, host: str, path: str, query: str, body: bytes) ->
                       "query": query, "body": hashlib.sha256(body).hexdigest()})
 
 
+def route_headers(secret: bytes | str | None, url: str, body: Any) -> dict[str, str]:
+    """The header that signs a POST of JSON `body` to `url` (none without a secret)."""
+    import json
+    import urllib.parse
+
+    from enginehooks.core.auth import sign
+
+    if not secret:
+        return {}
+    key = secret.encode() if isinstance(secret, str) else secret
+    u = urllib.parse.urlsplit(url)
+    return {ROUTE_AUTH_HEADER: sign(key, ROUTE_VERB, route_payload(
+        "POST", u.netloc, u.path, u.query, json.dumps(body).encode()))}
+
+
 # -- info -------------------------------------------------------------------------------
 class WorkerInfo(TypedDict, total=False):
     """What `info` answers for one worker (`authenticated` and `instance` required)."""

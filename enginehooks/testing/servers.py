@@ -21,6 +21,8 @@ from pathlib import Path
 from typing import IO, Any
 
 from enginehooks.control._http import request_json
+from enginehooks.core.auth import load_secret
+from enginehooks.engine.protocol import route_headers
 from enginehooks.sglang_ext.versions import answer_version
 from enginehooks.testing.generation import NEW_TOKENS, PROMPTS, Generation
 
@@ -108,6 +110,8 @@ class VLLMServerProcess(EngineServerProcess):
         # vLLM loads endpoint plugins (our fail-closed middleware) only when named.
         env.setdefault("VLLM_PLUGINS", "enginehooks")
         env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+        # With a secret the server guards its control routes (/reset_prefix_cache below).
+        self.secret = load_secret(env)
         super().__init__(
             [python, "-m", "vllm.entrypoints.launchers.api_server.entry",
              "--model", self.model, "--host", host, "--port", str(self.port),
@@ -122,7 +126,8 @@ class VLLMServerProcess(EngineServerProcess):
         prefix cache (cached prefixes change the last bits of logprobs) unless `cold` is
         false (traffic beside a push, which flushes the cache itself)."""
         if cold:
-            request_json(f"{self.url}/reset_prefix_cache", {}, timeout_s=60, who=self.url)
+            request_json(f"{self.url}/reset_prefix_cache", {}, timeout_s=60, who=self.url,
+                         headers=route_headers(self.secret, f"{self.url}/reset_prefix_cache", {}))
         out = []
         for p in prompts or PROMPTS:
             body = {"model": self.model, "prompt": p, "max_tokens": max_tokens or NEW_TOKENS,

@@ -28,17 +28,16 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import urllib.parse
 from typing import Any
 
 from enginehooks.control._futures import spawn
 from enginehooks.control._http import request_json
 from enginehooks.control.handles import EngineHandle
-from enginehooks.core.auth import load_secret, sign
+from enginehooks.core.auth import load_secret
 from enginehooks.core.errors import ConfigError, EngineHooksError, PushTimeout, ReplicaError
 from enginehooks.engine.contract import PREFIX
-from enginehooks.engine.protocol import ROUTE_AUTH_HEADER, ROUTE_VERB, Deadline, route_payload
+from enginehooks.engine.protocol import Deadline, route_headers
 from enginehooks.vllm_ext.fail_closed import guard, guard_async
 
 #: vLLM's weight version after a failed update (the engine holds a mix of versions).
@@ -306,11 +305,7 @@ class VLLMServer(_VLLMHandle):
 
     def _post(self, path: str, body: Any | None, timeout_s: float) -> Any:
         body = body if body is not None else {}
-        headers = dict(self._headers)
-        if self._secret:
-            u = urllib.parse.urlsplit(f"{self.url}{path}")
-            headers[ROUTE_AUTH_HEADER] = sign(self._secret, ROUTE_VERB, route_payload(
-                "POST", u.netloc, u.path, u.query, json.dumps(body).encode()))
+        headers = {**self._headers, **route_headers(self._secret, f"{self.url}{path}", body)}
         return request_json(f"{self.url}{path}", body, timeout_s=timeout_s, who=self.name,
                             headers=headers)
 
@@ -322,7 +317,13 @@ class VLLMServer(_VLLMHandle):
         # No "timeout" for vLLM: one that expires leaves its answer queued for the next
         # call (see _VLLMHandle); this client bounds its own wait.
         body = {"method": method, "args": [str(a) for a in args]}
-        out = self._post("/collective_rpc", body, timeout_s)
+        try:
+            out = self._post("/collective_rpc", body, timeout_s)
+        except ReplicaError as e:
+            if "HTTP 404" in str(e):
+                raise ConfigError(f"{self.name}: the server has no /collective_rpc route: start "
+                                  f"vLLM with VLLM_SERVER_DEV_MODE=1 ({SETUP_HINT})") from None
+            raise
         if not isinstance(out, dict) or "results" not in out:
             raise ReplicaError(self.name, f"/collective_rpc answered {out!r}")
         return out["results"]
