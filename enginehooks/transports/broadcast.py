@@ -303,6 +303,9 @@ class BroadcastSender(Sender):
         if pg is not None:
             with contextlib.suppress(Exception):
                 pg.abort()
+            # A process group dropped after a failed collective blocks in its destructor
+            # until that collective times out; parked, the error travels at once.
+            _bury(pg)
 
     @property
     def broken(self) -> bool:
@@ -403,6 +406,9 @@ class BroadcastReceiver(Receiver):
         if pg is not None:
             with contextlib.suppress(Exception):
                 pg.abort()
+            # A process group dropped after a failed collective blocks in its destructor
+            # until that collective times out; parked, the error travels at once.
+            _bury(pg)
 
 
 class GlooTransport(Transport):
