@@ -10,6 +10,7 @@ so a receiver never applies bytes it cannot vouch for.
 from __future__ import annotations
 
 import hashlib
+import os
 from collections.abc import Callable, Iterable, Iterator
 
 import torch
@@ -124,11 +125,17 @@ def pack(
     mid = manifest_id(manifest)
     it = iter(stream)
     n_buckets = len(manifest.buckets)
+    fused: _FusedPack | None = None
+
+    def start(b: torch.Tensor) -> None:
+        nonlocal fused
+        fused = _FusedPack.open(manifest, b)
 
     def seal(i: int, b: torch.Tensor) -> tuple[int, torch.Tensor]:
         nbytes = manifest.buckets[i].nbytes
-        write_trailer(b, mid=mid, index=i, nbytes=nbytes, dig=digest(manifest.checksum, b[:nbytes]),
-                      secret=secret)
+        # fused: the copies and the digest in one pass, launched now
+        dig = fused.seal(nbytes) if fused is not None else digest(manifest.checksum, b[:nbytes])
+        write_trailer(b, mid=mid, index=i, nbytes=nbytes, dig=dig, secret=secret)
         return i, b
 
     if not n_buckets:  # only zero-size tensors: they travel in no bucket
@@ -137,6 +144,7 @@ def pack(
         _expect_end(it)
         return
     index, buf = 0, next_buffer(0)
+    start(buf)
     for entry in manifest.tensors:
         name, t = _next(it, entry)
         check_tensor(entry, name, t)
@@ -146,9 +154,13 @@ def pack(
                 yield seal(index, buf)
                 index += 1
                 buf = next_buffer(index)
-            buf[piece.offset : piece.offset + piece.nbytes].copy_(
-                data[piece.start : piece.start + piece.nbytes]
-            )
+                start(buf)
+            if fused is None or not fused.add(data, piece.start, piece.offset, piece.nbytes):
+                buf[piece.offset : piece.offset + piece.nbytes].copy_(
+                    data[piece.start : piece.start + piece.nbytes]
+                )
+                if fused is not None:
+                    fused.copied(piece.offset, piece.nbytes)
         del data, t
     _expect_end(it)
     while True:
@@ -157,6 +169,91 @@ def pack(
         if index == n_buckets:
             return
         buf = next_buffer(index)
+        start(buf)
+
+
+class _FusedPack:
+    """Packing one bucket on a CUDA device with the fused copy+digest kernel
+    (`core/fused_copy.py`): the pieces' copies wait until the bucket is sealed and run as
+    one launch that also computes its `sum64`; the padding between pieces is zeroed in
+    the same launch, so the value equals `sum64` of the sealed payload, which any
+    receiver can check with the plain definition. It holds references to the bucket's
+    source tensors until then (at most one bucket of the stream's temporaries). Pieces
+    the kernel cannot take (another device, unaligned) are copied with `copy_` at once
+    and digested in the same launch, reading the bucket."""
+
+    _zeros: dict[torch.device, torch.Tensor] = {}
+
+    def __init__(self, buf: torch.Tensor) -> None:
+        self.buf = buf
+        self.base = buf.data_ptr()
+        self.copy_runs: list[tuple[int, int, int, int]] = []  # src, dst, nbytes, word
+        self.read_runs: list[tuple[int, int, int]] = []  # addr, nbytes, word
+        self.covered: list[tuple[int, int]] = []  # (offset, nbytes) of every piece
+        self.refs: list[torch.Tensor] = []
+
+    @classmethod
+    def open(cls, manifest: Manifest, buf: torch.Tensor) -> _FusedPack | None:
+        if (manifest.checksum != "sum64" or buf.device.type != "cuda" or buf.data_ptr() % 64
+                or os.environ.get("ENGINEHOOKS_FUSED_PACK", "1") == "0"):
+            return None
+        from enginehooks.core import fused_copy
+
+        return cls(buf) if fused_copy.available(buf.device) else None
+
+    def add(self, data: torch.Tensor, start: int, offset: int, nbytes: int) -> bool:
+        src = data.data_ptr() + start
+        if data.device != self.buf.device or src % 4:
+            return False
+        self.copy_runs.append((src, self.base + offset, nbytes, offset // 4))
+        self.covered.append((offset, nbytes))
+        self.refs.append(data)
+        return True
+
+    def copied(self, offset: int, nbytes: int) -> None:
+        """A piece copied with `copy_`: digest it where it now lies (its partial last
+        word, if any, is completed with zeros first, as the digest counts it)."""
+        end = offset + nbytes
+        if end % 4:
+            self.buf[end : (end + 3) // 4 * 4].zero_()
+        self.read_runs.append((self.base + offset, nbytes, offset // 4))
+        self.covered.append((offset, nbytes))
+
+    def seal(self, nbytes: int) -> int:
+        import numpy as np
+
+        from enginehooks.core import fused_copy
+
+        dev = self.buf.device
+        zero = self._zeros.get(dev)
+        if zero is None:
+            zero = self._zeros[dev] = torch.zeros(ALIGN, dtype=torch.uint8, device=dev)
+        # zero every whole word of padding: between pieces (a piece's partial last word is
+        # completed by its own run) and up to the payload's end
+        gaps: list[tuple[int, int, int, int]] = []
+        end = 0
+        for off, n in [*sorted(self.covered), (nbytes, 0)]:
+            gap_start = (end + 3) // 4 * 4
+            while gap_start < off:
+                step = min(off - gap_start, ALIGN)
+                gaps.append((zero.data_ptr(), self.base + gap_start, step, gap_start // 4))
+                gap_start += step
+            end = max(end, off + n)
+        digests = torch.zeros(1, dtype=torch.int64, device=dev)
+        with torch.cuda.device(dev):
+            for runs in (self.copy_runs, gaps):  # apart: the pieces' launch stays aligned
+                if runs:
+                    a = np.asarray(runs, dtype=np.int64)
+                    fused_copy.launch(fused_copy.build(a[:, 0], a[:, 1], a[:, 2], a[:, 3],
+                                                       np.zeros(len(a), dtype=np.int64), dev),
+                                      digests, copy=True, pad=True)
+            if self.read_runs:
+                r = np.asarray(self.read_runs, dtype=np.int64)
+                z = np.zeros(len(r), dtype=np.int64)
+                fused_copy.launch(fused_copy.build(r[:, 0], z, r[:, 1], r[:, 2], z, dev),
+                                  digests, copy=False)
+        self.refs.clear()
+        return ((int(digests.item()) & _MASK64) ^ (nbytes << 40)) & _MASK64
 
 
 def _next(it: Iterator[tuple[str, torch.Tensor]], entry: TensorEntry) -> tuple[str, torch.Tensor]:

@@ -61,8 +61,8 @@ def _build() -> Any:
         return acc + x * t.to(tl.uint64)
 
     @triton.jit
-    def copy_digest_kernel(tab_ptr, part_ptr, COPY: tl.constexpr, ALIGNED: tl.constexpr,
-                           MOD: tl.constexpr, BLOCK: tl.constexpr):
+    def copy_digest_kernel(tab_ptr, part_ptr, COPY: tl.constexpr, PAD: tl.constexpr,
+                           ALIGNED: tl.constexpr, MOD: tl.constexpr, BLOCK: tl.constexpr):
         # One row of the table per program: src, dst, nbytes, first word index in the
         # bucket, bucket (read by the host's reduction, not here).
         pid = tl.program_id(0)
@@ -94,7 +94,10 @@ def _build() -> Any:
         dst8 = dst_addr.to(tl.pointer_type(tl.uint8))
         tb = tl.load(src8 + nwords * 4 + b, mask=bm, other=0)
         if COPY:
-            tl.store(dst8 + nwords * 4 + b, tb, mask=bm)
+            if PAD:  # packing into a bucket: the partial word's padding bytes become zero
+                tl.store(dst8 + nwords * 4 + b, tb, mask=(b < 4) & (tail > 0))
+            else:
+                tl.store(dst8 + nwords * 4 + b, tb, mask=bm)
         tword = tl.sum(tb.to(tl.uint64) << (8 * b).to(tl.uint64), axis=0)
         tw = ((wbase + nwords + 1) % MOD + 1).to(tl.uint64)
         total += tword * tw
@@ -180,13 +183,16 @@ def build(src: np.ndarray, dst: np.ndarray, nbytes: np.ndarray, word_base: np.nd
     return Batch(d, d[:, 4], len(rep), aligned)
 
 
-def launch(batch: Batch, digests: torch.Tensor, copy: bool = True) -> None:
+def launch(batch: Batch, digests: torch.Tensor, copy: bool = True, pad: bool = False) -> None:
     """Run `batch` on the current stream, adding each run's partial digest into
-    `digests[bucket]` (an int64 device vector; additions wrap modulo 2**64)."""
+    `digests[bucket]` (an int64 device vector; additions wrap modulo 2**64). `pad`: the
+    destinations are bucket slots, and a run that ends inside a 32-bit word also zeroes
+    the rest of that word (what the bucket's digest counts as padding)."""
     if not batch.programs:
         return
     part = torch.empty(batch.programs, dtype=torch.int64, device=digests.device)
-    _kernel[(batch.programs,)](batch.table, part, COPY=copy, ALIGNED=batch.aligned and _HINTS,
+    _kernel[(batch.programs,)](batch.table, part, COPY=copy, PAD=pad,
+                               ALIGNED=batch.aligned and _HINTS,
                                MOD=MOD, BLOCK=_BLOCK, num_warps=_WARPS)
     digests.index_add_(0, batch.bucket_of, part)
 

@@ -184,3 +184,45 @@ def test_single_copy_trainer_stream_failure_ends_the_update_on_both_sides(
             assert torch.equal(a, b)
     finally:
         sync.close()
+
+
+@needs_gpu
+def test_fused_pack_trailer_digest_is_plain_sum64_of_the_poisoned_bucket() -> None:
+    """pack() on a CUDA buffer with sum64 copies and digests in one launch per bucket and
+    zeroes the padding: the trailer's digest equals the plain sum64 of the payload (what
+    every receiver checks), on buffers poisoned before each bucket, with pieces the kernel
+    cannot take (a CPU tensor, an unaligned view) copied the ordinary way."""
+    from enginehooks.core.buckets import Unpacker, buffer_bytes, pack, read_trailer
+    from enginehooks.core.checksums import digest
+    from enginehooks.core.manifest import TensorSpec, plan
+
+    dev = torch.device("cuda", 0)
+    g = torch.Generator().manual_seed(9)
+    base = torch.randint(0, 255, (3_000_001,), dtype=torch.uint8, generator=g).to(dev)
+    tensors = {
+        "a": torch.randn(1024, 1000, generator=g).to(torch.bfloat16).to(dev),  # split
+        "odd": torch.randn(777, 333, generator=g).to(torch.float16).to(dev),  # ends mid-word
+        "cpu": torch.randn(4099, generator=g),  # stays on the CPU: copy_ path
+        "unaligned": base[1:2_000_000],  # an odd address: copy_ path
+        "b": torch.randn(3, 5, generator=g).to(dev),
+    }
+    specs = [TensorSpec(n, str(t.dtype).removeprefix("torch."), tuple(t.shape))
+             for n, t in tensors.items()]
+    m = plan(specs, weight_version=1, bucket_bytes=1 << 20, checksum="sum64")
+    size = buffer_bytes(m)
+    bufs = [torch.empty(size, dtype=torch.uint8, device=dev) for _ in range(2)]
+
+    def next_buffer(i: int) -> torch.Tensor:
+        b = bufs[i % 2]
+        b.fill_(0xA5)  # garbage where padding must be zeroed
+        return b
+
+    unpacker = Unpacker(m, dev)
+    got: dict[str, torch.Tensor] = {}
+    for i, buf in pack(m, iter(tensors.items()), next_buffer):
+        _status, _mid, index, nbytes, dig, _mac = read_trailer(buf)
+        assert index == i and dig == digest("sum64", buf[:nbytes]), i
+        for name, t in unpacker.unpack(i, buf):  # verifies the digest the receivers' way
+            got[name] = t.clone()
+    for name, t in tensors.items():
+        assert torch.equal(got[name].cpu(), t.cpu()), name

@@ -108,13 +108,13 @@ receiver.close()
 
 
 def run_push(transport: str, receiver_devices: list[str], pushes: int = 3,
-             mode: str = "dest") -> None:
+             mode: str = "dest", **options: object) -> None:
     """Push `pushes` versions (checksum none / sum64 / crc32 in turn) to receivers on
     `receiver_devices` and check every tensor of every push bit for bit."""
     device = torch.device("cuda", 0)
     torch.cuda.set_device(device)
     sender = get_transport(transport).sender(host="127.0.0.1", port=0, timeout_s=60,
-                                             device=device)
+                                             device=device, **options)
     world = len(receiver_devices) + 1
     ep = dict(sender.endpoint(), world_size=world)
     checks = [None, "sum64", "crc32"]
@@ -168,6 +168,13 @@ def test_cuda_ipc_target_without_destination_bit_exact_several_pushes() -> None:
     """Single copy into a target that has no destination(): it copies from views of the
     trainer's memory itself; pushes 0-1 go by handle, push 2 (crc32) packed."""
     run_push("cuda_ipc", ["cuda:0"], mode="nodest")
+
+
+@gpus(1)
+def test_cuda_ipc_two_buffers_fused_pack_bit_exact_several_pushes() -> None:
+    """The two-buffer path (single_copy=False): the sender packs with the fused kernel
+    (sum64 push), receivers check the plain sum64 of each bucket."""
+    run_push("cuda_ipc", ["cuda:0"], single_copy=False)
 
 
 @gpus(1)
