@@ -228,3 +228,13 @@ def test_the_security_page_gives_no_advice_a_test_shows_false() -> None:
     assert "headers=" not in text
     assert "does **not** guard these routes" in text and "X-Enginehooks-Auth" in text
     VLLMServer("http://127.0.0.1:1", api_key="k", secret="s")  # the arguments it names
+
+
+@pytest.mark.parametrize("cls", [errors.ChecksumError, AuthError, errors.ReplicaBusy,
+                                 errors.SenderAborted])
+def test_ray_replies_restore_every_enginehooks_error(cls: type[Exception]) -> None:
+    """The Ray channel kept seven classes and turned the rest into `ReplicaError`."""
+    from enginehooks.ray_ext.calls import raise_reply
+
+    with pytest.raises(cls, match="bucket 2"):
+        raise_reply({"error": cls.__name__, "message": "bucket 2"}, "actor-0", "receive")
