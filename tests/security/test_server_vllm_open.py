@@ -96,6 +96,19 @@ def test_errors_keep_their_class_over_http(server: Any, model_dirs: dict[str, Pa
         h.call("join", json.dumps({"transport": 5}), 1, timeout_s=60)
 
 
+def test_workers_without_the_extension_are_named_with_the_fix(server: Any) -> None:
+    """vLLM answers a method its workers lack with `'CPUWorker' object has no attribute
+    'enginehooks_...'` (HTTP 500), what a server started without the worker extension
+    answers every enginehooks call with: the handle says which flag to add, at once."""
+    from enginehooks.engine.protocol import Deadline
+
+    t0 = time.monotonic()
+    with pytest.raises(ConfigError, match=r"--worker-extension-cls enginehooks\.vllm_ext"):
+        handle(server)._tagged_rpc("enginehooks_not_in_this_worker", deadline=Deadline.after(60))
+    assert time.monotonic() - t0 < 30
+    assert handle(server).info(30)[0]["rank"] == 0  # and nothing is out of step after it
+
+
 class BreaksMidStream(ModuleAdapter):
     def stream(self) -> Any:
         for i, item in enumerate(super().stream()):
