@@ -238,3 +238,19 @@ def test_ray_replies_restore_every_enginehooks_error(cls: type[Exception]) -> No
 
     with pytest.raises(cls, match="bucket 2"):
         raise_reply({"error": cls.__name__, "message": "bucket 2"}, "actor-0", "receive")
+
+
+def test_signed_payloads_are_built_in_the_protocol_module_only() -> None:
+    """What a token signs is built in one place (`engine/protocol.py`), so the trainer
+    signs exactly what the worker verifies: no other module of the library builds a
+    payload text (`canonical`); they call `signed_payload` / `route_payload`."""
+    import re
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2] / "enginehooks"
+    allowed = {root / "core" / "auth.py", root / "engine" / "protocol.py"}
+    offenders = [f"{p.relative_to(root)}:{i}" for p in sorted(root.rglob("*.py"))
+                 if p not in allowed
+                 for i, line in enumerate(p.read_text().splitlines(), 1)
+                 if re.search(r"\bcanonical\(", line)]
+    assert offenders == []
