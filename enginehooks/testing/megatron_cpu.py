@@ -313,29 +313,12 @@ def export_to(bridge: Any, model: list[Any], path: Path | None) -> int:
     return len(tensors)
 
 
-class _Remote:
-    """A running server known by its address (what the launchers' `generations` read)."""
-
-    def __init__(self, url: str, model: str) -> None:
-        self.url, self.model = url, model
-
-
-def observe(engine: str, url: str, model: str) -> list[list[Any]]:
-    """The engine's greedy generations (tokens, logprobs) of the shared prompts, read over
-    HTTP exactly as the tests read a server they started."""
-    from enginehooks.testing.servers import SERVERS
-
-    gens = SERVERS[engine].generations(_Remote(url, model))  # type: ignore[arg-type]
-    return [[list(g.tokens), list(g.logprobs)] for g in gens]
-
-
 # -- one rank -----------------------------------------------------------------------------
 def rank_main(job_path: Path) -> None:
     """One rank of a job (JSON): build the model of `checkpoint` in `layout`, then for each
     step of `pushes` train `train_steps` steps, push `version` into the engine at `url`
-    (rank 0 sends; the other rank follows), with `observe` read the engine's generations
-    (rank 0; `served_model` names the model to the server) and, with `save`, export the
-    pushed weights into that file (rank 0 writes)."""
+    (rank 0 sends; the other rank follows) and, with `save`, export the pushed weights
+    into that file (rank 0 writes)."""
     import datetime
 
     import torch.distributed as dist
@@ -372,8 +355,6 @@ def rank_main(job_path: Path) -> None:
             entry["push_s"] = round(time.monotonic() - t1, 2)
             if report is not None:
                 entry.update(tensors=report.tensors, bytes=report.bytes)
-            if step.get("observe") and rank == 0:
-                entry["generations"] = observe(job["engine"], job["url"], job["served_model"])
             if step.get("save"):
                 entry["saved"] = export_to(bridge, model, out / step["save"] if rank == 0 else None)
             res["pushes"].append(entry)

@@ -6,10 +6,10 @@ after the Megatron ranks push the weights of checkpoint d1, the engine's greedy 
 and logprobs equal those of the same engine freshly started from d1. One engine server
 per family serves every layout: it starts from d1 (its outputs then are the oracle), and
 before each layout the test pushes d0 into it from here, so that each Megatron push has
-something to change. One layout per family then trains a few real optimizer steps
-(forward and backward through megatron's schedule, Adam) and pushes again: the outputs
-change and equal those of the engine freshly started from `save_pretrained` of the
-pushed weights (on vLLM; SGLang checks the layouts).
+something to change. One layout per family then runs again from d1: push, a few real
+optimizer steps (forward and backward through megatron's schedule, Adam), push: the
+outputs change and equal those of the engine freshly started from `save_pretrained` of
+the pushed weights (on vLLM; SGLang checks the layouts).
 
 The ranks run in the Megatron environment (scripts/setup-megatron-env.sh, or
 ENGINEHOOKS_MEGATRON_PYTHON); the engines in theirs (this test runs in the vLLM one and
@@ -104,10 +104,6 @@ def push_checkpoint(engine: str, url: str, folder: Path, version: str) -> None:
         sync.push(StateDictAdapter(load_file(str(folder / "model.safetensors"))), version=version)
 
 
-def generations(raw: list[list[Any]]) -> list[Generation]:
-    return [Generation(tuple(tokens), tuple(logprobs)) for tokens, logprobs in raw]
-
-
 def save_trained(d1: Path, tensors: Path, out: Path) -> Path:
     """`save_pretrained` of the HF model loaded from the exported tensors (checkpoint
     format: transformers converts them on load, e.g. fuses MoE experts) with d1's config;
@@ -144,36 +140,37 @@ def run_family(family: str, engine: str, work: Path) -> dict[str, Any]:
             push_checkpoint(engine, srv.url, d0, f"reset-{layout}")
             base = srv.generations()
             assert first_difference(base, fresh) is not None, "d0 and d1 generate alike"
-            pushes: list[dict[str, Any]] = [{"version": f"{layout}-1", "observe": True}]
-            trained = trains and layout == case.trained
-            if trained:
-                pushes.append({"version": f"{layout}-2", "train_steps": TRAIN_STEPS,
-                               "observe": True, "save": "trained.safetensors"})
+            job = {"checkpoint": str(d1), "layout": layout, "engine": engine, "url": srv.url,
+                   "pushes": [{"version": f"{layout}-1"}]}
             t1 = time.monotonic()
-            r0, r1 = run_ranks({"checkpoint": str(d1), "layout": layout, "engine": engine,
-                                "url": srv.url, "served_model": srv.model, "pushes": pushes},
-                               work / layout, timeout_s=RANKS_TIMEOUT_S)
+            r0, r1 = run_ranks(job, work / layout, timeout_s=RANKS_TIMEOUT_S)
             timings[f"{layout}_ranks_s"] = round(time.monotonic() - t1, 1)
-            pushed = generations(r0["pushes"][0]["generations"])
+            pushed = srv.generations()
             diff = first_difference(pushed, fresh)
             assert diff is None, f"{family} {layout} on {engine}: after the push != freshly " \
                                  f"loaded: {diff}"
             assert first_difference(pushed, base) is not None, f"{layout}: nothing changed"
-            for r in (r0, r1):  # both ranks iterated every push; the plan's dry run once
-                assert len(r["pushes"]) == len(pushes) and r["dry_runs"] == 1, r
+            assert {g.version for g in pushed} <= {f"{layout}-1", None}, pushed
             assert r0["pushes"][0]["tensors"] == len(fresh_names(d1)), r0
-            now = srv.generations()
-            assert {g.version for g in now} <= {pushes[-1]["version"], None}, now
-            if not trained:
-                assert first_difference(now, fresh) is None
+            assert len(r1["pushes"]) == 1 and "tensors" not in r1["pushes"][0], r1  # followed
+            if not (trains and layout == case.trained):
                 continue
+            # Again from d1: push, train, push; the plan's dry run happens once.
+            job["pushes"] = [{"version": f"{layout}-1"},
+                             {"version": f"{layout}-2", "train_steps": TRAIN_STEPS,
+                              "save": "trained.safetensors"}]
+            t1 = time.monotonic()
+            r0, r1 = run_ranks(job, work / f"{layout}-trained", timeout_s=RANKS_TIMEOUT_S)
+            timings[f"{layout}_trained_ranks_s"] = round(time.monotonic() - t1, 1)
+            for r in (r0, r1):  # both ranks iterated both pushes
+                assert len(r["pushes"]) == 2 and r["dry_runs"] == 1, r
             losses = [r["pushes"][1]["losses"] for r in (r0, r1)]
             last = [ls for ls in losses if ls[0] is not None]  # the last pipeline stage(s)
             assert last and all(ls[-1] < ls[0] for ls in last), losses
-            after = generations(r0["pushes"][1]["generations"])
+            after = srv.generations()
             assert first_difference(after, pushed) is not None, "training changed nothing"
-            assert first_difference(now, after) is None
-            d2 = save_trained(d1, work / layout / "trained.safetensors", work / "d2")
+            assert {g.version for g in after} <= {f"{layout}-2", None}, after
+            d2 = save_trained(d1, work / f"{layout}-trained" / "trained.safetensors", work / "d2")
     if d2 is None:
         return timings
     t2 = time.monotonic()
