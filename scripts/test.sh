@@ -24,12 +24,12 @@ ENGINEHOOKS_VLLM_PYTHON="$(bash scripts/setup-vllm-env.sh)/bin/python" || status
 # tests in tests/megatron start them from the vLLM one.
 ENGINEHOOKS_MEGATRON_PYTHON="$(bash scripts/setup-megatron-env.sh)/bin/python" || status=1
 export ENGINEHOOKS_SGLANG_PYTHON ENGINEHOOKS_VLLM_PYTHON ENGINEHOOKS_MEGATRON_PYTHON
-# The vLLM environment: unit tests, the replica contract on vLLM and the module replica,
+# The vLLM environment: unit tests, the attack suite (tests/security), the replica contract on vLLM and the module replica,
 # the conformance slice on vLLM, the vLLM-specific suites (GPU tests skip here), and the
 # tests across hosts (network namespaces: they need root, and skip with the reason without),
 # and the Megatron ranks pushing into vLLM and SGLang servers.
-run_pytest vllm tests/unit tests/contract tests/conformance tests/vllm tests/gpu tests/multihost \
-  tests/megatron -q -rs || status=1
+run_pytest vllm tests/unit tests/security tests/contract tests/conformance tests/vllm tests/gpu \
+  tests/multihost tests/megatron -q -rs || status=1
 # The SGLang environment: the replica contract and conformance slice on SGLang, and the
 # SGLang suites.
 run_pytest sglang tests/contract tests/conformance tests/sglang -k "sglang or not contract" \
