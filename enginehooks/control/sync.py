@@ -71,6 +71,10 @@ class WeightSync:
             check, update them, flush, then wake the KV cache, which lets them schedule
             again. `pause` is not used then (a sleeping engine does not schedule); an
             engine that says it is awake is refused before anything moves.
+        verify: every engine worker verifies this push against a fresh load of the same
+            tensors through its own loader (`engine/verify.py`), besides the first update of
+            its process, which it verifies anyway; a mismatch it cannot repair fails the
+            push, naming the tensors. Costs one model's memory on each engine while it runs.
     """
 
     def __init__(
@@ -89,6 +93,7 @@ class WeightSync:
         secret: bytes | str | None = None,
         on_torn: str | None = None,
         wake_up: bool = False,
+        verify: bool = False,
     ) -> None:
         if on_torn not in (None, "refuse", "serve"):
             raise ConfigError(f"on_torn={on_torn!r}: 'refuse', 'serve' or None")
@@ -108,6 +113,7 @@ class WeightSync:
         self.secret = secret.encode() if isinstance(secret, str) else (secret or load_secret())
         self.on_torn = on_torn
         self.wake_up = wake_up
+        self.verify = bool(verify)
         self._replicas: list[EngineHandle] = []
         self._sender: Sender | None = None
         self._members: list[EngineHandle] = []
@@ -187,7 +193,7 @@ class WeightSync:
             manifest = plan(
                 adapter.specs(), weight_version=version, bucket_bytes=self.bucket_bytes,
                 checksum=self.checksum, split=self.transport.split,
-                meta={"transport": self.transport_name},
+                meta={"transport": self.transport_name, "verify": self.verify},
             )
             return adapter, manifest
 

@@ -231,6 +231,7 @@ class EngineSide:
         self.updating_to = m.weight_version
         self._set_state("updating")
         try:
+            self.target.prepare(m)
             stats = get_plugin_manager().hook.receive_weights(
                 transport=self.transport, receiver=receiver, manifest=m, target=self.target)
         except BaseException as e:

@@ -252,7 +252,11 @@ class Verifier:
         self.sticky = False
         self.last: dict[str, Any] | None = None
 
-    def wanted(self) -> bool:
+    def wanted(self, requested: bool = False) -> bool:
+        """Whether this update is verified; `requested`: the trainer asked
+        (`WeightSync(verify=True)`), which even policy "never" honours."""
+        if requested:
+            return True
         if self.policy == "never":
             return False
         return self.policy == "always" or self.verified == 0 or self.sticky

@@ -32,7 +32,7 @@ import torch
 
 from enginehooks.core.dtypes import dtype_name
 from enginehooks.core.errors import ConfigError
-from enginehooks.core.manifest import TensorSpec
+from enginehooks.core.manifest import Manifest, TensorSpec
 from enginehooks.engine.beacon import Beacon
 from enginehooks.engine.contract import PREFIX, VERBS, EngineBinding, method_name
 from enginehooks.engine.expectations import (
@@ -83,12 +83,16 @@ class SGLangTarget(Target):
         self.flushed: bool | None = None
         self.landed = landed
         self.verifier = Verifier("SGLang")
+        self.requested = False  # the trainer asked this update to be verified
+
+    def prepare(self, manifest: Manifest) -> None:
+        self.requested = bool(manifest.meta.get("verify"))
 
     def apply(self, tensors: Iterator[tuple[str, torch.Tensor]]) -> None:
         mr = _model_runner(self.sched)
         updater = mr.weight_updater
         model = mr.model
-        verify = self.verifier.wanted()
+        verify = self.verifier.wanted(self.requested)
         fed: list[TensorSpec] = []
         kept: list[tuple[str, torch.Tensor]] = []
 

@@ -34,6 +34,10 @@ class Target(ABC):
         """Load every tensor of the iterator into the model (one reload per update).
         Tensors may be views of a transport buffer, valid until the next is pulled."""
 
+    def prepare(self, manifest: Manifest) -> None:  # noqa: B027 - optional
+        """Called with the update's manifest before its bytes move (its `meta` carries
+        the trainer's requests, e.g. `verify`)."""
+
     def load_path(self, path: str) -> bool:
         """Reload from a folder of safetensors shards with the engine's own loader.
         Returns False when the engine has no such path; the caller then streams."""

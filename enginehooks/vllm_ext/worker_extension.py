@@ -28,7 +28,7 @@ from typing import Any
 import torch
 
 from enginehooks.core.dtypes import dtype_name
-from enginehooks.core.manifest import TensorSpec
+from enginehooks.core.manifest import Manifest, TensorSpec
 from enginehooks.engine.beacon import Beacon
 from enginehooks.engine.contract import VERBS, EngineBinding, method_name
 from enginehooks.engine.expectations import (
@@ -60,7 +60,11 @@ class VLLMTarget(Target):
         self.worker = worker
         self.landed = landed
         self.verifier = Verifier("vLLM")
+        self.requested = False  # the trainer asked this update to be verified
         self.device = torch.device(worker.device) if hasattr(worker, "device") else torch.device("cpu")
+
+    def prepare(self, manifest: Manifest) -> None:
+        self.requested = bool(manifest.meta.get("verify"))
 
     def apply(self, tensors: Iterator[tuple[str, torch.Tensor]]) -> None:
         # Layerwise reload keeps the tensors it is given until their whole layer has
@@ -68,7 +72,7 @@ class VLLMTarget(Target):
         # one layer's worth is held, never views into a buffer being overwritten. When
         # this update is verified, the copies are kept for the fresh-load shadow.
         fed: list[TensorSpec] = []
-        verify = self.verifier.wanted()
+        verify = self.verifier.wanted(self.requested)
         kept: list[tuple[str, torch.Tensor]] = []
 
         def copies() -> Iterator[tuple[str, torch.Tensor]]:

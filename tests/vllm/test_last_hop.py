@@ -84,3 +84,23 @@ def test_fp32_trainer_into_bf16_engine_through_vllms_api_equals_fresh_load(
     verification = bf16.handle().info(30)[0]["verification"]
     assert verification["verified"] >= 1 and verification["last"]["ok"] is True
     assert verification["last"]["compared"] > 0 and verification["last"]["mismatched"] == []
+
+
+def test_a_trainer_can_ask_for_every_push_to_be_verified(bf16: VLLMInProcess,
+                                                         model_dirs: dict[str, Path]) -> None:
+    from enginehooks import WeightSync
+
+    handle = bf16.handle()
+    model = perturb(load_tiny(model_dirs["llama"]), seed=82)
+    with WeightSync("gloo", bucket_bytes=32 << 10, timeout_s=60) as sync:
+        sync.add_replica(handle)
+        sync.push(model, version="unverified")  # policy "first": done already
+        count = handle.info(30)[0]["verification"]["verified"]
+        assert count >= 1
+        sync.push(model, version="unverified-2")
+        assert handle.info(30)[0]["verification"]["verified"] == count
+    with WeightSync("gloo", bucket_bytes=32 << 10, timeout_s=60, verify=True) as sync:
+        sync.add_replica(handle)
+        sync.push(perturb(model, seed=83), version="verified")
+    after = handle.info(30)[0]["verification"]
+    assert after["verified"] == count + 1 and after["last"]["ok"] is True
