@@ -159,7 +159,11 @@ def run_in_process(req: dict[str, Any], work: Path) -> dict[str, Any]:
     except EngineUnavailable as e:
         return {"status": "cannot run", "detail": str(e)}
     with replica:
-        before = replica.generate()
+        try:
+            before = replica.generate()
+        except Exception as e:  # a plain load of the checkpoint cannot serve either
+            return {"status": "cannot run",
+                    "detail": f"the engine starts but cannot generate: {type(e).__name__}: {e}"}
         pushed, reference = (model, model) if req["trainer"] == "plain" else with_lora(model)
         with WeightSync("gloo", bucket_bytes=BUCKET, timeout_s=120) as sync:
             sync.add_replica(replica.handle())

@@ -44,10 +44,19 @@ def shrink(config_class: type) -> dict[str, Any]:
     default = config_class()
     layers = _original_layers(default)
     kwargs: dict[str, Any] = {k: v for k, v in SMALL.items() if hasattr(default, k)
-                              and getattr(default, k) is not None}
-    for key, value in vars(default).items():
-        if isinstance(value, list) and layers and len(value) == layers and layers > 2:
-            kwargs[key] = value[:2]  # per-layer lists (layer_types, ...)
+                              and getattr(default, k) is not None
+                              and not isinstance(getattr(config_class, k, None), property)}
+    # Per-layer lists (layer_types, ...) keep one layer of every kind they name, so the
+    # small model still has each kind of layer (2 to 4 layers).
+    lists = {k: v for k, v in vars(default).items()
+             if isinstance(v, list) and layers and len(v) == layers and layers > 2}
+    n = max([2] + [min(4, len(dict.fromkeys(map(repr, v)))) for v in lists.values()])
+    for key, value in lists.items():
+        kinds = list({repr(x): x for x in value}.values())
+        kwargs[key] = (kinds + value)[:n]
+    for f in LAYER_FIELDS:
+        if f in kwargs:
+            kwargs[f] = n
     if hasattr(default, "tie_word_embeddings"):
         kwargs["tie_word_embeddings"] = bool(default.tie_word_embeddings)
     return kwargs
@@ -70,7 +79,16 @@ def generated_family(arch: str) -> Family:
     config_class = cls.config_class
     if not is_text_decoder(config_class):
         raise LookupError(f"{arch} is not a decoder-only text architecture")
-    return Family(f"gen:{arch}", config_class.__name__, shrink(config_class), model_class=arch,
+    kwargs = shrink(config_class)
+    try:  # transformers must build it small (on meta: no memory), or there is no cell
+        import torch
+
+        with torch.device("meta"):
+            cls._from_config(config_class(**kwargs))
+    except Exception as e:
+        raise LookupError(f"transformers cannot build {arch} small: {type(e).__name__}: "
+                          f"{str(e).splitlines()[0][:300]}") from e
+    return Family(f"gen:{arch}", config_class.__name__, kwargs, model_class=arch,
                   tags=("generated",))
 
 

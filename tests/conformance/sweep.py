@@ -54,7 +54,8 @@ def main() -> None:
             res = {"status": "not built", "detail": f"{type(e).__name__}: {e}"[:600]}
         res.update(family=cell.family, engine=args.engine, trainer="plain", dtype=dtype,
                    seconds=round(time.monotonic() - t0, 1))
-        res.pop("traceback", None)
+        if "traceback" in res:
+            res["traceback"] = res["traceback"][-1200:]
         done["results"].append(res)
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(done, indent=1))
