@@ -54,6 +54,18 @@ def verify_policy() -> str:
     return policy
 
 
+def ensure_room(device: torch.device, nbytes: int) -> None:
+    """Raise `MemoryError` unless `device` has room for a shadow of `nbytes` (plus a
+    margin): an accelerator that cannot hold a second model leaves the update
+    unverified (and says so) rather than failing the engine with an out-of-memory."""
+    if device.type != "cuda":
+        return
+    free, _ = torch.cuda.mem_get_info(device)
+    if free < int(nbytes * 1.25):
+        raise MemoryError(f"{free / 2**30:.1f} GiB free on {device}, a shadow needs about "
+                          f"{nbytes * 1.25 / 2**30:.1f} GiB")
+
+
 def _closure_tensors(fn: Any) -> Iterator[tuple[str, torch.Tensor]]:
     """Tensors a function captured (closure cells, default arguments)."""
     code = getattr(fn, "__code__", None)

@@ -43,7 +43,7 @@ from enginehooks.engine.expectations import (
     skeleton_on_meta,
 )
 from enginehooks.engine.side import EngineSide
-from enginehooks.engine.verify import Verifier
+from enginehooks.engine.verify import Verifier, ensure_room
 from enginehooks.transports.base import Target
 
 log = logging.getLogger("enginehooks.sglang")
@@ -99,8 +99,8 @@ class SGLangTarget(Target):
         def watched() -> Iterator[tuple[str, torch.Tensor]]:
             for name, t in tensors:
                 fed.append(TensorSpec(name, dtype_name(t.dtype), tuple(t.shape)))
-                if verify:  # the buffer is reused: the shadow needs its own copy
-                    kept.append((name, t.clone()))
+                if verify:  # the buffer is reused: the shadow needs its own copy, on the host
+                    kept.append((name, t.to("cpu", copy=True)))
                 yield name, t
 
         updater.begin_weight_update()
@@ -131,6 +131,7 @@ class SGLangTarget(Target):
         mr = _model_runner(self.sched)
         load_config = getattr(mr, "load_config", None) or LoadConfig(load_format="auto")
         quant = _get_quantization_config(mr.model_config, load_config)
+        ensure_room(self.device, sum(t.nbytes for _, t in weights))
         with set_default_torch_dtype(mr.model_config.dtype):
             with self.device:
                 model = _initialize_model(mr.model_config, load_config, quant)

@@ -39,7 +39,7 @@ from enginehooks.engine.expectations import (
     skeleton_on_meta,
 )
 from enginehooks.engine.side import EngineSide
-from enginehooks.engine.verify import Verifier
+from enginehooks.engine.verify import Verifier, ensure_room
 from enginehooks.transports.base import Target
 
 
@@ -79,8 +79,8 @@ class VLLMTarget(Target):
             for name, t in tensors:
                 fed.append(TensorSpec(name, dtype_name(t.dtype), tuple(t.shape)))
                 c = t.clone()
-                if verify:
-                    kept.append((name, c))
+                if verify:  # on the host: the shadow must never cost the engine's memory
+                    kept.append((name, c.to("cpu", copy=True) if c.device.type != "cpu" else c))
                 yield name, c
 
         try:
@@ -105,6 +105,7 @@ class VLLMTarget(Target):
         )
         from vllm.utils.torch_utils import set_default_torch_dtype
 
+        ensure_room(self.device, sum(t.nbytes for _, t in weights))
         cfg = private_config(self.worker.vllm_config)
         with set_current_vllm_config(cfg), set_default_torch_dtype(cfg.model_config.dtype):
             with self.device:
