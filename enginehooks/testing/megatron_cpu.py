@@ -318,7 +318,8 @@ def rank_main(job_path: Path) -> None:
     """One rank of a job (JSON): build the model of `checkpoint` in `layout`, then for each
     step of `pushes` train `train_steps` steps, push `version` into the engine at `url`
     (rank 0 sends; the other rank follows) and, with `save`, export the pushed weights
-    into that file (rank 0 writes)."""
+    into that file (rank 0 writes). A step with `exclude` pushes the model without that
+    tensor instead, and records how each rank saw the refusal (`refused`)."""
     import datetime
 
     import torch.distributed as dist
@@ -331,7 +332,7 @@ def rank_main(job_path: Path) -> None:
     res: dict[str, Any] = {"rank": rank, "pushes": []}
     t0 = time.monotonic()
     try:
-        from enginehooks import WeightSync
+        from enginehooks import EngineHooksError, WeightSync
         from enginehooks.testing.servers import HANDLES
         from enginehooks.trainer_side import MegatronBridgeAdapter, push
 
@@ -351,6 +352,19 @@ def rank_main(job_path: Path) -> None:
                 entry["losses"] = train(model, bridge.hf_config.vocab_size,
                                         steps=int(step["train_steps"]), seed=int(step.get("seed", 0)))
             t1 = time.monotonic()
+            if step.get("exclude"):  # a bad update (one tensor left out): the engine refuses it
+                left_out = step["exclude"]
+                bad = MegatronBridgeAdapter(model, bridge=bridge, timeout_s=timeout_s,
+                                            start_timeout_s=timeout_s,
+                                            include=lambda n, x=left_out: n != x)
+                try:
+                    push(bad, step["version"], sync=sync)
+                    entry["refused"] = None
+                except EngineHooksError as e:
+                    entry["refused"] = f"{type(e).__name__}: {e}"
+                entry["push_s"] = round(time.monotonic() - t1, 2)
+                res["pushes"].append(entry)
+                continue
             report = push(adapter, step["version"], sync=sync)
             entry["push_s"] = round(time.monotonic() - t1, 2)
             if report is not None:

@@ -34,6 +34,7 @@ CACHE = Path(os.environ.get("ENGINEHOOKS_CACHE", Path.home() / ".cache" / "engin
 SGLANG_PYTHON = Path(os.environ.get("ENGINEHOOKS_SGLANG_PYTHON",
                                     CACHE / "venv-sglang" / "bin" / "python"))
 TRAIN_STEPS = 3
+LEFT_OUT = "model.norm.weight"  # the tensor the bad update leaves out
 RANKS_TIMEOUT_S = 300.0
 
 requires_megatron = pytest.mark.skipif(
@@ -140,19 +141,25 @@ def run_family(family: str, engine: str, work: Path) -> dict[str, Any]:
             push_checkpoint(engine, srv.url, d0, f"reset-{layout}")
             base = srv.generations()
             assert first_difference(base, fresh) is not None, "d0 and d1 generate alike"
+            # First a bad update (a tensor left out): refused before any byte moves, the
+            # follower released with the sender's reason; then the push.
             job = {"checkpoint": str(d1), "layout": layout, "engine": engine, "url": srv.url,
-                   "pushes": [{"version": f"{layout}-1"}]}
+                   "pushes": [{"version": f"{layout}-bad", "exclude": LEFT_OUT},
+                              {"version": f"{layout}-1"}]}
             t1 = time.monotonic()
             r0, r1 = run_ranks(job, work / layout, timeout_s=RANKS_TIMEOUT_S)
             timings[f"{layout}_ranks_s"] = round(time.monotonic() - t1, 1)
+            refused = [r["pushes"][0]["refused"] or "accepted" for r in (r0, r1)]
+            assert refused[0].startswith("ManifestError") and LEFT_OUT in refused[0], refused
+            assert refused[1].startswith("PushAborted") and LEFT_OUT in refused[1], refused
             pushed = srv.generations()
             diff = first_difference(pushed, fresh)
             assert diff is None, f"{family} {layout} on {engine}: after the push != freshly " \
                                  f"loaded: {diff}"
             assert first_difference(pushed, base) is not None, f"{layout}: nothing changed"
             assert {g.version for g in pushed} <= {f"{layout}-1", None}, pushed
-            assert r0["pushes"][0]["tensors"] == len(fresh_names(d1)), r0
-            assert len(r1["pushes"]) == 1 and "tensors" not in r1["pushes"][0], r1  # followed
+            assert r0["pushes"][1]["tensors"] == len(fresh_names(d1)), r0
+            assert len(r1["pushes"]) == 2 and "tensors" not in r1["pushes"][1], r1  # followed
             if not (trains and layout == case.trained):
                 continue
             # Again from d1: push, train, push; the plan's dry run happens once.
