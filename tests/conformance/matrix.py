@@ -52,6 +52,12 @@ SLICE += [Cell("gpt_oss", "vllm", "plain", "float32"), Cell("mamba2", "vllm", "p
 #: fails to start outside this table fails the suite, and so does one listed here that
 #: starts after all (the table must stay true).
 CANNOT_RUN: dict[tuple[str, str], str] = {
+    ("sglang", "gpt_oss"): "GptOssForCausalLM requires the triton, trtllm_mha, fa3, fa4, ascend, "
+                           "intel_amx, intel_xpu or aiter attention backend; the CPU server runs "
+                           "torch_native (AssertionError at start)",
+    ("sglang", "mamba2"): "the server dies at start: its tensor-parallel check computes "
+                          "model_config.num_attention_heads % tp_size with no attention heads "
+                          "(TypeError: unsupported operand type(s) for %: 'NoneType' and 'int')",
     ("sglang", "qwen2_moe"): "the shared-expert gate runs a Triton kernel, which has no CPU "
                              "driver (RuntimeError: 0 active drivers)",
     ("sglang", "deepseek_v2"): "MLA attention with the torch_native backend fails on the first "
