@@ -119,6 +119,8 @@ class EngineHandle(ABC):
         self.call(JOIN, json.dumps(endpoint), rank_offset, *_opt(auth), timeout_s=timeout_s)
 
     def leave(self, timeout_s: float, auth: str | None = None) -> None:
+        """`auth`: the leave's one argument, `protocol.leave_message` (the group it
+        leaves and the token signing it), or a bare token (leave whatever group)."""
         self.call(LEAVE, *_opt(auth), timeout_s=timeout_s)
 
     def check(self, manifest_json: str, timeout_s: float, auth: str | None = None) -> None:

@@ -29,10 +29,12 @@ from enginehooks.core.auth import load_secret, sign
 from enginehooks.core.checksums import check_name
 from enginehooks.core.dtypes import torch_dtype
 from enginehooks.core.errors import (
+    ChecksumError,
     ConfigError,
     EngineHooksError,
     PushTimeout,
     ReplicaError,
+    SenderAborted,
     TransportError,
 )
 from enginehooks.core.manifest import Manifest, plan
@@ -42,6 +44,44 @@ from enginehooks.trainer_side.contract import TrainerAdapter, adapter_for
 from enginehooks.transports.base import Abort, GroupRequest, Sender
 
 DEFAULT_BUCKET_BYTES = 256 << 20
+#: How long, after a failure that another party caused, the replicas get to report their
+#: own errors (bounded by `timeout_s` too).
+GRACE_S = 5.0
+
+# Which replica caused a failed phase: each replica's outcome, ranked (lower first).
+#: the replica's own failure: a refused manifest, a bad checksum, an engine exception
+OWN = 0
+#: no answer: its call is still pending, timed out, or its host cannot be reached
+NO_ANSWER = 1
+#: its data plane timed out waiting for bytes (a stalled peer stalls every receiver)
+STALLED = 2
+#: a consequence of another party's failure: the sender aborted the update, closed or
+#: reset the connection (gloo: "Connection closed by peer ... typically caused by a
+#: remote worker crashing"), after its own failure or another receiver's
+CONSEQUENCE = 3
+_CONSEQUENCE_WORDS = ("closed by peer", "reset by peer", "connection closed", "broken pipe",
+                      "socket closed", "update aborted", "sender aborted")
+_STALLED_WORDS = ("did not complete within", "timed out", "timeout")
+
+
+def blame(error: BaseException | None) -> int:
+    """How directly one replica's outcome of a failed phase points at that replica as
+    its cause (`OWN` .. `CONSEQUENCE`); `None` is a call that has not answered. A
+    healthy replica that hears of another party's failure first (its connection to the
+    sender closed) must not be named instead of the replica that disappeared."""
+    if error is None or isinstance(error, PushTimeout):
+        return NO_ANSWER
+    if isinstance(error, SenderAborted):
+        return CONSEQUENCE
+    if isinstance(error, ReplicaError) and "cannot reach" in str(error):
+        return NO_ANSWER
+    if isinstance(error, (TransportError, ReplicaError)) and not isinstance(error, ChecksumError):
+        text = str(error).lower()
+        if any(w in text for w in _CONSEQUENCE_WORDS):
+            return CONSEQUENCE
+        if any(w in text for w in _STALLED_WORDS):
+            return STALLED
+    return OWN
 
 
 class WeightSync:
@@ -291,17 +331,9 @@ class WeightSync:
     def _collect(self, report: PushReport, what: str, reps: list[EngineHandle],
                  futs: list[Future[Any]], timeout_s: float) -> list[Any]:
         done, not_done = wait(futs, timeout=timeout_s, return_when=FIRST_EXCEPTION)
-        for r, f in zip(reps, futs):
-            e = f.exception() if f in done else None
-            if e is None:
-                continue
-            self._mark(report, r, f"{what}: {type(e).__name__}: {e}")
-            if isinstance(e, EngineHooksError):
-                # Our own errors keep their type (a refused manifest stays a
-                # ManifestError); they learn which replica raised them.
-                e.replica = e.replica or r.name
-                raise e
-            raise ReplicaError(r.name, f"{what} failed: {type(e).__name__}: {e}") from e
+        if any(f.exception() is not None for f in done):
+            self._settle(futs, protocol.Deadline.after(min(GRACE_S, timeout_s)))
+            raise self._failure(report, what, reps, futs)
         if not_done:
             late = [r.name for r, f in zip(reps, futs) if f in not_done]
             for r, f in zip(reps, futs):
@@ -310,14 +342,70 @@ class WeightSync:
             raise PushTimeout(f"{what}: replicas {late} did not answer within {timeout_s}s")
         return [f.result() for f in futs]
 
+    @staticmethod
+    def _settle(futs: list[Future[Any]], deadline: protocol.Deadline) -> None:
+        """After a failure, wait (until `deadline` at most) until it is clear which
+        replica caused it: one reported an error of its own or did not answer, or every
+        one has answered. Errors that are consequences of another party's failure (a
+        closed connection) arrive first, from the healthy replicas; the one whose host
+        disappeared says nothing."""
+        pending = {f for f in futs if not f.done()}
+        while pending:
+            if any(blame(f.exception()) < STALLED for f in futs
+                   if f.done() and f.exception() is not None):
+                return
+            done, pending = wait(pending, timeout=deadline.left(), return_when=FIRST_COMPLETED)
+            if not done:
+                return
+
+    def _failure(self, report: PushReport, what: str, reps: list[EngineHandle],
+                 futs: list[Future[Any]], wrap: bool = False) -> EngineHooksError:
+        """The error a failed phase raises: that of the replica that caused it, with
+        every other replica's outcome after it. The cause is the replica whose outcome
+        is most its own (`blame`): its own error, else no answer, else a stalled data
+        plane, and only then an error that another party's failure caused; replica
+        order breaks ties. Our own errors keep their type (a refused manifest stays a
+        `ManifestError`) unless `wrap`; anything else becomes a `ReplicaError`."""
+        outcomes: list[tuple[EngineHandle, BaseException | None]] = []
+        for r, f in zip(reps, futs):
+            e = f.exception() if f.done() else None
+            if f.done() and e is None:
+                continue  # answered
+            outcomes.append((r, e))
+            self._mark(report, r, f"{what}: {type(e).__name__}: {e}" if e is not None
+                       else f"{what}: no answer")
+        ranked = sorted(outcomes, key=lambda o: blame(o[1]))
+        r, e = ranked[0]
+        others = "".join(
+            f"; replica {o.name!r} meanwhile: "
+            + ("no answer" if oe is None else f"{type(oe).__name__}: {str(oe)[:400]}")
+            + (" (a consequence)" if blame(oe) == CONSEQUENCE else "")
+            for o, oe in ranked[1:])
+        if e is None:
+            err: EngineHooksError = ReplicaError(
+                r.name, f"{what}: no answer (unreachable, or its host is down) while the "
+                        f"push failed{others}")
+        elif isinstance(e, EngineHooksError) and not wrap:
+            e.replica = e.replica or r.name
+            if others and len(e.args) == 1 and str(e) == e.args[0]:
+                e.args = (f"{e}{others}",)
+            return e
+        else:
+            err = ReplicaError(r.name, f"{what} failed: {type(e).__name__}: {e}{others}")
+            err.__cause__ = e
+        return err
+
     def _mark(self, report: PushReport, r: EngineHandle, error: str) -> None:
         for res in report.replicas:
             if res.name == r.name and res.error is None:
                 res.ok, res.error = False, error
 
     # -- group ----------------------------------------------------------------------------
-    def _group_id(self) -> str | None:
-        ep = self._sender.endpoint() if self._sender is not None else {}
+    def _group_id(self, sender: Sender | None = None) -> str | None:
+        """The id of `sender`'s group (the current one by default), as the workers
+        record it from the endpoint."""
+        sender = self._sender if sender is None else sender
+        ep = sender.endpoint() if sender is not None else {}
         return str(ep.get("group") or ep.get("root") or "") or None
 
     def _ensure_group(self) -> None:
@@ -390,7 +478,13 @@ class WeightSync:
         self._sender, self._members = None, []
         if sender is None:
             return
-        futs = [spawn(r.leave, self.timeout_s, self._token("leave", r)) for r in members]
+        # Each leave names the group it leaves: one delivered late (sent during a
+        # partition, retransmitted once it healed, after the next push's join) is
+        # ignored by a worker that is in a newer group by then (`EngineSide.leave`).
+        group = self._group_id(sender)
+        futs = [spawn(r.leave, self.timeout_s, protocol.leave_message(
+                    group, self._token("leave", r, group=group)))
+                for r in members]
         if wait_for_leaves:
             wait(futs, timeout=self.timeout_s)
         self._pm.hook.update_group(
@@ -429,17 +523,21 @@ class WeightSync:
         except BaseException as e:
             # A replica's own error says more than the sender's "aborted": prefer it. The
             # receivers learn of a sender-side failure through the abort notice, so give
-            # them a moment to report before the group is torn down under them.
-            cause: BaseException | None = None
+            # them a moment to report before the group is torn down under them; then
+            # name the replica that caused the failure, not the first to answer (a
+            # healthy one whose connection the sender closed answers before one whose
+            # host is gone, which never does).
+            cause: EngineHooksError | None = None
             if futs:
-                done, _ = wait(futs, timeout=min(5.0, self.timeout_s), return_when=FIRST_EXCEPTION)
-                for r, f in zip(reps, futs):
-                    if f in done and f.exception() is not None:
-                        self._mark(report, r, str(f.exception()))
-                        # The sender's own error (the trainer's stream broke) is the
-                        # cause; a data-plane error is better told by the replica.
-                        if cause is None and isinstance(e, TransportError):
-                            cause = ReplicaError(r.name, f"receive failed: {f.exception()}")
+                grace = protocol.Deadline.after(min(GRACE_S, self.timeout_s))
+                done, _ = wait(futs, timeout=grace.left(), return_when=FIRST_EXCEPTION)
+                if any(f.exception() is not None for f in done):
+                    self._settle(futs, grace)
+                    failure = self._failure(report, "receive", reps, futs, wrap=True)
+                    # The sender's own error (the trainer's stream broke) is the
+                    # cause; a data-plane error is better told by the replicas.
+                    if isinstance(e, TransportError):
+                        cause = failure
             # Whatever failed, the group's state is unknown now: rebuild it next time.
             self._close_group(wait_for_leaves=False)
             if cause is not None:

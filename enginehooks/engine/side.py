@@ -13,6 +13,8 @@ What it guarantees, whatever the engine:
 - a `receive` names the group it expects; if another trainer has taken this worker
   over since (its own `join`), the receive is refused instead of reading another
   trainer's buckets;
+- a `leave` names the group it leaves; one for a group the worker is no longer in (a
+  leave delayed past the next `join`) is ignored, and the current group stays;
 - the state says whether generation may run: "initial" (the weights it started with),
   "updating", "current", or "torn" (an update failed after data moved). Under the
   policy `on_torn="refuse"` (the default; `ENGINEHOOKS_ON_TORN` or the trainer's join)
@@ -193,11 +195,27 @@ class EngineSide:
             self.binding.state_changed(self.public_state())
             return {"rank": rank, "transport": transport, "group": self.group}
 
-    def leave(self, auth: str | None = None) -> dict[str, Any]:
-        self._authorize("leave", auth)
+    def leave(self, message: str | None = None) -> dict[str, Any]:
+        """Leave the group named by `message` (`protocol.leave_message`: the group and
+        its token). A leave for a group this worker is no longer in is ignored and
+        answered `left: False`: the network can deliver the leave of a failed push after
+        the next push's join (TCP retransmits it once a partition heals), and it must
+        not take the worker out of the new group. A message that names no group (a
+        bare token, or none) leaves whatever group the worker is in."""
+        group, auth = protocol.parse_leave(message)
+        self._authorize("leave", auth, group=group)
+        if group is not None and group != self.group:
+            return self._stale_leave(group)  # without the lock: never "busy" for it
         with self._exclusive("leave"):
+            if group is not None and group != self.group:  # a join came first
+                return self._stale_leave(group)
             self._leave()
-        return {"left": True}
+        return {"left": True, "group": group}
+
+    def _stale_leave(self, group: str) -> dict[str, Any]:
+        return {"left": False, "group": group,
+                "reason": f"this worker is in group {self.group!r}, not {group!r}: a late "
+                          "leave of an earlier group, ignored"}
 
     def _leave(self) -> None:
         if self.receiver is not None and self.transport is not None:

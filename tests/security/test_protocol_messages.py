@@ -14,6 +14,7 @@ same `EngineSide` every engine worker runs) and real gloo groups (issue 19):
 from __future__ import annotations
 
 import json
+import threading
 import time
 from typing import Any
 
@@ -254,3 +255,143 @@ def test_signed_payloads_are_built_in_the_protocol_module_only() -> None:
                  for i, line in enumerate(p.read_text().splitlines(), 1)
                  if re.search(r"\bcanonical\(", line)]
     assert offenders == []
+
+
+class HeldLeaves(LocalEngine):
+    """A replica behind a link that drops its `leave` calls for a while: the network
+    holds them (TCP retransmits them once a partition heals), then delivers them after
+    the next push's `join`, just before its `receive` (docs/transports.md, "Across
+    hosts")."""
+
+    def __init__(self, module: nn.Module, name: str) -> None:
+        super().__init__(module, name=name)
+        self.held: list[str | None] = []
+        self.answers: list[Any] = []
+
+    def leave(self, timeout_s: float, auth: str | None = None) -> None:
+        self.held.append(auth)  # the link is down: not delivered yet
+
+    def receive(self, manifest_json: str, group: str, timeout_s: float,
+                auth: str | None = None) -> list[dict[str, Any]]:
+        while self.held:  # the link healed: the old leaves arrive now, after the join
+            self.answers += self.call("leave", *[a for a in [self.held.pop(0)] if a],
+                                      timeout_s=timeout_s)
+        return super().receive(manifest_json, group, timeout_s, auth)
+
+
+@pytest.mark.parametrize("secret", [None, SECRET], ids=["open", "signed"])
+def test_a_late_leave_of_an_old_group_leaves_the_current_group_intact(
+        secret: str | None, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The leave of a closed group, delivered after the worker joined a new one, is
+    ignored (answered `left: False`) instead of taking the worker out of the new group
+    ("this worker has not joined a transport group"): the push that joined it lands."""
+    if secret:
+        monkeypatch.setenv(SECRET_ENV, secret)
+    engine = HeldLeaves(net(0), name="held-leaves")
+    monkeypatch.delenv(SECRET_ENV, raising=False)
+    with WeightSync("gloo", timeout_s=30, secret=secret) as sync:
+        sync.add_replica(engine)
+        assert sync.push(net(1), version=1).ok
+        old_group = engine.side.group
+        sync.close()  # e.g. after a failed push: its leave is held by the network
+        assert len(engine.held) == 1 and engine.side.group == old_group
+        src = net(2)
+        assert sync.push(src, version=2).ok  # joins a new group; the old leave lands first
+        assert engine.answers and engine.answers[0]["left"] is False, engine.answers
+        assert engine.answers[0]["group"] == old_group
+        assert engine.side.group not in (None, old_group) and engine.side.version == 2
+        assert all(torch.equal(a, b) for a, b in zip(src.state_dict().values(),
+                                                     engine.target.module.state_dict().values()))
+        assert sync.push(net(3), version=3).ok  # the same group, still joined
+    assert engine.side.version == 3
+
+
+def test_a_leave_names_its_group_and_its_signature_covers_it(guarded: list[LocalEngine]) -> None:
+    """A signed leave leaves the group it names; one for another group is answered
+    `left: False` and changes nothing; rewriting a leave's group breaks its signature;
+    a leave that names no group (vLLM's own `shutdown_weight_transfer_engine`) still
+    leaves whatever group the worker is in."""
+    a = guarded[0]
+    key, aud = SECRET.encode(), [a.side.instance]
+    with WeightSync("gloo", timeout_s=30, secret=SECRET) as sync:
+        sync.add_replica(a)
+        assert sync.push(net(1), version=1).ok
+        group = a.side.group
+        assert group
+
+        def leave(g: str | None) -> str | None:
+            return protocol.leave_message(
+                g, sign(key, "leave", protocol.signed_payload("leave", group=g), aud))
+
+        assert a.side.call("leave", leave("an-old-group")) == {
+            "left": False, "group": "an-old-group",
+            "reason": f"this worker is in group {group!r}, not 'an-old-group': a late leave "
+                      "of an earlier group, ignored"}
+        assert a.side.group == group
+        forged = json.loads(leave("an-old-group") or "")
+        forged["group"] = group
+        with pytest.raises(AuthError, match="does not match"):
+            a.side.call("leave", json.dumps(forged))
+        assert a.side.group == group
+        with pytest.raises(AuthError):
+            a.side.call("leave", protocol.leave_message(group, None))  # unsigned
+        assert a.side.call("leave", leave(group)) == {"left": True, "group": group}
+        assert a.side.group is None and a.side.receiver is None
+        assert sync.push(net(2), version=2).ok  # rejoins
+        assert a.side.call("leave", leave(None))["left"] is True
+        assert a.side.group is None
+
+
+class HostGone(LocalEngine):
+    """A replica whose host disappears mid-push: it joined the group, and its receive
+    never answers (until the test lets it go)."""
+
+    def __init__(self, module: nn.Module, name: str) -> None:
+        super().__init__(module, name=name)
+        self.receiving, self.release = threading.Event(), threading.Event()
+
+    def receive(self, manifest_json: str, group: str, timeout_s: float,
+                auth: str | None = None) -> list[dict[str, Any]]:
+        self.receiving.set()
+        self.release.wait(60.0)
+        raise errors.PushTimeout(f"{self.name}: did not answer")
+
+
+class PeerClosed(LocalEngine):
+    """A healthy replica that answers first, with what gloo says once the sender closed
+    its connections after the other replica was lost."""
+
+    def __init__(self, module: nn.Module, name: str, lost: HostGone) -> None:
+        super().__init__(module, name=name)
+        self.lost = lost
+
+    def receive(self, manifest_json: str, group: str, timeout_s: float,
+                auth: str | None = None) -> list[dict[str, Any]]:
+        self.lost.receiving.wait(30.0)
+        raise errors.TransportError(
+            "receive of bucket 0 failed: [gloo/transport/tcp/pair.cc:561] Connection closed "
+            "by peer [10.78.0.1]:41234. This is typically caused by a remote worker crashing.")
+
+
+def test_the_push_error_names_the_replica_that_was_lost_not_the_first_to_answer() -> None:
+    """With two replicas and one lost mid-push, the healthy one reports first (its
+    connection to the sender closed: a consequence); the error names the lost one,
+    which never answered, and lists the other's error after it."""
+    lost = HostGone(net(0), name="engine-b")
+    healthy = PeerClosed(net(0), name="engine-a", lost=lost)
+    try:
+        t0 = time.monotonic()
+        with WeightSync("gloo", timeout_s=3) as sync:
+            sync.add_replica(healthy)
+            sync.add_replica(lost)
+            with pytest.raises(errors.ReplicaError) as got:
+                sync.push(net(1), version=1)
+        assert time.monotonic() - t0 < 30
+    finally:
+        lost.release.set()
+    assert got.value.replica == "engine-b", got.value
+    assert str(got.value).startswith("replica 'engine-b': receive"), got.value
+    assert "'engine-a' meanwhile" in str(got.value) and "(a consequence)" in str(got.value)
+    report = got.value.report
+    assert report is not None and {r.name: r.ok for r in report.replicas} == {
+        "engine-a": False, "engine-b": False}
