@@ -52,6 +52,13 @@ def render(results: list[dict[str, Any]], versions: dict[str, str]) -> str:
         "merged), `fsdp2` (2 ranks on gloo, into the engine's server). Engine dtype: fp32, or "
         "bf16 from an fp32 trainer.",
         "",
+        "Every update's first push in a process is also verified against a fresh load "
+        "(`engine/verify.py`); `gpt_oss` and `mamba2` (bf16) pass on vLLM only because "
+        "verification repairs what vLLM's reload leaves stale ([engine-bugs.md](engine-bugs.md)). "
+        "The generated matrix over every architecture the engines register is in "
+        "[models-generated.md](models-generated.md); Megatron trainers (TP, PP, EP) in "
+        "[trainers.md](trainers.md).",
+        "",
     ]
     cols = [(e, t, d) for t in ("plain", "peft", "fsdp2") for e in ENGINES for d in DTYPES
             if any(k[1:] == (e, t, d) for k in by)]
