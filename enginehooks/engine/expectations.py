@@ -50,7 +50,8 @@ class Expectations(ABC):
 
 class CheckpointExpectations(Expectations):
     """Expectations read from the checkpoint the engine was loaded from: names and
-    shapes exactly, floating tensors in the engine's dtype."""
+    shapes exactly; a floating tensor may come in another floating dtype (the module
+    target's copy casts it, as a loader does), any other dtype exactly."""
 
     def __init__(self, specs: Mapping[str, TensorSpec], *, require_all: bool = True) -> None:
         self.specs = dict(specs)
@@ -68,7 +69,8 @@ class CheckpointExpectations(Expectations):
             elif tuple(want.shape) != tuple(t.shape):
                 problems.append(f"tensor {t.name!r}: shape {list(t.shape)} but the model "
                                 f"expects {list(want.shape)}")
-            elif want.dtype != t.dtype:
+            elif want.dtype != t.dtype and not (torch_dtype(want.dtype).is_floating_point
+                                                and torch_dtype(t.dtype).is_floating_point):
                 problems.append(f"tensor {t.name!r}: dtype {t.dtype} but the engine runs "
                                 f"{want.dtype}")
         if self.require_all:

@@ -28,7 +28,7 @@ from typing import Any
 import pytest
 import torch
 
-from enginehooks import ManifestError, WeightSync
+from enginehooks import WeightSync
 from enginehooks.control._http import request_json
 from enginehooks.testing.engines import NEW_TOKENS, PROMPTS
 from enginehooks.testing.servers import EngineServerProcess, free_port
@@ -131,12 +131,10 @@ def test_readme_server_takes_pushes_both_ways(readme_server: EngineServerProcess
     assert_holds(handle, first)
     checksums_first = handle.weight_checksums()
 
-    # 2. vLLM's own API and routes. The engine runs bfloat16: a float32 source is
-    #    refused by every worker before any byte moves, and nothing changes.
-    with pytest.raises(ManifestError, match="bfloat16"):
-        native_push(url, second, "native-bad")
-    assert handle.engine_version() == "1" and handle.version() == 1
-    report = native_push(url, second, "native-2", dtype="bfloat16")
+    # 2. vLLM's own API and routes. The engine runs bfloat16 and the source is float32,
+    #    as in vLLM's RL examples: vLLM's loader casts, as it does for a float32
+    #    checkpoint, so the update is taken and the engine holds the bfloat16 cast.
+    report = native_push(url, second, "native-2")
     assert report is not None and report.ok
     assert handle.engine_version() == "native-2" and handle.version() == "native-2"
     assert_holds(handle, second)
