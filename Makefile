@@ -4,7 +4,7 @@
 # Engine environments are cached in $(ENGINEHOOKS_CACHE) (default ~/.cache/enginehooks)
 # and rebuilt from nothing when their setup script changes.
 
-.PHONY: demo test conformance soak lint bench-cpu
+.PHONY: demo test conformance soak lint bench-cpu mutants
 
 demo:
 	@bash scripts/run.sh vllm python -m enginehooks.cli demo
@@ -28,3 +28,8 @@ lint:
 
 bench-cpu:
 	@bash scripts/run.sh vllm python benchmarks/bench_gloo_cpu.py
+
+# Mutation testing of the protective modules against the fast tests, in a copy of the tree;
+# prints the per-module report of docs/testing.md (~20 min on 2 shared cores).
+mutants:
+	@bash scripts/mutants.sh
