@@ -32,7 +32,7 @@ PREFIX = "enginehooks_"
 # required when the engine has a shared secret.
 INFO = "info"          # -> {rank, version, state, group, transport, device, dtype, ...}
 JOIN = "join"          # (endpoint JSON, rank offset[, auth]) -> {rank, transport, group}
-LEAVE = "leave"        # ([auth]) -> {left: True}
+LEAVE = "leave"        # ([leave message: {group, auth} JSON, or a bare token]) -> {left, group?}
 CHECK = "check"        # (manifest JSON[, auth]) -> [problem, ...] (empty: the engine takes it)
 RECEIVE = "receive"    # (manifest JSON, group[, auth]) -> stats of the applied update
 DIGESTS = "digests"    # (names JSON) -> {name: {dtype, shape, crc32}} of readable weights
