@@ -16,7 +16,10 @@ on CPU, fused-MoE experts, which vLLM prepacks for its CPU kernel only at first 
 
 What an update may carry is decided by vLLM's own loader: the model class is built a
 second time on the meta device, exactly as vLLM builds it, and its `load_weights` is
-dry-run on meta tensors of the update (`engine.expectations.LoaderExpectations`).
+dry-run on meta tensors of the update under the byte tracer
+(`engine.expectations.LoaderExpectations`, `engine.trace`). What the reload got wrong
+beyond the two known layers is found by verify-after-apply (`engine.verify`): a shadow
+built by vLLM's fresh-load path from the same tensors, compared and repaired in place.
 """
 
 from __future__ import annotations
