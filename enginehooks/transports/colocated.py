@@ -482,7 +482,9 @@ class ColocatedReceiver(Receiver):
                 f"{self.timeout_s}s ({type(e).__name__}: {e})"
             ) from None
 
-    def _slot(self, seq: int, index: int, mid: int) -> int:
+    def _ready_message(self, seq: int, index: int, mid: int) -> dict[str, Any]:
+        """Bucket `index`'s verified ready message for update `seq` (raises on a bad
+        MAC, an abort, or another update's message)."""
         raw = self._get(self._key(f"u{seq}", "ready", index), f"bucket {index}")
         body = self.channel.open("ready", seq, index, EVERY_RECEIVER, (TO_ENGINE,), raw)
         try:
@@ -499,6 +501,10 @@ class ColocatedReceiver(Receiver):
                 f"bucket {index} belongs to another update (manifest id {msg.get('mid')!r}, "
                 f"expected {mid}); the group's update counters drifted"
             )
+        return msg
+
+    def _slot(self, seq: int, index: int, mid: int) -> int:
+        msg = self._ready_message(seq, index, mid)
         try:
             gen, slot = int(msg["gen"]), int(msg["slot"])
         except (KeyError, TypeError, ValueError):

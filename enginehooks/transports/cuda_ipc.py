@@ -59,7 +59,7 @@ import torch
 
 from enginehooks.core.buckets import Unpacker, check_tensor, manifest_id
 from enginehooks.core.dtypes import torch_dtype
-from enginehooks.core.errors import ChecksumError, ManifestError, SenderAborted, TransportError
+from enginehooks.core.errors import ChecksumError, ManifestError, TransportError
 from enginehooks.core.manifest import Manifest, TensorEntry
 from enginehooks.transports.base import (
     Abort,
@@ -677,22 +677,7 @@ class CudaIpcReceiver(ColocatedReceiver):
         return self._stream_refs(manifest, into)
 
     def _ready(self, seq: int, index: int, mid: int) -> dict[str, Any]:
-        raw = self._get(self._key(f"u{seq}", "ready", index), f"bucket {index}")
-        body = self.channel.open("ready", seq, index, EVERY_RECEIVER, (TO_ENGINE,), raw)
-        try:
-            msg = json.loads(body)
-            if not isinstance(msg, dict):
-                raise ValueError(type(msg).__name__)
-        except ValueError:
-            raise TransportError(
-                f"bucket {index}: unreadable ready message {body[:80]!r}") from None
-        if "abort" in msg:
-            raise SenderAborted(f"the sender aborted the update: {msg['abort']}")
-        if msg.get("mid") != mid:
-            raise TransportError(
-                f"bucket {index} belongs to another update (manifest id {msg.get('mid')!r}, "
-                f"expected {mid}); the group's update counters drifted")
-        return msg
+        return self._ready_message(seq, index, mid)
 
     def _open_allocs(self, msg: dict[str, Any]) -> None:
         epoch = int(msg["epoch"])
