@@ -25,13 +25,14 @@ import torch
 from enginehooks.control._futures import spawn
 from enginehooks.control.handles import EngineHandle
 from enginehooks.control.report import PushReport, ReplicaResult
-from enginehooks.core.auth import load_secret, sign
+from enginehooks.core.auth import AuthError, load_secret, sign
 from enginehooks.core.checksums import check_name
 from enginehooks.core.dtypes import torch_dtype
 from enginehooks.core.errors import (
     ChecksumError,
     ConfigError,
     EngineHooksError,
+    ManifestError,
     PushTimeout,
     ReplicaError,
     SenderAborted,
@@ -62,6 +63,12 @@ CONSEQUENCE = 3
 _CONSEQUENCE_WORDS = ("closed by peer", "reset by peer", "connection closed", "broken pipe",
                       "socket closed", "update aborted", "sender aborted")
 _STALLED_WORDS = ("did not complete within", "timed out", "timeout")
+
+
+#: Errors that are a replica's own verdict on the update: they reach the trainer as the
+#: same class on every path (`_failure`).
+VERDICTS: tuple[type[EngineHooksError], ...] = (ChecksumError, AuthError, ManifestError,
+                                                ConfigError)
 
 
 def blame(error: BaseException | None) -> int:
@@ -390,6 +397,13 @@ class WeightSync:
             if others and len(e.args) == 1 and str(e) == e.args[0]:
                 e.args = (f"{e}{others}",)
             return e
+        elif isinstance(e, VERDICTS):
+            # The replica's own verdict (a bad digest, a refused token or manifest)
+            # keeps its class even where other errors are wrapped (issue 19): the
+            # trainer catches a ChecksumError as one, with the replica in its text.
+            err = protocol.restore_error(
+                type(e).__name__, f"replica {r.name!r}: {what} failed: {e}{others}", r.name)
+            err.__cause__ = e
         else:
             err = ReplicaError(r.name, f"{what} failed: {type(e).__name__}: {e}{others}")
             err.__cause__ = e

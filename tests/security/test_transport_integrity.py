@@ -15,7 +15,7 @@ import pytest
 import torch
 from torch import nn
 
-from enginehooks import EngineHooksError, WeightSync
+from enginehooks import WeightSync
 from enginehooks.core.errors import ChecksumError
 from enginehooks.core.manifest import Manifest, TensorSpec, plan
 from enginehooks.engine.local import LocalEngine
@@ -57,10 +57,12 @@ def test_a_corrupting_gloo_sender_is_refused_and_the_trainer_hears_why(
     trainer = net(1)
     with WeightSync("gloo", timeout_s=10, bucket_bytes=4096, checksum=checksum) as sync:
         sync.add_replica(engine)
-        # The trainer hears why, naming the replica, the bucket and both digests.
-        with pytest.raises(EngineHooksError,
-                           match=rf"r0.*bucket 1: {checksum} 0x[0-9a-f]+ != sender's 0x"):
+        # The trainer hears why, as the engine's ChecksumError (issue 19: it arrived as
+        # a ReplicaError), naming the replica, the bucket and both digests.
+        with pytest.raises(ChecksumError,
+                           match=rf"r0.*bucket 1: {checksum} 0x[0-9a-f]+ != sender's 0x") as got:
             sync.push(trainer, version=1)
+        assert got.value.replica == "r0"
     assert engine.side.state == "torn" and engine.side.version is None
     assert "ChecksumError" in (engine.side.last_error or "")
 
