@@ -20,6 +20,11 @@ both directions, and the hosts see a silent network (no local send error, no RST
 - `Host.down()` / `Host.up()`: the host's switch port, so the host disappears;
 - `Host.heal()`: every fault of this host removed, port up.
 
+`with host.entered():` moves the calling thread onto the host (`setns`): sockets it
+opens, threads it starts and processes it forks from then on live there, so a test can
+be the trainer of a host itself (the network namespace is per thread in Linux; threads
+started earlier stay where they were).
+
 The addresses (`10.78.0.0/24`) exist only inside these namespaces, which have no link to
 the machine's own network: traffic can only flow between the harness's hosts. Processes
 started with `Host.popen` run in the host's namespace (`ip netns exec`) in their own
@@ -31,18 +36,21 @@ every namespace, which deletes every link. Namespaces left by a killed test proc
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import os
 import re
 import shutil
 import signal
 import subprocess
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import IO, Any
 
 #: The harness's private subnet (only inside its namespaces): host i is `.{i + 1}`.
 SUBNET = "10.78.0"
+#: `setns(2)`'s flag for a network namespace.
+CLONE_NEWNET = 0x40000000
 #: Every namespace the harness makes starts with this, then the creator's pid.
 PREFIX = "ehn"
 _NAME = re.compile(rf"^{PREFIX}(\d+)-")
@@ -147,6 +155,29 @@ class Host:
                                 stderr=stderr, text=text, start_new_session=True)
         self.net.processes.append(proc)
         return proc
+
+    @contextlib.contextmanager
+    def entered(self) -> Iterator[Host]:
+        """Run the calling thread on this host until the block ends (module docstring);
+        it returns to the namespace it came from even when the block fails."""
+        libc = ctypes.CDLL(None, use_errno=True)
+        back = os.open("/proc/thread-self/ns/net", os.O_RDONLY)
+        try:
+            here = os.open(f"/var/run/netns/{self.ns}", os.O_RDONLY)
+            try:
+                if libc.setns(here, CLONE_NEWNET) != 0:
+                    err = ctypes.get_errno()
+                    raise NetnsUnavailable(f"setns into {self.ns}: {os.strerror(err)}")
+            finally:
+                os.close(here)
+            try:
+                yield self
+            finally:
+                if libc.setns(back, CLONE_NEWNET) != 0:
+                    err = ctypes.get_errno()
+                    raise NetnsUnavailable(f"setns back from {self.ns}: {os.strerror(err)}")
+        finally:
+            os.close(back)
 
     def _tc(self, *args: str, check: bool = True) -> None:
         _run(["tc", "-n", self.net.switch, *args], check=check)

@@ -5,15 +5,20 @@ seeded perturbation) to the server at URL, stalls after AFTER tensors (default 3
 prints "stalled" once the engine is receiving. The secret, if any, comes from
 ENGINEHOOKS_SECRET as for any trainer. With VERSION "-" it gets ready (imports, model),
 prints "ready", and reads the version from stdin before it pushes: a caller on a busy
-host can start it ahead of time."""
+host can start it ahead of time. ENGINEHOOKS_STALLING_TRAINER_HOST is the trainer's
+address the engines connect to (loopback by default; another host's engines need the
+trainer host's own address)."""
 
 from __future__ import annotations
 
+import os
 import sys
 import time
 from collections.abc import Iterator
 
 import torch
+
+HOST_ENV = "ENGINEHOOKS_STALLING_TRAINER_HOST"
 
 
 def main() -> None:
@@ -36,7 +41,9 @@ def main() -> None:
     if version == "-":
         print("ready", flush=True)
         version = sys.stdin.readline().strip()
-    sync = WeightSync("gloo", bucket_bytes=4096, timeout_s=float(timeout_s))
+    # The trainer's address, where its engines are on other hosts (tests/multihost).
+    host = os.environ.get(HOST_ENV, "127.0.0.1")
+    sync = WeightSync("gloo", host=host, bucket_bytes=4096, timeout_s=float(timeout_s))
     sync.add_replica(HANDLES[engine](url, name=engine))
     sync.push(StallingAdapter(model), version=version)
 
