@@ -165,6 +165,33 @@ def signed_payload(verb: str, **fields: Any) -> str:
     raise ConfigError(f"verb {verb!r} is not signed")
 
 
+# -- join -------------------------------------------------------------------------------
+WORLD_FIX = ("the group's world size is the sender plus every worker of every replica "
+             "(vLLM's EnginehooksTrainerInitInfo(world_size=1 + workers); WeightSync counts "
+             "them from each replica's info)")
+
+
+def check_world(world_size: Any, rank_offset: int, worker_rank: int,
+                replica_workers: int | None, expected_workers: int | None) -> None:
+    """Refuse a join whose group cannot be formed, saying the fix: this worker's rank is
+    outside the world size, or the trainer counts `expected_workers` for this replica
+    where it runs `replica_workers` (either may be unknown: None)."""
+    rank = rank_offset + worker_rank
+    if world_size is not None:
+        if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 2:
+            raise ConfigError(f"join refused: world_size {world_size!r} is not an int >= 2; "
+                              f"{WORLD_FIX}")
+        if rank >= world_size:
+            raise ConfigError(f"join refused: this worker would be rank {rank} of a group of "
+                              f"world_size {world_size}, which has room for ranks 1.."
+                              f"{world_size - 1} only; {WORLD_FIX}")
+    if (replica_workers is not None and expected_workers is not None
+            and replica_workers != expected_workers):
+        raise ConfigError(f"join refused: the trainer counts {expected_workers} worker(s) for "
+                          f"this replica, which runs {replica_workers}: set world_size to "
+                          f"{rank_offset + replica_workers} for one replica; {WORLD_FIX}")
+
+
 # -- leave ------------------------------------------------------------------------------
 def leave_message(group: str | None, auth: str | None) -> str | None:
     """The one argument of a `leave` (the contract's optional argument, where a bare

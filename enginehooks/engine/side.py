@@ -172,13 +172,21 @@ class EngineSide:
         }
 
     def join(self, endpoint: dict[str, Any], rank_offset: int,
-             auth: str | None = None) -> dict[str, Any]:
+             auth: str | None = None, *, replica_workers: int | None = None,
+             expected_workers: int | None = None) -> dict[str, Any]:
         """Join the group described by `endpoint` as rank `rank_offset + worker_rank`
-        (leaving any previous group: a later trainer takes the worker over)."""
+        (leaving any previous group: a later trainer takes the worker over).
+
+        A world size that cannot hold this worker, or a trainer that counts another
+        number of workers for this replica (`expected_workers`) than it has
+        (`replica_workers`, where the engine knows it), is refused at once with the fix:
+        otherwise the group waits out its timeout for peers that never come."""
         self._authorize("join", auth, endpoint=endpoint, rank_offset=rank_offset)
         if not isinstance(endpoint, dict) or not isinstance(endpoint.get("transport"), str):
             raise ConfigError(f"a group endpoint is a JSON object naming its transport, not "
                               f"{endpoint!r:.200}")
+        protocol.check_world(endpoint.get("world_size"), rank_offset, self.worker_rank,
+                             replica_workers, expected_workers)
         with self._exclusive("join"):
             self.expectations()  # derive them now, before an update could move the model
             policy = endpoint.get("on_torn", self.on_torn)

@@ -65,6 +65,9 @@ class EnginehooksInitInfo(WeightTransferInitInfo):
     endpoint: dict[str, Any] = field(default_factory=dict)
     rank_offset: int = 1
     auth: str | None = None  # the trainer's signature, required with a shared secret
+    #: how many workers the trainer counts for this deployment (its `world_size` minus
+    #: the sender): a count that differs from the deployment's is refused at once
+    workers: int | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.endpoint, dict) or "transport" not in self.endpoint:
@@ -75,6 +78,9 @@ class EnginehooksInitInfo(WeightTransferInitInfo):
         if not isinstance(self.rank_offset, int) or self.rank_offset < 1:
             raise ConfigError(f"init_info.rank_offset must be an int >= 1 (rank 0 is the "
                               f"sender), got {self.rank_offset!r}")
+        if self.workers is not None and (isinstance(self.workers, bool)
+                                         or not isinstance(self.workers, int)):
+            raise ConfigError(f"init_info.workers must be an int, got {self.workers!r}")
 
 
 @dataclass
@@ -108,7 +114,13 @@ class ModelWorker:
     def __init__(self, vllm_config: VllmConfig, device: torch.device, model: torch.nn.Module):
         self.vllm_config = vllm_config
         self.device = device
-        self.rank = int(vllm_config.parallel_config.rank)
+        # A rank unique across data-parallel groups, counted as vLLM's own backends do
+        # (`nccl_common`): every worker of the deployment has its own rank in the group.
+        pc = vllm_config.parallel_config
+        per_dp = int(getattr(pc, "world_size", 1) or 1)
+        self.rank = int(getattr(pc, "data_parallel_index", 0) or 0) * per_dp + int(pc.rank)
+        #: the deployment's workers (data-parallel size x TP x PP)
+        self.workers = int(getattr(pc, "data_parallel_size", 1) or 1) * per_dp
         self._model = model
         self.model_runner = self  # VLLMBinding reads `worker.model_runner.get_model()`
 
@@ -139,7 +151,8 @@ class EnginehooksWeightTransferEngine(
     def __init__(self, config: WeightTransferConfig, vllm_config: VllmConfig,
                  device: torch.device, model: torch.nn.Module) -> None:
         super().__init__(config, vllm_config, device, model)
-        self.side = EngineSide(VLLMBinding(ModelWorker(vllm_config, device, model)))
+        self.worker = ModelWorker(vllm_config, device, model)
+        self.side = EngineSide(VLLMBinding(self.worker))
         self.in_session = False
 
     def parse_init_info(self, init_dict: dict[str, Any]) -> EnginehooksInitInfo:
@@ -157,7 +170,8 @@ class EnginehooksWeightTransferEngine(
                               f"'phase': 'check' | 'receive'}}") from None
 
     def init_transfer_engine(self, init_info: EnginehooksInitInfo) -> None:
-        self.side.join(init_info.endpoint, init_info.rank_offset, init_info.auth)
+        self.side.join(init_info.endpoint, init_info.rank_offset, init_info.auth,
+                       replica_workers=self.worker.workers, expected_workers=init_info.workers)
 
     def start_weight_update(self) -> None:
         self.in_session = True

@@ -38,6 +38,7 @@ from vllm.distributed.weight_transfer.base import (
 from enginehooks.control.handles import EngineHandle
 from enginehooks.control.report import PushReport
 from enginehooks.control.sync import DEFAULT_BUCKET_BYTES, WeightSync
+from enginehooks.core.auth import AuthError
 from enginehooks.core.dtypes import torch_dtype
 from enginehooks.core.errors import ConfigError, ManifestError, ReplicaError
 from enginehooks.core.manifest import TensorSpec
@@ -136,6 +137,23 @@ def _detail(e: BaseException) -> str:
     return text
 
 
+def _refused(who: str, verb: str, e: BaseException) -> Exception:
+    """The error of a call vLLM's client relayed. vLLM's calls answer nothing and its
+    clients keep only the error text (no envelope travels through them), so the
+    workers' refusals are recognised by what they say: a refused token is an
+    `AuthError`, a refused setup (world size, endpoint) a `ConfigError`, both with the
+    fix they name; anything else a `ReplicaError`."""
+    detail = _detail(e)
+    if "AuthError" in detail or "no shared secret" in detail:
+        out: Exception = AuthError(f"replica {who!r}: {verb} refused: {detail}")
+    elif "ConfigError" in detail or f"{verb} refused" in detail:
+        out = ConfigError(f"replica {who!r}: {verb} refused: {detail}")
+    else:
+        return ReplicaError(who, f"{verb} failed: {detail}")
+    out.replica = who  # type: ignore[attr-defined]
+    return out
+
+
 class ClientReplica(EngineHandle):
     """One vLLM deployment reached through a `VLLMWeightSyncClient` (its workers run
     backend "enginehooks"), as a `WeightSync` replica.
@@ -188,8 +206,15 @@ class ClientReplica(EngineHandle):
 
     def join(self, endpoint: dict[str, Any], rank_offset: int, timeout_s: float,
              auth: str | None = None) -> None:
-        self.client.init_weight_transfer_engine({"endpoint": endpoint, "rank_offset": rank_offset,
-                                                 "auth": auth})
+        # `workers`: the count this trainer assumes (from its world_size); every worker
+        # refuses the join at once if the deployment has another (a group formed with
+        # the wrong world size would wait out timeout_s for peers that never come).
+        try:
+            self.client.init_weight_transfer_engine({
+                "endpoint": endpoint, "rank_offset": rank_offset, "auth": auth,
+                "workers": self.workers})
+        except Exception as e:
+            raise _refused(self.name, "join", e) from e
         self._group = str(endpoint.get("group") or endpoint.get("root") or "")
 
     def leave(self, timeout_s: float, auth: str | None = None) -> None:

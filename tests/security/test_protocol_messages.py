@@ -118,6 +118,28 @@ def test_a_refused_join_ends_the_push_at_once(guarded: list[LocalEngine]) -> Non
     assert guarded[0].side.state == "initial"
 
 
+def test_a_join_outside_the_world_size_is_refused_at_once_with_the_fix() -> None:
+    """A worker whose rank the group has no room for refuses the join before touching
+    the transport (it would wait out the group's timeout), naming the fix; so does a
+    trainer that counts another number of workers for the replica than it runs."""
+    engine = LocalEngine(net(0), name="local")
+    endpoint = {"transport": "gloo", "world_size": 2, "host": "127.0.0.1", "port": 1,
+                "timeout_s": 120}
+    t0 = time.monotonic()
+    with pytest.raises(errors.ConfigError, match=r"rank 2 of a group of world_size 2.*"
+                                                  r"world_size=1 \+ workers"):
+        engine.side.call("join", endpoint, 2)
+    with pytest.raises(errors.ConfigError, match="not an int >= 2"):
+        engine.side.call("join", dict(endpoint, world_size="3"), 1)
+    assert time.monotonic() - t0 < 5
+    with pytest.raises(errors.ConfigError, match=r"counts 3 worker\(s\).*runs 1: set "
+                                                  r"world_size to 2"):
+        protocol.check_world(4, 1, 0, replica_workers=1, expected_workers=3)
+    protocol.check_world(2, 1, 0, replica_workers=1, expected_workers=1)
+    protocol.check_world(None, 1, 0, replica_workers=None, expected_workers=3)
+    assert engine.side.group is None and engine.side.state == "initial"
+
+
 @pytest.mark.parametrize("name", sorted(
     n for n, c in protocol.error_classes().items()
     if c not in (errors.ReplicaError, errors.EngineTorn)))

@@ -168,13 +168,15 @@ def test_a_missing_state_file_fails_closed(server: Any) -> None:
     assert post(f"{server.url}/v1/completions", body)[0] == 200
 
 
-def vllm_api_push(server: Any, model: Any, versions: list[str | None]) -> list[Any]:
+def vllm_api_push(server: Any, model: Any, versions: list[str | None],
+                  world_size: int = 2) -> list[Any]:
     from vllm.distributed.weight_transfer import ModuleSource, WeightTransferTrainerFactory
 
     from enginehooks.vllm_ext.transfer_trainer import EnginehooksTrainerInitInfo
 
     engine = WeightTransferTrainerFactory.trainer_init(
-        EnginehooksTrainerInitInfo(rank=0, world_size=2, timeout_s=60, bucket_bytes=64 << 10),
+        EnginehooksTrainerInitInfo(rank=0, world_size=world_size, timeout_s=60,
+                                   bucket_bytes=64 << 10),
         client=handle(server), source=ModuleSource(model))
     try:
         return [engine.send_weights(weight_version=v) for v in versions]
@@ -200,6 +202,22 @@ def test_a_trainer_with_a_secret_is_refused_at_once_through_vllms_own_api(
         vllm_api_push(server, perturb(load_tiny(model_dirs["llama"]), seed=45), ["evil"])
     assert time.monotonic() - t0 < 30  # the push's timeout_s is 60
     assert handle(server).version() == before
+
+
+def test_a_wrong_world_size_is_refused_at_once_with_the_fix(
+        server: Any, model_dirs: dict[str, Path]) -> None:
+    """A trainer that counts 2 workers for this 1-worker server (world_size=3): the
+    worker refuses the join at once saying the world size to use, and the push ends on
+    every side within seconds (before: the sender waited out timeout_s for a second
+    worker that never came)."""
+    before = handle(server).info(30)[0]
+    t0 = time.monotonic()
+    with pytest.raises(ConfigError, match=r"counts 2 worker\(s\).*runs 1: set world_size to 2"):
+        vllm_api_push(server, perturb(load_tiny(model_dirs["llama"]), seed=46), ["w3"],
+                      world_size=3)
+    assert time.monotonic() - t0 < 20  # the push's timeout_s is 60
+    after = handle(server).info(30)[0]
+    assert (after["state"], after["version"]) == (before["state"], before["version"])
 
 
 def test_a_timed_out_rpc_cannot_shift_the_answers_of_later_calls(
