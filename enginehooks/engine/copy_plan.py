@@ -120,6 +120,8 @@ class Route:
     spec: TensorSpec
     steps: list[Step] = field(default_factory=list)
     reason: str | None = None
+    #: every model tensor the loader wrote it into (planned or not), from the tracer
+    lands: set[str] = field(default_factory=set)
 
     @property
     def planned(self) -> bool:
@@ -145,11 +147,16 @@ class CopyPlan:
     def route_for(self, name: str, t: torch.Tensor) -> Route | None:
         """The planned route of `name` if `t` is what was recorded (dtype, shape,
         contiguous), else None (the loader takes it)."""
-        r = self.routes.get(name)
+        if not t.is_contiguous():
+            return None
+        return self.route_for_spec(TensorSpec(name, dtype_name(t.dtype), tuple(t.shape)))
+
+    def route_for_spec(self, spec: TensorSpec) -> Route | None:
+        """The planned route of `spec.name` if its dtype and shape are the recorded ones."""
+        r = self.routes.get(spec.name)
         if r is None or not r.planned or self.global_reason:
             return None
-        if dtype_name(t.dtype) != r.spec.dtype or tuple(t.shape) != tuple(r.spec.shape) \
-                or not t.is_contiguous():
+        if spec.dtype != r.spec.dtype or tuple(spec.shape) != tuple(r.spec.shape):
             return None
         return r
 
@@ -276,7 +283,9 @@ class PlanRecorder(ByteTracer):
                 extra = set(w.into) - {st.dest for st in steps}
                 if extra:
                     reason = f"it also lands in {sorted(extra)[:3]} by other means"
-            out.routes[s.name] = Route(s, steps if reason is None else [], reason)
+            lands = set(w.into) if w is not None else set()
+            out.routes[s.name] = Route(s, steps if reason is None else [], reason,
+                                       lands | {st.dest for st in steps})
         return out
 
 

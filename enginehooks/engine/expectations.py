@@ -26,6 +26,7 @@ from safetensors import safe_open
 from enginehooks.core.dtypes import dtype_name, torch_dtype
 from enginehooks.core.errors import ManifestError
 from enginehooks.core.manifest import DTYPE_SIZES, TensorSpec
+from enginehooks.engine.copy_plan import CopyPlan, record_plan
 from enginehooks.engine.trace import ByteTracer, MetaScalars
 
 log = logging.getLogger("enginehooks.expectations")
@@ -249,6 +250,11 @@ class LoaderExpectations(Expectations):
                         landing.numel[dest] = n
                 self._cache[(s.name, s.dtype, tuple(s.shape))] = landing
         return {s.name: self._cache[(s.name, s.dtype, tuple(s.shape))] for s in specs}
+
+    def record_plan(self, specs: Sequence[TensorSpec]) -> CopyPlan:
+        """The copy plan of an update of `specs`: the engine's loader run once more on the
+        meta skeleton under a `PlanRecorder` (see `engine.copy_plan`)."""
+        return record_plan(self._ready(), specs, self._load)
 
     def baseline(self) -> dict[str, Landing]:
         """Where the engine's own checkpoint lands: the coverage a complete update needs."""

@@ -25,15 +25,27 @@ built by vLLM's fresh-load path from the same tensors, compared and repaired in 
 from __future__ import annotations
 
 import copy
+import logging
+import time
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import torch
 
 from enginehooks.core.dtypes import dtype_name
+from enginehooks.core.errors import EngineHooksError
 from enginehooks.core.manifest import Manifest, TensorSpec
 from enginehooks.engine.beacon import Beacon
 from enginehooks.engine.contract import VERBS, EngineBinding, method_name
+from enginehooks.engine.copy_plan import (
+    CopyPlan,
+    Layout,
+    PlanState,
+    Route,
+    check_plan,
+    coverage,
+    replay,
+)
 from enginehooks.engine.expectations import (
     Expectations,
     LoaderExpectations,
@@ -42,7 +54,7 @@ from enginehooks.engine.expectations import (
     skeleton_on_meta,
 )
 from enginehooks.engine.side import EngineSide
-from enginehooks.engine.verify import Verifier, ensure_room
+from enginehooks.engine.verify import Verifier, WeightsMismatch, ensure_room
 from enginehooks.transports.base import Target
 
 
@@ -57,50 +69,163 @@ def private_config(vllm_config: Any) -> Any:
 
 
 class VLLMTarget(Target):
-    """Applies tensors to the worker's model through vLLM's own reload path."""
+    """Applies tensors to the worker's model through vLLM's own reload path, or, once a
+    copy plan is recorded and verified (`engine.copy_plan`), writes planned tensors
+    straight into vLLM's layers (`PlannedLayers`) and reloads only the rest."""
 
-    def __init__(self, worker: Any, landed: Callable[[list[TensorSpec]], set[str]]) -> None:
+    def __init__(self, worker: Any, landed: Callable[[list[TensorSpec]], set[str]],
+                 record: Callable[[list[TensorSpec]], CopyPlan] | None = None) -> None:
         self.worker = worker
         self.landed = landed
+        self.record = record
         self.verifier = Verifier("vLLM")
+        self.plan = PlanState("vLLM")
         self.requested = False  # the trainer asked this update to be verified
+        self.routes: dict[str, Route] = {}  # this update's planned tensors
         self.device = torch.device(worker.device) if hasattr(worker, "device") else torch.device("cpu")
 
     def prepare(self, manifest: Manifest) -> None:
         self.requested = bool(manifest.meta.get("verify"))
+        self.routes = {}
+        if self.plan.usable and self.plan.plan is not None:
+            try:
+                self.routes = plannable(self.worker.model_runner.get_model(), self.plan.plan,
+                                        manifest.specs())
+            except Exception as e:  # an enginehooks limitation: the loader takes it all
+                self.plan.disable(f"routing failed: {type(e).__name__}: {e}")
 
     def apply(self, tensors: Iterator[tuple[str, torch.Tensor]]) -> None:
-        # Layerwise reload keeps the tensors it is given until their whole layer has
-        # arrived, and the transport reuses bucket buffers: hand it copies, so at most
-        # one layer's worth is held, never views into a buffer being overwritten. When
-        # this update is verified, the copies are kept for the fresh-load shadow.
+        routes, self.routes = self.routes, {}
         fed: list[TensorSpec] = []
-        verify = self.verifier.wanted(self.requested)
+        checking = self.plan.state == "verifying" and bool(routes)
+        verify = self.verifier.wanted(self.requested) or checking
+        recording = self.plan.state == "pending" and self.record is not None
         kept: list[tuple[str, torch.Tensor]] = []
+        rest: list[tuple[str, torch.Tensor]] = []
+        model = self.worker.model_runner.get_model()
+        layers = PlannedLayers(model, routes) if routes else None
+
+        def keep(name: str, t: torch.Tensor, c: torch.Tensor | None = None) -> None:
+            if verify or recording:  # on the host: the shadow never costs the engine memory
+                kept.append((name, c if c is not None and c.device.type == "cpu"
+                             else t.to("cpu", copy=True)))
 
         def copies() -> Iterator[tuple[str, torch.Tensor]]:
+            # Layerwise reload keeps the tensors it is given until their whole layer has
+            # arrived, and the transport reuses bucket buffers: hand it copies, so at
+            # most one layer's worth is held, never views into a buffer being overwritten.
             for name, t in tensors:
                 fed.append(TensorSpec(name, dtype_name(t.dtype), tuple(t.shape)))
                 c = t.clone()
-                if verify:  # on the host: the shadow must never cost the engine's memory
-                    kept.append((name, c.to("cpu", copy=True) if c.device.type != "cpu" else c))
+                keep(name, t, c)
                 yield name, c
 
-        try:
-            self.worker.reload_weights(weights_iterator=copies(), is_checkpoint_format=True)
-        except BaseException:
-            self._unwind_reload()
-            raise
-        model = self.worker.model_runner.get_model()
+        t0 = time.perf_counter()
+        if layers is None:
+            try:
+                self.worker.reload_weights(weights_iterator=copies(), is_checkpoint_format=True)
+            except BaseException:
+                self._unwind_reload()
+                raise
+        else:
+            from vllm.config import set_current_vllm_config
+
+            try:
+                with set_current_vllm_config(self.worker.vllm_config), torch.no_grad():
+                    for name, t in tensors:
+                        fed.append(TensorSpec(name, dtype_name(t.dtype), tuple(t.shape)))
+                        keep(name, t)
+                        if name in routes:
+                            layers.write(name, t)
+                        else:  # the loader's, after the stream (buffers are reused)
+                            rest.append((name, t.clone()))
+                    layers.finish()
+            except BaseException:
+                layers.unwind()
+                raise
+            if rest:
+                try:
+                    self.worker.reload_weights(weights_iterator=iter(rest),
+                                               is_checkpoint_format=True)
+                except BaseException:
+                    self._unwind_reload()
+                    raise
+                rest.clear()
+            self.plan.applied += 1
         landed = self.landed(fed)
         _repair_after_reload(model, landed)
-        if verify:
-            self.verifier.run(model, lambda: self.fresh_load(kept), landed)
+        self.plan.last = {"seconds": round(time.perf_counter() - t0, 4),
+                          "planned_last": len(routes), "loader_last": len(fed) - len(routes)}
+        plan: CopyPlan | None = None
+        if recording and fed:
+            try:
+                plan = self.record(fed)  # type: ignore[misc]
+            except Exception as e:
+                self.plan.disable(f"recording failed: {type(e).__name__}: {e}")
+        if plan is not None:
+            self._check_plan(plan, kept, landed, verify)
+        elif verify:
+            self._verify(model, kept, landed, checking)
 
-    def fresh_load(self, weights: list[tuple[str, torch.Tensor]]) -> torch.nn.Module:
+    def _verify(self, model: torch.nn.Module, kept: list[tuple[str, torch.Tensor]],
+                landed: set[str], checking: bool) -> None:
+        """Verify after apply; the first update applied through the plan is always
+        verified, and any difference from a fresh load turns the plan off."""
+        try:
+            verdict = self.verifier.run(model, lambda: self.fresh_load(kept), landed)
+        except WeightsMismatch as e:
+            if checking:
+                self.plan.disable(f"the first update through the plan differed from a fresh "
+                                  f"load: {e}")
+            raise
+        if not checking:
+            return
+        if verdict is None:
+            self.plan.disable("the first update through the plan could not be verified "
+                              f"({(self.verifier.last or {}).get('error')})")
+        elif verdict.mismatched:
+            self.plan.disable("the first update through the plan differed from a fresh load "
+                              f"(repaired from it): {verdict.mismatched[:5]}")
+        else:
+            self.plan.verified()
+
+    def _check_plan(self, plan: CopyPlan, kept: list[tuple[str, torch.Tensor]],
+                    landed: set[str], verify: bool) -> None:
+        """The plan just recorded, checked on the fresh-load shadow before its post-load
+        processing: what the loader wrote there must be what the plan writes."""
+        weights = dict(kept)
+
+        def hook(shadow: torch.nn.Module) -> None:
+            try:
+                problem = check_plan(plan, dict(named_tensors(shadow)), weights)
+            except Exception as e:
+                problem = f"the check failed: {type(e).__name__}: {e}"
+            self.plan.adopt(plan, problem)
+
+        def build() -> torch.nn.Module:
+            return self.fresh_load(kept, before_processing=hook)
+
+        model = self.worker.model_runner.get_model()
+        if verify:
+            self.verifier.run(model, build, landed)
+        else:
+            try:
+                del_model = build()
+                del del_model
+            except Exception as e:
+                self.plan.disable(f"no shadow to check it on: {type(e).__name__}: {e}")
+        if self.plan.state == "pending":
+            self.plan.disable("no shadow could be built to check it on "
+                              f"({(self.verifier.last or {}).get('error')})")
+
+    def fresh_load(self, weights: list[tuple[str, torch.Tensor]],
+                   before_processing: Callable[[torch.nn.Module], None] | None = None
+                   ) -> torch.nn.Module:
         """The engine's fresh-load path on `weights`, in a model of its own: vLLM's model
         class built on the worker's device, its `load_weights`, then its post-load
-        processing (what `DefaultModelLoader.load_model` does with a checkpoint)."""
+        processing (what `DefaultModelLoader.load_model` does with a checkpoint).
+        `before_processing(model)` sees what the loader alone wrote (the copy plan's
+        check)."""
         from vllm.config import set_current_vllm_config
         from vllm.model_executor.model_loader.utils import (
             initialize_model,
@@ -115,6 +240,8 @@ class VLLMTarget(Target):
                 model = initialize_model(vllm_config=cfg)
             with torch.no_grad():
                 model.load_weights(iter(weights))
+                if before_processing is not None:
+                    before_processing(model)
                 process_weights_after_loading(model, cfg.model_config, self.device)
         return model
 
@@ -141,12 +268,177 @@ class VLLMTarget(Target):
 
             logging.getLogger(__name__).exception("could not unwind vLLM's layerwise reload")
 
+    def destination(self, name: str) -> torch.Tensor | None:
+        # vLLM keeps a layer's loader layout only while it reloads it (on CPU linear
+        # weights are prepacked), so a planned write lands in a tensor materialised
+        # during `apply`: there is nothing to receive into beforehand.
+        return None
+
     def load_path(self, path: str) -> bool:
         # From disk the update is a complete checkpoint: every parameter is reloaded.
         self.worker.reload_weights(weights_path=path, is_checkpoint_format=True)
         model = self.worker.model_runner.get_model()
         _repair_after_reload(model, {n for n, _ in model.named_parameters()})
         return True
+
+
+def named_tensors(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+    yield from model.named_parameters(remove_duplicate=False)
+    yield from model.named_buffers(remove_duplicate=False)
+
+
+def _split(name: str) -> tuple[str, str]:
+    module, _, attr = name.rpartition(".")
+    return module, attr
+
+
+def plannable(model: torch.nn.Module, plan: CopyPlan,
+              specs: list[TensorSpec]) -> dict[str, Route]:
+    """The tensors of an update that `PlannedLayers` can write: planned, and every layer
+    they land in (a) receives nothing from the loader in this update, (b) has every
+    tensor vLLM's reload restores for it covered exactly by planned writes (the layer is
+    rebuilt from them alone), in the layout the plan was recorded for, and (c) is not an
+    attention layer (vLLM processes those after all others). Others go to the loader."""
+    from vllm.model_executor.layers.attention import is_deferred_attention_layer
+    from vllm.model_executor.model_loader.reload.layerwise import get_layerwise_info
+    from vllm.model_executor.model_loader.reload.meta import SKIP_TENSORS
+
+    modules = dict(model.named_modules())
+    live = dict(named_tensors(model))
+    routes: dict[str, Route] = {}
+    blocked: set[str] = set()  # modules some loader tensor writes into
+    for s in specs:
+        r = plan.route_for_spec(s)
+        if r is None:
+            full = plan.routes.get(s.name)
+            blocked |= {_split(d)[0] for d in (full.lands if full else ())}
+            if full is None:
+                return {}  # a tensor the plan never saw: where it lands is unknown
+        else:
+            routes[s.name] = r
+    while True:
+        cover = coverage(plan, routes)
+        bad: set[str] = set(blocked)
+        for dest in plan.destinations(routes):
+            mname, attr = _split(dest)
+            layer = modules.get(mname)
+            if layer is None or is_deferred_attention_layer(layer):
+                bad.add(mname)
+                continue
+            params, buffers = get_layerwise_info(layer).restore_metadata
+            restored = {**params, **buffers}
+            if attr in restored:
+                if not cover.get(dest) or Layout.of(restored[attr]) != plan.layouts.get(dest):
+                    bad.add(mname)
+            elif attr in SKIP_TENSORS or dest in live:
+                t = live.get(dest)
+                if t is None or Layout.of(t) != plan.layouts.get(dest):
+                    bad.add(mname)
+            else:
+                bad.add(mname)
+        for mname in {_split(d)[0] for d in plan.destinations(routes)} - bad:
+            params, buffers = get_layerwise_info(modules[mname]).restore_metadata
+            wanted = {f"{mname}.{a}".lstrip(".") for a in {**params, **buffers}
+                      if a not in SKIP_TENSORS}
+            if not wanted <= set(cover):
+                bad.add(mname)  # the layer would be rebuilt with tensors nobody writes
+        drop = {n for n, r in routes.items() if {_split(st.dest)[0] for st in r.steps} & bad}
+        if not drop:
+            return routes
+        blocked |= bad
+        for n in drop:
+            del routes[n]
+
+
+class PlannedLayers:
+    """Writes planned tensors straight into vLLM's layers, layer by layer, the way vLLM's
+    layerwise reload processes a layer but without its loader: the layer's loader-layout
+    tensors are materialised (`restore_layer_on_meta` + `materialize_layer`), the plan's
+    copies land in them, and once every planned tensor of the layer has arrived its
+    quant method's `process_weights_after_loading` runs (CPU prepacking, ...) and the
+    result is copied into the kernel tensors the engine holds (CUDA graphs keep their
+    references). Layers receiving nothing are not touched at all."""
+
+    def __init__(self, model: torch.nn.Module, routes: Mapping[str, Route]) -> None:
+        self.modules = dict(model.named_modules())
+        self.routes = routes
+        self.pending: dict[str, set[str]] = {}
+        for name, r in routes.items():
+            for st in r.steps:
+                self.pending.setdefault(_split(st.dest)[0], set()).add(name)
+        self.open: dict[str, Any] = {}
+        self.loaded: dict[str, set[str]] = {}
+
+    def write(self, name: str, t: torch.Tensor) -> None:
+        route = self.routes[name]
+        layers = {_split(st.dest)[0] for st in route.steps}
+        for mname in layers:
+            if mname not in self.open:
+                self._open(mname)
+        dests = {st.dest: getattr(self.modules[_split(st.dest)[0]], _split(st.dest)[1])
+                 for st in route.steps}
+        replay(route, t, dests)
+        for st in route.steps:
+            self.loaded.setdefault(_split(st.dest)[0], set()).add(_split(st.dest)[1])
+        for mname in layers:
+            self.pending[mname].discard(name)
+            if not self.pending[mname]:
+                self._close(mname)
+
+    def _open(self, mname: str) -> None:
+        from vllm.model_executor.model_loader.reload.layerwise import get_layerwise_info
+        from vllm.model_executor.model_loader.reload.meta import (
+            materialize_layer,
+            restore_layer_on_meta,
+        )
+        from vllm.model_executor.model_loader.reload.utils import get_layer_params_buffers
+
+        layer = self.modules[mname]
+        info = get_layerwise_info(layer)
+        info.kernel_tensors = get_layer_params_buffers(layer)
+        info.kernel_non_persistent_buffers = set(layer._non_persistent_buffers_set)
+        restore_layer_on_meta(layer, info)
+        materialize_layer(layer, info)
+        self.open[mname] = info
+
+    def _close(self, mname: str) -> None:
+        from vllm.model_executor.layers.quantization.base_config import QuantizeMethodBase
+        from vllm.model_executor.model_loader.reload.layerwise import (
+            _copy_and_restore_kernel_tensors,
+        )
+
+        layer, info = self.modules[mname], self.open.pop(mname)
+        if hasattr(layer, "_already_called_process_weights_after_loading"):
+            delattr(layer, "_already_called_process_weights_after_loading")
+        qm = getattr(layer, "quant_method", None)
+        if isinstance(qm, QuantizeMethodBase):
+            qm.process_weights_after_loading(layer)
+            if hasattr(layer, "update_param_tp_status"):
+                layer.update_param_tp_status()
+        info.loaded_weights = [(a, None) for a in sorted(self.loaded.get(mname, ()))]
+        _copy_and_restore_kernel_tensors(layer, info)
+        info.reset()
+
+    def finish(self) -> None:
+        """Every layer the update planned was closed (the stream carried all of it)."""
+        left = sorted(m for m, names in self.pending.items() if names)
+        if left:
+            raise EngineHooksError(f"the update ended before layers {left[:5]} received all "
+                                   "their planned tensors")
+
+    def unwind(self) -> None:
+        """After a failure mid-stream: put the kernel tensors (old values) back in every
+        layer still open, so the model is consistent (torn between versions, which
+        `EngineSide` reports) and the next update repairs it."""
+        from vllm.model_executor.model_loader.reload.layerwise import _place_kernel_tensors
+
+        for mname, info in list(self.open.items()):
+            try:
+                _place_kernel_tensors(self.modules[mname], info)
+                info.reset()
+            except Exception:
+                logging.getLogger(__name__).exception("could not unwind layer %s", mname)
+        self.open.clear()
 
 
 def _repair_after_reload(model: torch.nn.Module, loaded: set[str]) -> None:
@@ -193,7 +485,7 @@ class VLLMBinding(EngineBinding):
         self.worker = worker
         self.worker_rank = int(getattr(worker, "rank", 0))
         self._expectations: LoaderExpectations | None = None
-        self._target = VLLMTarget(worker, self._landed)
+        self._target = VLLMTarget(worker, self._landed, self._record_plan)
         self.beacon = Beacon.create(f"worker-{self.worker_rank}")
 
     def target(self) -> Target:
@@ -217,6 +509,9 @@ class VLLMBinding(EngineBinding):
         """Parameter names the update's tensors land in (from the loader dry run)."""
         return {p for landing in self._loader_expectations().landings(fed).values()
                 for p in landing.params}
+
+    def _record_plan(self, fed: list[TensorSpec]) -> CopyPlan:
+        return self._loader_expectations().record_plan(fed)
 
     def _skeleton(self) -> torch.nn.Module:
         from vllm.config import set_current_vllm_config
@@ -248,7 +543,8 @@ class VLLMBinding(EngineBinding):
         self.beacon.publish(state)
 
     def info(self) -> dict[str, Any]:
-        return {"beacon": str(self.beacon.path), "verification": self._target.verifier.state()}
+        return {"beacon": str(self.beacon.path), "verification": self._target.verifier.state(),
+                "copy_plan": self._target.plan.info()}
 
 
 class WorkerExtension:

@@ -1,0 +1,75 @@
+"""The copy plan on a real vLLM (bf16: on this CPU class vLLM prepacks every linear layer).
+
+The first push goes through vLLM's reload and records the plan from vLLM's own loader
+(the meta skeleton under the tracer), checked on the fresh-load shadow; the second push
+writes the planned tensors straight into vLLM's layers and is verified against a fresh
+load (which turns the plan on); the third is planned and unverified. After each, the
+exact oracle: the engine generates what vLLM freshly loaded from `save_pretrained` of
+the pushed weights generates. `info` reports what went through the plan.
+"""
+
+from __future__ import annotations
+
+import shutil
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from enginehooks import WeightSync
+from enginehooks.testing.engines import VLLMInProcess, first_difference, fresh_generate
+from enginehooks.testing.tiny import load_tiny, perturb
+from tests.support import requires_vllm
+
+pytestmark = [requires_vllm, pytest.mark.vllm, pytest.mark.slow]
+
+
+@pytest.fixture(scope="module")
+def engine(model_dirs: dict[str, Path]) -> Iterator[VLLMInProcess]:
+    with VLLMInProcess(model_dirs["qwen2"], dtype="bfloat16") as llm:
+        yield llm
+
+
+def _fresh(model: object, src: Path, folder: Path) -> list:
+    model.save_pretrained(folder)  # type: ignore[attr-defined]
+    for f in src.iterdir():
+        if f.name.startswith(("tokenizer", "special_tokens")):
+            shutil.copy(f, folder / f.name)
+    return fresh_generate("vllm", folder, dtype="bfloat16")
+
+
+def test_planned_pushes_equal_a_fresh_load(engine: VLLMInProcess, model_dirs: dict[str, Path],
+                                           tmp_path: Path) -> None:
+    handle = engine.handle()
+    src = model_dirs["qwen2"]
+    with WeightSync("gloo", bucket_bytes=64 << 10, timeout_s=120) as sync:
+        sync.add_replica(handle)
+        first = perturb(load_tiny(src), seed=91)
+        sync.push(first, version="loader")
+        plan = handle.info(30)[0]["copy_plan"]
+        assert plan["state"] == "verifying", plan
+        assert plan["planned"] > 0 and plan["applied"] == 0, plan
+        assert plan["planned_last"] == 0
+        total = plan["planned"] + plan["loader"]
+
+        second = perturb(load_tiny(src), seed=92)
+        sync.push(second, version="planned")
+        got = engine.generate()
+        plan = handle.info(30)[0]["copy_plan"]
+        assert plan["state"] == "on", plan
+        assert plan["applied"] == 1 and plan["planned_last"] > 0, plan
+        assert plan["planned_last"] + plan["loader_last"] == total
+        verification = handle.info(30)[0]["verification"]
+        assert verification["last"]["ok"] is True and verification["last"]["mismatched"] == []
+        diff = first_difference(got, _fresh(second, src, tmp_path / "second"))
+        assert diff is None, f"vLLM after a planned push != vLLM freshly loaded: {diff}"
+
+        third = perturb(load_tiny(src), seed=93)
+        verified = verification["verified"]
+        sync.push(third, version="planned-unverified")
+        got = engine.generate()
+        info = handle.info(30)[0]
+        assert info["copy_plan"]["applied"] == 2
+        assert info["verification"]["verified"] == verified  # policy "first": not again
+        diff = first_difference(got, _fresh(third, src, tmp_path / "third"))
+        assert diff is None, f"vLLM after an unverified planned push != a fresh load: {diff}"
