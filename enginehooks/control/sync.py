@@ -240,6 +240,7 @@ class WeightSync:
             manifest = plan(
                 adapter.specs(), weight_version=version, bucket_bytes=self.bucket_bytes,
                 checksum=self.checksum, split=self.transport.split,
+                direct_min=self.transport.direct_min,
                 meta={"transport": self.transport_name, "verify": self.verify},
             )
             return adapter, manifest

@@ -5,6 +5,14 @@ turns a filled buffer back into zero-copy views (rejoining tensors that were cut
 buckets). Every bucket buffer ends in a small trailer (`TRAILER_BYTES`) that says which
 update and which bucket it is, whether the sender aborted, and the payload's digest,
 so a receiver never applies bytes it cannot vouch for.
+
+Direct buckets (`Manifest` format 2): a bucket that is one piece of one tensor is not
+copied into a bucket buffer. `pack` digests it where it lies, writes its trailer into
+the bucket's buffer as usual and yields the tensor's own bytes as the payload; a
+transport that frames direct buckets (broadcast) sends the trailer first, as its own
+message, then the payload from the tensor's storage, and the receiver, once the trailer
+checked out, receives the payload straight into the destination (`Unpacker.landing`).
+Only transports that declare `direct_min` get manifests with direct buckets.
 """
 
 from __future__ import annotations
@@ -22,6 +30,8 @@ from enginehooks.core.errors import ChecksumError, ManifestError, SenderAborted,
 from enginehooks.core.manifest import ALIGN, Manifest, TensorEntry
 
 TRAILER_BYTES = 64
+#: The longest abort reason a direct bucket's notice may announce.
+MAX_REASON_BYTES = 4096
 _MAGIC = 0x45484231  # "EHB1"
 STATUS_OK = 0
 STATUS_ABORT = 1
@@ -90,6 +100,17 @@ def write_abort(buf: torch.Tensor, mid: int, index: int, reason: str,
                   secret=secret)
 
 
+def direct_abort(trailer: torch.Tensor, mid: int, index: int, reason: str,
+                 secret: bytes | None = None) -> torch.Tensor:
+    """Turn `trailer` into the abort notice of direct bucket `index`; returns the reason
+    (at most `MAX_REASON_BYTES`), which travels after it as a message of its own."""
+    msg = reason.encode("utf-8", "replace")[:MAX_REASON_BYTES]
+    write_trailer(trailer, mid=mid, index=index, nbytes=len(msg), dig=0, status=STATUS_ABORT,
+                  secret=secret)
+    return torch.frombuffer(bytearray(msg), dtype=torch.uint8) if msg else torch.empty(
+        0, dtype=torch.uint8)
+
+
 def as_bytes(t: torch.Tensor) -> torch.Tensor:
     """A flat uint8 view of a contiguous tensor's bytes."""
     flat = t.reshape(-1)
@@ -117,59 +138,80 @@ def pack(
 ) -> Iterator[tuple[int, torch.Tensor]]:
     """Fill buckets in order from `stream`; yield `(index, buffer)` once each is complete.
 
-    `next_buffer(index)` hands out a free buffer of at least `buffer_bytes(manifest)`;
-    the caller decides when a buffer is free again (after its send completed), which is
-    what bounds memory to the buffers it owns. The stream is consumed one tensor at a
-    time and checked against the plan as it goes.
+    `next_buffer(index)` hands out a free buffer of at least `buffer_bytes(manifest)`
+    (called once per bucket, in order); the caller decides when a buffer is free again
+    (after its send completed), which is what bounds memory to the buffers it owns. The
+    stream is consumed one tensor at a time and checked against the plan as it goes.
+
+    For a direct bucket the buffer gets only the trailer (at its end, as always) and
+    what is yielded is the payload: `nbytes` bytes of the tensor's own storage where it
+    lies on the buffer's device and is contiguous, else a copy at the buffer's front.
+    The caller must keep that tensor alive and unmodified until its send completed
+    (holding the yielded view does), and the stream must not write into a tensor it
+    yielded before then.
     """
     mid = manifest_id(manifest)
     it = iter(stream)
     n_buckets = len(manifest.buckets)
     fused: _FusedPack | None = None
+    buf: torch.Tensor | None = None  # the open packed bucket's buffer (bucket `index`)
 
-    def start(b: torch.Tensor) -> None:
-        nonlocal fused
-        fused = _FusedPack.open(manifest, b)
+    def open_bucket(i: int) -> torch.Tensor:
+        nonlocal fused, buf
+        buf = next_buffer(i)
+        fused = _FusedPack.open(manifest, buf)
+        return buf
 
-    def seal(i: int, b: torch.Tensor) -> tuple[int, torch.Tensor]:
+    def seal(i: int) -> tuple[int, torch.Tensor]:
+        nonlocal fused, buf
+        b = buf if buf is not None else open_bucket(i)  # a bucket with no pieces
         nbytes = manifest.buckets[i].nbytes
         # fused: the copies and the digest in one pass, launched now
         dig = fused.seal(nbytes) if fused is not None else digest(manifest.checksum, b[:nbytes])
         write_trailer(b, mid=mid, index=i, nbytes=nbytes, dig=dig, secret=secret)
+        buf, fused = None, None
         return i, b
+
+    def direct(i: int, data: torch.Tensor, start: int, nbytes: int) -> tuple[int, torch.Tensor]:
+        b = next_buffer(i)
+        payload = data[start : start + nbytes]
+        if payload.device != b.device:
+            b[:nbytes].copy_(payload)
+            payload = b[:nbytes]
+        dig = digest(manifest.checksum, payload)
+        write_trailer(b, mid=mid, index=i, nbytes=nbytes, dig=dig, secret=secret)
+        return i, payload
 
     if not n_buckets:  # only zero-size tensors: they travel in no bucket
         for entry in manifest.tensors:
             check_tensor(entry, *_next(it, entry))
         _expect_end(it)
         return
-    index, buf = 0, next_buffer(0)
-    start(buf)
+    index = 0  # the next bucket to yield
     for entry in manifest.tensors:
         name, t = _next(it, entry)
         check_tensor(entry, name, t)
         data = as_bytes(t.contiguous())
         for piece in entry.pieces:
             while piece.bucket > index:
-                yield seal(index, buf)
+                yield seal(index)
                 index += 1
-                buf = next_buffer(index)
-                start(buf)
+            if manifest.buckets[index].direct:
+                yield direct(index, data, piece.start, piece.nbytes)
+                index += 1
+                continue
+            b = buf if buf is not None else open_bucket(index)
             if fused is None or not fused.add(data, piece.start, piece.offset, piece.nbytes):
-                buf[piece.offset : piece.offset + piece.nbytes].copy_(
+                b[piece.offset : piece.offset + piece.nbytes].copy_(
                     data[piece.start : piece.start + piece.nbytes]
                 )
                 if fused is not None:
                     fused.copied(piece.offset, piece.nbytes)
         del data, t
     _expect_end(it)
-    while True:
-        yield seal(index, buf)
+    while index < n_buckets:
+        yield seal(index)
         index += 1
-        if index == n_buckets:
-            return
-        buf = next_buffer(index)
-        start(buf)
 
 
 class _FusedPack:
@@ -280,6 +322,13 @@ class Unpacker:
     itself is yielded, which keeps the receiver's extra memory at its two buffers
     instead of two buffers plus the largest split tensor (1.1 GB for a 7B model's
     embedding).
+
+    Direct buckets: the transport asks `landing(index)` where to receive the payload
+    (the destination's bytes, or the rejoin tensor, or None: its own buffer), checks
+    the trailer that came first (`check_header`) before receiving into it, and then
+    `verify_digest(index, payload, trailer)` before `unpack(..., landed=True)`. A bad
+    digest there raises after the bytes landed in the destination: the caller fails
+    the update, and the engine side marks the replica torn (`engine/side.py`).
     """
 
     def __init__(
@@ -309,12 +358,41 @@ class Unpacker:
         what a receiver needs before posting its next receive; the digest may follow
         while that receive is in flight (`verify_digest`)."""
         status, mid, got_index, nbytes, dig, mac = read_trailer(buf)
+        self._check_mac(index, mid, got_index, nbytes, dig, mac)
+        if status == STATUS_ABORT:
+            self.aborted(buf[:nbytes])
+        self._check_fields(index, mid, got_index, nbytes)
+        if check_digest:
+            self._check_digest(index, buf, nbytes, dig)
+        return nbytes
+
+    def check_header(self, index: int, trailer: torch.Tensor) -> int:
+        """Direct bucket `index`'s trailer, received ahead of its payload: signature,
+        update, index and size are checked before the payload may be received into a
+        destination. Returns -1, or, for an abort notice, the length of the sender's
+        reason, which follows as a message of its own (`aborted`)."""
+        status, mid, got_index, nbytes, dig, mac = read_trailer(trailer)
+        self._check_mac(index, mid, got_index, nbytes, dig, mac)
+        if status == STATUS_ABORT:
+            if nbytes > MAX_REASON_BYTES:
+                raise TransportError(f"abort notice of bucket {index} announces a reason of "
+                                     f"{nbytes} bytes (at most {MAX_REASON_BYTES})")
+            return nbytes
+        self._check_fields(index, mid, got_index, nbytes)
+        return -1
+
+    def aborted(self, reason: torch.Tensor) -> None:
+        """Raise the sender's abort notice, whose reason is `reason`'s bytes."""
+        text = bytes(reason.cpu().numpy()).decode("utf-8", "replace")
+        raise SenderAborted(f"the sender aborted the update: {text}")
+
+    def _check_mac(self, index: int, mid: int, got_index: int, nbytes: int, dig: int,
+                   mac: tuple[int, int]) -> None:
         if self.secret is not None and mac != bucket_mac(self.secret, mid, got_index, nbytes, dig):
             raise AuthError(f"bucket {index} is not signed with the shared secret: it did not "
                             "come from this update's trainer")
-        if status == STATUS_ABORT:
-            reason = bytes(buf[:nbytes].cpu().numpy()).decode("utf-8", "replace")
-            raise SenderAborted(f"the sender aborted the update: {reason}")
+
+    def _check_fields(self, index: int, mid: int, got_index: int, nbytes: int) -> None:
         if mid != self.mid:
             raise TransportError(
                 f"bucket {got_index} belongs to another update (manifest id {mid:#x}, "
@@ -325,13 +403,36 @@ class Unpacker:
                 f"expected bucket {index} of {self.manifest.buckets[index].nbytes} bytes, got "
                 f"bucket {got_index} of {nbytes} bytes"
             )
-        if check_digest:
-            self._check_digest(index, buf, nbytes, dig)
-        return nbytes
 
-    def verify_digest(self, index: int, buf: torch.Tensor) -> None:
-        _status, _mid, _index, nbytes, dig, _mac = read_trailer(buf)
+    def verify_digest(self, index: int, buf: torch.Tensor,
+                      trailer: torch.Tensor | None = None) -> None:
+        """Check bucket `index`'s payload (the front of `buf`) against the digest in its
+        trailer (the end of `buf`, or `trailer` for a direct bucket's own message)."""
+        _status, _mid, _index, nbytes, dig, _mac = read_trailer(buf if trailer is None
+                                                                else trailer)
         self._check_digest(index, buf, nbytes, dig)
+
+    def landing(self, index: int) -> torch.Tensor | None:
+        """Where direct bucket `index`'s payload should be received: its bytes in the
+        target's own tensor (`into`), or in the tensor a split tensor is rejoined in;
+        None for a packed bucket or where no such tensor lies on this device (the
+        payload then goes to the transport's buffer, and `unpack` copies it)."""
+        if not self.manifest.buckets[index].direct:
+            return None
+        ((entry, piece),) = self._per_bucket[index]
+        whole = self._partial.get(entry.name)
+        if whole is None:
+            dt = torch_dtype(entry.dtype)
+            if len(entry.pieces) > 1:
+                whole = self._destination(entry, dt)
+            else:
+                whole = self._matching(entry, dt)
+                if whole is None or whole.device != self.device:
+                    return None
+            self._partial[entry.name] = whole
+        if whole.device != self.device:
+            return None
+        return whole[piece.start : piece.start + piece.nbytes]
 
     def _check_digest(self, index: int, buf: torch.Tensor, nbytes: int, dig: int) -> None:
         if self.manifest.checksum is None:
@@ -344,14 +445,23 @@ class Unpacker:
             )
 
     def unpack(
-        self, index: int, buf: torch.Tensor, verified: bool = False
+        self, index: int, buf: torch.Tensor, verified: bool = False, landed: bool = False
     ) -> Iterator[tuple[str, torch.Tensor]]:
+        """Bucket `index`'s tensors; `landed`: its payload was received where
+        `landing(index)` said (verified by the caller), so nothing is copied."""
         if not verified:
+            if landed:
+                raise TransportError("a landed direct bucket must be verified by its receiver")
             self.verify(index, buf)
         if index == 0:
             yield from self.empties()
         for entry, piece in self._per_bucket[index]:
             dt = torch_dtype(entry.dtype)
+            if landed:
+                if piece is entry.pieces[-1]:
+                    whole = self._partial.pop(entry.name)
+                    yield entry.name, whole.view(dt).view(entry.shape)
+                continue
             src = buf[piece.offset : piece.offset + piece.nbytes]
             if len(entry.pieces) == 1:
                 yield entry.name, src.view(dt).view(entry.shape)
@@ -368,13 +478,23 @@ class Unpacker:
     def _destination(self, entry: TensorEntry, dt: torch.dtype) -> torch.Tensor:
         """Flat bytes to rejoin `entry` in: the target's own tensor where it offers a
         matching contiguous one, else a fresh buffer."""
-        if self.into is not None:
-            dest = self.into(entry.name)
-            if (
-                dest is not None
-                and dest.dtype == dt
-                and tuple(dest.shape) == entry.shape
-                and dest.is_contiguous()
-            ):
-                return as_bytes(dest)
+        dest = self._matching(entry, dt)
+        if dest is not None:
+            return dest
         return torch.empty(entry.nbytes, dtype=torch.uint8, device=self.device)
+
+    def _matching(self, entry: TensorEntry, dt: torch.dtype) -> torch.Tensor | None:
+        """The target's own tensor for `entry` as flat bytes, where it has the wire's
+        dtype and shape and is contiguous (else the bytes cannot land in it as they are:
+        a cast or a relayout is the target's job)."""
+        if self.into is None:
+            return None
+        dest = self.into(entry.name)
+        if (
+            dest is not None
+            and dest.dtype == dt
+            and tuple(dest.shape) == entry.shape
+            and dest.is_contiguous()
+        ):
+            return as_bytes(dest)
+        return None

@@ -9,6 +9,14 @@ Layout: tensors are laid into buckets of at most `bucket_bytes` in stream order,
 start aligned to `ALIGN` bytes (so a bucket slice can be viewed as any dtype, and GPU
 copies stay vectorised). A tensor larger than a bucket is cut into pieces that fill
 whole buckets and is rejoined by the receiver.
+
+Direct buckets (format version 2, planned with `direct_min`): a tensor of at least
+`direct_min` bytes gets buckets of its own, each holding one piece at offset 0 and
+flagged `direct`. A transport that can (gloo) then sends such a bucket from the
+tensor's own storage and receives it straight into the destination, with its trailer
+as a separate message (`core/buckets.py`); the flag is in the manifest, which the
+trainer signs, so both ends agree on the framing before a byte moves. Any transport may
+treat a direct bucket as a packed one: its packed layout is the same bytes.
 """
 
 from __future__ import annotations
@@ -22,6 +30,9 @@ from typing import Any
 from enginehooks.core.errors import ManifestError
 
 FORMAT_VERSION = 1
+#: The format of a manifest with direct buckets; readers take both.
+DIRECT_FORMAT_VERSION = 2
+READABLE_VERSIONS = (FORMAT_VERSION, DIRECT_FORMAT_VERSION)
 ALIGN = 64
 #: Caps checked before anything else is parsed (a manifest arrives from the network):
 #: the text, the number of tensors and buckets, one bucket's size, a name's length.
@@ -95,11 +106,14 @@ class TensorEntry:
 @dataclass(frozen=True)
 class BucketEntry:
     """One bucket: its payload size, and its digest where the sender knew it in advance
-    (disk shards). Streamed transports carry each bucket's digest in-band instead."""
+    (disk shards). Streamed transports carry each bucket's digest in-band instead.
+    `direct`: the bucket is one piece of one tensor at offset 0 (see the module
+    docstring)."""
 
     index: int
     nbytes: int
     checksum: str | None = None
+    direct: bool = False
 
 
 @dataclass(frozen=True)
@@ -138,7 +152,8 @@ class Manifest:
             "bucket_bytes": self.bucket_bytes,
             "checksum": self.checksum,
             "meta": dict(self.meta),
-            "buckets": [[b.index, b.nbytes, b.checksum] for b in self.buckets],
+            "buckets": [[b.index, b.nbytes, b.checksum, *(["direct"] if b.direct else [])]
+                        for b in self.buckets],
             "tensors": [
                 {
                     "name": t.name,
@@ -170,10 +185,10 @@ class Manifest:
         if not isinstance(data, dict):
             raise ManifestError("manifest must be a JSON object")
         fv = data.get("format_version")
-        if fv != FORMAT_VERSION:
+        if fv not in READABLE_VERSIONS or isinstance(fv, bool):
             raise ManifestError(
                 f"manifest format_version {fv!r} is not supported (this enginehooks reads "
-                f"{FORMAT_VERSION})"
+                f"{', '.join(map(str, READABLE_VERSIONS))})"
             )
         version = data.get("weight_version")
         if not isinstance(version, (int, str)) or isinstance(version, bool):
@@ -199,8 +214,13 @@ class Manifest:
             raise ManifestError(f"{len(raw_buckets)} buckets exceed the cap of {MAX_BUCKETS}")
         buckets = []
         for i, rb in enumerate(raw_buckets):
-            if not (isinstance(rb, list) and len(rb) == 3):
-                raise ManifestError(f"bucket {i}: expected [index, nbytes, checksum]")
+            direct = isinstance(rb, list) and len(rb) == 4 and rb[3] == "direct"
+            if direct and fv < DIRECT_FORMAT_VERSION:
+                raise ManifestError(f"bucket {i}: direct buckets need format_version "
+                                    f"{DIRECT_FORMAT_VERSION}, the manifest says {fv}")
+            if not (isinstance(rb, list) and (len(rb) == 3 or direct)):
+                raise ManifestError(f"bucket {i}: expected [index, nbytes, checksum] or "
+                                    "[index, nbytes, checksum, \"direct\"]")
             if rb[0] != i:
                 raise ManifestError(f"bucket {i}: index {rb[0]!r} out of order")
             nb = _int(rb[1], f"bucket {i} nbytes", minimum=0)
@@ -212,7 +232,7 @@ class Manifest:
             if rb[2] is not None and not (isinstance(rb[2], str) and len(rb[2]) <= 256):
                 raise ManifestError(f"bucket {i}: checksum must be a string (at most 256 "
                                     "characters) or null")
-            buckets.append(BucketEntry(i, nb, rb[2]))
+            buckets.append(BucketEntry(i, nb, rb[2], direct))
 
         raw_tensors = data.get("tensors")
         if not isinstance(raw_tensors, list):
@@ -229,6 +249,7 @@ class Manifest:
             tensors=tuple(tensors),
             buckets=tuple(buckets),
             checksum=checksum,
+            format_version=fv,
             meta=meta,
         )
         _check_no_overlap(m)
@@ -289,6 +310,12 @@ def _tensor_from_dict(rt: Any, buckets: list[BucketEntry], seen: set[str]) -> Te
 
 def _check_no_overlap(m: Manifest) -> None:
     for index, pairs in enumerate(m.by_bucket()):
+        if m.buckets[index].direct and not (
+            len(pairs) == 1 and pairs[0][1].offset == 0
+            and pairs[0][1].nbytes == m.buckets[index].nbytes
+        ):
+            raise ManifestError(f"bucket {index} is direct but does not hold exactly one "
+                                "piece filling it from offset 0")
         end = 0
         for t, p in pairs:
             if p.offset < end:
@@ -304,11 +331,16 @@ def plan(
     checksum: str | None = "crc32",
     split: bool = True,
     meta: Mapping[str, Any] | None = None,
+    direct_min: int | None = None,
 ) -> Manifest:
     """Lay `specs` into buckets in stream order.
 
     With `split`, a tensor larger than `bucket_bytes` is cut into bucket-sized pieces;
     without it (disk shards, where a file holds whole tensors) it gets a bucket of its own.
+    With `direct_min` (split transports that can send from a tensor's own storage), a
+    tensor of at least that many bytes, or that fills a bucket, gets direct buckets of
+    its own (module docstring): packing it would be a full extra pass over its bytes on
+    each side.
     """
     if bucket_bytes < ALIGN:
         raise ManifestError(f"bucket_bytes must be at least {ALIGN}, got {bucket_bytes}")
@@ -322,6 +354,7 @@ def plan(
         used = 0
 
     seen: set[str] = set()
+    direct: set[int] = set()
     for s in specs:
         if s.dtype not in DTYPE_SIZES:
             raise ManifestError(f"tensor {s.name!r}: unsupported dtype {s.dtype!r}")
@@ -330,7 +363,17 @@ def plan(
         seen.add(s.name)
         n = s.nbytes
         pieces: list[Piece] = []
-        if n <= bucket_bytes or not split:
+        if split and direct_min is not None and n and n >= min(direct_min, bucket_bytes):
+            done = 0
+            while done < n:
+                open_bucket()
+                take = min(bucket_bytes, n - done)
+                pieces.append(Piece(len(sizes) - 1, 0, done, take))
+                sizes[-1] = take
+                direct.add(len(sizes) - 1)
+                done += take
+            used = bucket_bytes  # closed: the next tensor opens a bucket of its own
+        elif n <= bucket_bytes or not split:
             start = _align(used)
             if not sizes or (start + n > bucket_bytes and used > 0):
                 open_bucket()
@@ -349,7 +392,7 @@ def plan(
                 sizes[-1] = used
                 done += take
         tensors.append(TensorEntry(s.name, s.dtype, tuple(s.shape), tuple(pieces)))
-    buckets = tuple(BucketEntry(i, nb) for i, nb in enumerate(sizes))
+    buckets = tuple(BucketEntry(i, nb, None, i in direct) for i, nb in enumerate(sizes))
     merged_meta = dict(meta or {})
     if not split:
         merged_meta["unsplit"] = True
@@ -359,5 +402,6 @@ def plan(
         tensors=tuple(tensors),
         buckets=buckets,
         checksum=checksum,
+        format_version=DIRECT_FORMAT_VERSION if direct else FORMAT_VERSION,
         meta=merged_meta,
     )

@@ -184,6 +184,10 @@ class Transport(ABC):
     #: Bucket digest used when `WeightSync(checksum="auto")`: a host hash for host
     #: buffers; GPU transports override it with one computed on the device.
     default_checksum: ClassVar[str | None] = "xxh3"
+    #: Tensors of at least this many bytes (or filling a bucket) travel in direct
+    #: buckets, sent from their own storage (`core/manifest.py`); None: this transport
+    #: frames every bucket as one packed message.
+    direct_min: ClassVar[int | None] = None
 
     @abstractmethod
     def sender(self, **options: Any) -> Sender:

@@ -24,6 +24,13 @@ NCCL specifics (what each guards against):
 - The receiver posts bucket k+1's receive before it yields bucket k; NCCL orders its
   stream after the current stream at launch, so the target's copies out of a buffer
   (made on the current stream) finish before the next receive overwrites it.
+
+Direct buckets (gloo, `GlooTransport.direct_min`; see `core/manifest.py`): the sender
+broadcasts the bucket's trailer, then the payload from the tensor's own storage (no
+packing copy); the receiver checks the trailer (signature, update, index, size, or an
+abort notice whose reason follows as its own message) before it posts the payload's
+receive, straight into the destination where the target offers one
+(`Unpacker.landing`), and verifies the digest before the tensor is handed on.
 """
 
 from __future__ import annotations
@@ -34,13 +41,21 @@ import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 import torch.distributed as dist
 
 from enginehooks.core.auth import load_secret
-from enginehooks.core.buckets import Unpacker, buffer_bytes, message_bytes, pack, write_abort
+from enginehooks.core.buckets import (
+    TRAILER_BYTES,
+    Unpacker,
+    buffer_bytes,
+    direct_abort,
+    message_bytes,
+    pack,
+    write_abort,
+)
 from enginehooks.core.errors import TransportError
 from enginehooks.core.manifest import Manifest
 from enginehooks.transports._rendezvous import (
@@ -247,36 +262,43 @@ class BroadcastSender(Sender):
         t0 = time.perf_counter()
         bufs = self._buffers.get(buffer_bytes(manifest))
         pending: list[Any] = [None, None]
+        # a direct bucket's trailer broadcast, and the payload (the trainer's own tensor)
+        # it must keep alive until its broadcast completed, per slot
+        trailers: list[Any] = [None, None]
         sizes = [message_bytes(b.nbytes) for b in manifest.buckets]
 
+        def drain(slot: int, what: str) -> None:
+            for w in (trailers[slot], pending[slot]):
+                if w is not None:
+                    _wait(w, abort, self.timeout_s, what, self.device)
+            trailers[slot] = pending[slot] = None
+
         def next_buffer(index: int) -> torch.Tensor:
-            slot = index % 2
-            if pending[slot] is not None:
-                _wait(pending[slot], abort, self.timeout_s, f"broadcast of bucket {index - 2}",
-                      self.device)
-                pending[slot] = None
-            return bufs[slot][: sizes[index]]
+            drain(index % 2, f"broadcast of bucket {index - 2}")
+            return bufs[index % 2][: sizes[index]]
 
         stats = SendStats()
         index = -1
         try:
             for index, buf in pack(manifest, stream, next_buffer, self.secret):
-                pending[index % 2] = _bcast(self.pg, buf, self.timeout_s)
+                slot = index % 2
+                if manifest.buckets[index].direct:  # trailer first, then the payload
+                    trailer = bufs[slot][: sizes[index]][-TRAILER_BYTES:]
+                    trailers[slot] = _bcast(self.pg, trailer, self.timeout_s)
+                pending[slot] = _bcast(self.pg, buf, self.timeout_s)
                 stats.bytes += manifest.buckets[index].nbytes
                 stats.buckets += 1
             for slot in (0, 1):
-                if pending[slot] is not None:
-                    _wait(pending[slot], abort, self.timeout_s, "the last broadcasts",
-                          self.device)
-                    pending[slot] = None
+                drain(slot, "the last broadcasts")
         except TransportError:
-            _bury(*pending, bufs)
+            _bury(*pending, *trailers, bufs)
             self._break()
             raise
         except BaseException as e:
             # The stream itself failed (a trainer error, or it broke the plan): tell every
             # receiver why, through the bucket they are waiting for, then fail here.
-            self._abort_receivers(manifest, index + 1, pending, f"{type(e).__name__}: {e}")
+            self._abort_receivers(manifest, index + 1, [*pending, *trailers],
+                                  f"{type(e).__name__}: {e}")
             raise
         stats.seconds = time.perf_counter() - t0
         return stats
@@ -287,12 +309,20 @@ class BroadcastSender(Sender):
         if index >= len(manifest.buckets):
             return
         try:
-            for slot in (0, 1):
+            for slot in range(len(pending)):
                 if pending[slot] is not None:
                     pending[slot].wait()
                     pending[slot] = None
             buf = self._buffers.bufs[index % 2][: message_bytes(manifest.buckets[index].nbytes)]
-            write_abort(buf, Unpacker(manifest).mid, index, reason, self.secret)
+            mid = Unpacker(manifest).mid
+            if manifest.buckets[index].direct:  # its receivers wait for a trailer alone
+                trailer = buf[-TRAILER_BYTES:]
+                text = direct_abort(trailer, mid, index, reason, self.secret)
+                _bcast(self.pg, trailer, self.timeout_s).wait()
+                if text.numel():
+                    _bcast(self.pg, text, self.timeout_s).wait()
+                return
+            write_abort(buf, mid, index, reason, self.secret)
             _bcast(self.pg, buf, self.timeout_s).wait()
         except Exception:
             self._break()
@@ -369,25 +399,60 @@ class BroadcastReceiver(Receiver):
             return
         bufs = self._buffers.get(buffer_bytes(manifest))
         sizes = [message_bytes(b.nbytes) for b in manifest.buckets]
-        work: Any = _bcast(pg, bufs[0][: sizes[0]], self.timeout_s)
+        # direct buckets: their trailers (received first) and where each payload went
+        heads = [torch.empty(TRAILER_BYTES, dtype=torch.uint8, device=self.device)
+                 for _ in range(2)]
+        payloads: list[torch.Tensor | None] = [None, None]
+        landed = [False, False]
+
+        def post(index: int) -> Any:
+            """Post bucket `index`'s receive. A direct bucket's trailer is received and
+            checked first, with nothing else in flight, so that neither an abort notice
+            nor a stranger's bytes ever land in the destination."""
+            slot = index % 2
+            if not manifest.buckets[index].direct:
+                return _bcast(pg, bufs[slot][: sizes[index]], self.timeout_s)
+            _wait(_bcast(pg, heads[slot], self.timeout_s), None, self.timeout_s,
+                  f"receive of bucket {index}'s trailer", self.device)
+            reason = unpacker.check_header(index, heads[slot])
+            if reason >= 0:
+                text = torch.empty(reason, dtype=torch.uint8, device=self.device)
+                if reason:
+                    _wait(_bcast(pg, text, self.timeout_s), None, self.timeout_s,
+                          f"receive of bucket {index}'s abort reason", self.device)
+                unpacker.aborted(text)
+            region = unpacker.landing(index)
+            landed[slot] = region is not None
+            payloads[slot] = region if region is not None else (
+                bufs[slot][: manifest.buckets[index].nbytes])
+            return _bcast(pg, payloads[slot], self.timeout_s)
+
+        work: Any = None
         try:
+            work = post(0)
             for index in range(n):
-                buf = bufs[index % 2][: sizes[index]]
+                slot = index % 2
+                buf = bufs[slot][: sizes[index]]
                 _wait(work, None, self.timeout_s, f"receive of bucket {index}", self.device)
                 work = None
+                direct = manifest.buckets[index].direct
                 # Read the trailer before posting the next receive: after an abort notice
                 # no collective may be left in flight (destroying a pending Work blocks
                 # until it times out, which would delay the error). The digest is checked
                 # while the next bucket is already on its way.
-                unpacker.verify(index, buf, check_digest=False)
+                if not direct:
+                    unpacker.verify(index, buf, check_digest=False)
                 if index + 1 < n:
-                    work = _bcast(pg, bufs[(index + 1) % 2][: sizes[index + 1]],
-                                  self.timeout_s)
-                unpacker.verify_digest(index, buf)
+                    work = post(index + 1)
+                if direct and landed[slot]:
+                    unpacker.verify_digest(index, payloads[slot], heads[slot])
+                    yield from unpacker.unpack(index, buf, verified=True, landed=True)
+                    continue
+                unpacker.verify_digest(index, buf, heads[slot] if direct else None)
                 yield from unpacker.unpack(index, buf, verified=True)
         except BaseException:
             # A torn update leaves the group in an unknown state: leave it.
-            _bury(work, bufs)
+            _bury(work, bufs, *payloads)
             self.close()
             raise
 
@@ -415,11 +480,23 @@ class GlooTransport(Transport):
     """Broadcast over gloo: CPU tensors, TCP between processes and hosts."""
 
     name = "gloo"
+    #: tensors of at least this many bytes travel in direct buckets (`core/manifest.py`):
+    #: above it, a broadcast of its own costs less than the packing copy it saves
+    direct_min: ClassVar[int | None] = 1 << 20
 
     def sender(self, **options: Any) -> Sender:
+        if options.get("trainer_ranks") is not None:  # several trainer ranks send (issue 23)
+            from enginehooks.transports.multisender import SenderSet
+
+            return SenderSet("gloo", **options)
+        options.pop("trainer_ranks", None)
         return BroadcastSender("gloo", **options)
 
     def receiver(self, endpoint: dict[str, Any], rank: int, device: torch.device) -> Receiver:
+        if "senders" in endpoint:  # one group per sender rank (transports/multisender.py)
+            from enginehooks.transports.multisender import MultiReceiver
+
+            return MultiReceiver(endpoint, rank, torch.device("cpu"))
         return BroadcastReceiver(endpoint, rank, torch.device("cpu"))
 
 
