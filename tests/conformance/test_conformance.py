@@ -3,10 +3,17 @@ conformance` every cell and regenerates docs/models.md from the results.
 
 Each cell runs in a child process (see `cell.py`). Set ENGINEHOOKS_CONFORMANCE=full for
 every cell, and ENGINEHOOKS_CONFORMANCE_OUT=FILE to write the results as JSON.
+
+Beside the hand-written slice, a rotating part of the generated matrix
+(`generated.py`, swept by `sweep.py` into benchmarks/results/conformance/generated-*.json):
+each day, ENGINEHOOKS_GENERATED_CELLS (default 1) of the cells that passed the sweep, per
+engine, run again, so every passing cell is rerun in turn and a regression in an
+architecture nobody picked by hand still fails CI.
 """
 
 from __future__ import annotations
 
+import datetime
 import json
 import os
 from collections.abc import Iterator
@@ -25,6 +32,27 @@ if not CELLS:
                 "environment runs its cells: scripts/test.sh)", allow_module_level=True)
 
 pytestmark = pytest.mark.slow
+SWEEPS = Path(__file__).resolve().parents[2] / "benchmarks" / "results" / "conformance"
+
+
+def rotating_generated(per_engine: int, day: int) -> list[Cell]:
+    """`per_engine` cells of each installed engine's sweep that passed, chosen by `day`
+    (consecutive days take consecutive cells, wrapping around)."""
+    cells: list[Cell] = []
+    for engine in ("vllm", "sglang"):
+        path = SWEEPS / f"generated-{engine}.json"
+        if not have(engine) or not path.exists() or per_engine <= 0:
+            continue
+        passed = sorted({(r["family"], r["dtype"], r.get("trainer", "plain"))
+                         for r in json.loads(path.read_text())["results"] if r["status"] == "pass"})
+        picks = {passed[(day * per_engine + i) % len(passed)]
+                 for i in range(min(per_engine, len(passed)))}
+        cells += [Cell(f, engine, t, d) for f, d, t in sorted(picks)]
+    return cells
+
+
+GENERATED = rotating_generated(int(os.environ.get("ENGINEHOOKS_GENERATED_CELLS", "1")),
+                               datetime.date.today().toordinal())
 
 
 @pytest.fixture(scope="session")
@@ -58,3 +86,25 @@ def test_cell(cell: Cell, checkpoints: Path, results: list[dict[str, Any]],
         pytest.skip(f"{cell.engine} cannot run {cell.family} on CPU ({known}): {res['detail'][:300]}")
     assert known is None, f"{cell} runs, but matrix.CANNOT_RUN says it cannot: update the table"
     assert res["status"] == "pass", res["detail"]
+
+
+@pytest.mark.parametrize("cell", GENERATED, ids=str)
+def test_generated_cell_still_passes(cell: Cell, checkpoints: Path, tmp_path: Path) -> None:
+    res = run(cell, checkpoints, tmp_path, timeout_s=900)
+    assert res["status"] == "pass", (
+        f"{cell} passed the generated sweep and now does not ({res['status']}): "
+        f"{str(res.get('detail'))[:2000]}")
+
+
+def test_rotation_reaches_every_passing_cell() -> None:
+    """Over consecutive days the rotation visits every passing cell (no cell is starved)."""
+    first = rotating_generated(1, 0)
+    if not first:
+        pytest.skip("no generated sweep results for the engines installed here")
+    per_engine = {c.engine for c in first}
+    for engine in per_engine:
+        path = SWEEPS / f"generated-{engine}.json"
+        n = len({(r["family"], r["dtype"], r.get("trainer", "plain"))
+                 for r in json.loads(path.read_text())["results"] if r["status"] == "pass"})
+        seen = {c for day in range(n) for c in rotating_generated(1, day) if c.engine == engine}
+        assert len(seen) == n
