@@ -303,6 +303,13 @@ def record_plan(model: torch.nn.Module, specs: Sequence[TensorSpec],
     return rec.plan(specs)
 
 
+def named_tensors(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+    """Every parameter and buffer by every name (aliases included), as the tracer names
+    destinations."""
+    yield from model.named_parameters(remove_duplicate=False)
+    yield from model.named_buffers(remove_duplicate=False)
+
+
 def _bits(t: torch.Tensor) -> torch.Tensor:
     return t.detach().contiguous().reshape(-1).view(torch.uint8)
 

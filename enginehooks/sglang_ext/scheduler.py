@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import json
 import logging
+import time
 import traceback
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
@@ -35,6 +36,15 @@ from enginehooks.core.errors import ConfigError
 from enginehooks.core.manifest import Manifest, TensorSpec
 from enginehooks.engine.beacon import Beacon
 from enginehooks.engine.contract import PREFIX, VERBS, EngineBinding, method_name
+from enginehooks.engine.copy_plan import (
+    CopyPlan,
+    Layout,
+    PlanState,
+    Route,
+    check_plan,
+    named_tensors,
+    replay,
+)
 from enginehooks.engine.expectations import (
     Expectations,
     LoaderExpectations,
@@ -43,7 +53,7 @@ from enginehooks.engine.expectations import (
     skeleton_on_meta,
 )
 from enginehooks.engine.side import EngineSide
-from enginehooks.engine.verify import Verifier, ensure_room
+from enginehooks.engine.verify import Verifier, WeightsMismatch, ensure_room
 from enginehooks.transports.base import Target
 
 log = logging.getLogger("enginehooks.sglang")
@@ -75,51 +85,167 @@ def _device(sched: Any) -> torch.device:
 class SGLangTarget(Target):
     """Applies received tensors with the model's own `load_weights`, inside SGLang's
     weight-update session; then flushes the cache and records the version. Updates are
-    verified against a fresh-load shadow (`engine.verify`) as the policy asks."""
+    verified against a fresh-load shadow (`engine.verify`) as the policy asks. Once a
+    copy plan is recorded and verified (`engine.copy_plan`), planned tensors are written
+    straight into the parameters inside the same session, and only the rest goes
+    through `load_weights`."""
 
-    def __init__(self, sched: Any, landed: Callable[[list[TensorSpec]], set[str]]) -> None:
+    def __init__(self, sched: Any, landed: Callable[[list[TensorSpec]], set[str]],
+                 record: Callable[[list[TensorSpec]], CopyPlan] | None = None) -> None:
         self.sched = sched
         self.device = _device(sched)
         self.flushed: bool | None = None
         self.landed = landed
+        self.record = record
         self.verifier = Verifier("SGLang")
+        self.plan = PlanState("SGLang")
         self.requested = False  # the trainer asked this update to be verified
+        self.routes: dict[str, Route] = {}
+        self._live: dict[str, torch.Tensor] | None = None  # during apply: name -> tensor
 
     def prepare(self, manifest: Manifest) -> None:
         self.requested = bool(manifest.meta.get("verify"))
+        self.routes = {}
+        plan = self.plan.plan
+        if self.plan.usable and plan is not None:
+            for spec in manifest.specs():
+                r = plan.route_for_spec(spec)
+                if r is not None:
+                    self.routes[spec.name] = r
+
+    def destination(self, name: str) -> torch.Tensor | None:
+        """The parameter a planned plain full copy lands in, while `apply` holds the
+        weight-update session (the parameters are in the loader's layout then)."""
+        plan, live = self.plan.plan, self._live
+        if live is None or plan is None or name not in self.routes:
+            return None
+        step = plan.full_copy(name)
+        if step is None:
+            return None
+        t = live.get(step.dest)
+        if t is None or Layout.of(t) != plan.layouts.get(step.dest) or not t.is_contiguous():
+            return None
+        return t.data
 
     def apply(self, tensors: Iterator[tuple[str, torch.Tensor]]) -> None:
         mr = _model_runner(self.sched)
         updater = mr.weight_updater
         model = mr.model
-        verify = self.verifier.wanted(self.requested)
+        routes, self.routes = self.routes, {}
+        checking = self.plan.state == "verifying" and bool(routes)
+        verify = self.verifier.wanted(self.requested) or checking
+        recording = self.plan.state == "pending" and self.record is not None
         fed: list[TensorSpec] = []
         kept: list[tuple[str, torch.Tensor]] = []
+        planned = 0
 
         def watched() -> Iterator[tuple[str, torch.Tensor]]:
+            nonlocal planned
+            live = self._live or {}
             for name, t in tensors:
                 fed.append(TensorSpec(name, dtype_name(t.dtype), tuple(t.shape)))
-                if verify:  # the buffer is reused: the shadow needs its own copy, on the host
+                if verify or recording:  # the buffer is reused: the shadow needs a copy
                     kept.append((name, t.to("cpu", copy=True)))
+                route = routes.get(name)
+                if route is not None:
+                    replay(route, t, live)
+                    planned += 1
+                    continue
                 yield name, t
 
+        t0 = time.perf_counter()
         updater.begin_weight_update()
         try:
+            if routes:
+                # inside the session the parameters are in the loader's layout; a
+                # tensor whose destination is not (yet) goes to the loader
+                live = dict(named_tensors(model))
+                layouts = self.plan.plan.layouts if self.plan.plan is not None else {}
+                routes = {n: r for n, r in routes.items()
+                          if all(st.dest in live and Layout.of(live[st.dest]) == layouts.get(st.dest)
+                                 for st in r.steps)}
+                self.routes, self._live = routes, live
             # `load_weights` copies each tensor into its (fused) parameter as it goes,
             # so views into the transport's reusable buffers are safe to pass through.
-            model.load_weights(watched())
+            with torch.no_grad():
+                model.load_weights(watched())
         finally:
+            self._live, self.routes = None, {}
             # After a load, SGLang's own request path ends with run_post_load=False
             # (post-load already ran inside load_weights where the model needs it).
             # Always end the session, even after a failed load, so the model's
             # repacked / quantised weights are put back in their serving layout.
             updater.end_weight_update(run_post_load=False)
-        if verify:
-            self.verifier.run(model, lambda: self.fresh_load(kept), self.landed(fed))
+        if routes:
+            self.plan.applied += 1
+        self.plan.last = {"seconds": round(time.perf_counter() - t0, 4),
+                          "planned_last": planned, "loader_last": len(fed) - planned}
+        landed = self.landed(fed)
+        plan: CopyPlan | None = None
+        if recording and fed:
+            try:
+                plan = self.record(fed)  # type: ignore[misc]
+            except Exception as e:
+                self.plan.disable(f"recording failed: {type(e).__name__}: {e}")
+        if plan is not None:
+            self._check_plan(model, plan, kept, landed, verify)
+        elif verify:
+            self._verify(model, kept, landed, checking and planned > 0)
 
-    def fresh_load(self, weights: list[tuple[str, torch.Tensor]]) -> torch.nn.Module:
+    def _verify(self, model: torch.nn.Module, kept: list[tuple[str, torch.Tensor]],
+                landed: set[str], checking: bool) -> None:
+        try:
+            verdict = self.verifier.run(model, lambda: self.fresh_load(kept), landed)
+        except WeightsMismatch as e:
+            if checking:
+                self.plan.disable(f"the first update through the plan differed from a fresh "
+                                  f"load: {e}")
+            raise
+        if not checking:
+            return
+        if verdict is None:
+            self.plan.disable("the first update through the plan could not be verified "
+                              f"({(self.verifier.last or {}).get('error')})")
+        elif verdict.mismatched:
+            self.plan.disable("the first update through the plan differed from a fresh load "
+                              f"(repaired from it): {verdict.mismatched[:5]}")
+        else:
+            self.plan.verified()
+
+    def _check_plan(self, model: torch.nn.Module, plan: CopyPlan,
+                    kept: list[tuple[str, torch.Tensor]], landed: set[str],
+                    verify: bool) -> None:
+        """The recorded plan, checked on the fresh-load shadow before post-load
+        processing: what SGLang's loader wrote there must be what the plan writes."""
+        weights = dict(kept)
+
+        def hook(shadow: torch.nn.Module) -> None:
+            try:
+                problem = check_plan(plan, dict(named_tensors(shadow)), weights)
+            except Exception as e:
+                problem = f"the check failed: {type(e).__name__}: {e}"
+            self.plan.adopt(plan, problem)
+
+        def build() -> torch.nn.Module:
+            return self.fresh_load(kept, before_processing=hook)
+
+        if verify:
+            self.verifier.run(model, build, landed)
+        else:
+            try:
+                build()
+            except Exception as e:
+                self.plan.disable(f"no shadow to check it on: {type(e).__name__}: {e}")
+        if self.plan.state == "pending":
+            self.plan.disable("no shadow could be built to check it on "
+                              f"({(self.verifier.last or {}).get('error')})")
+
+    def fresh_load(self, weights: list[tuple[str, torch.Tensor]],
+                   before_processing: Callable[[torch.nn.Module], None] | None = None
+                   ) -> torch.nn.Module:
         """SGLang's fresh-load path on `weights`: the model class built as its loader
-        builds it, then `DefaultModelLoader.load_weights_and_postprocess`."""
+        builds it, then `DefaultModelLoader.load_weights_and_postprocess` (in its two
+        halves, `before_processing(model)` between them: the copy plan's check)."""
         from sglang.srt.configs.load_config import LoadConfig
         from sglang.srt.model_loader.loader import (
             DefaultModelLoader,
@@ -135,7 +261,10 @@ class SGLangTarget(Target):
         with set_default_torch_dtype(mr.model_config.dtype):
             with self.device:
                 model = _initialize_model(mr.model_config, load_config, quant)
-            DefaultModelLoader.load_weights_and_postprocess(model, iter(weights), self.device)
+            DefaultModelLoader.load_weights_only(model, iter(weights), self.device)
+            if before_processing is not None:
+                before_processing(model)
+            DefaultModelLoader.postprocess_weights(model, self.device)
         return model
 
     # `load_path` stays False (the default): SGLang's reload-from-disk rewrites the
@@ -152,7 +281,7 @@ class SGLangBinding(EngineBinding):
     def __init__(self, sched: Any) -> None:
         self.sched = sched
         self.worker_rank = _tp(sched)[0]
-        self._target = SGLangTarget(sched, self._landed)
+        self._target = SGLangTarget(sched, self._landed, self._record_plan)
         self._expectations: LoaderExpectations | None = None
         # The state, readable on the host without an RPC (which would queue behind
         # the update this scheduler is applying).
@@ -183,6 +312,9 @@ class SGLangBinding(EngineBinding):
         """Parameter names the update's tensors land in (from the loader dry run)."""
         return {p for landing in self._loader_expectations().landings(fed).values()
                 for p in landing.params}
+
+    def _record_plan(self, fed: list[TensorSpec]) -> CopyPlan:
+        return self._loader_expectations().record_plan(fed)
 
     def _skeleton(self) -> torch.nn.Module:
         # SGLang's DefaultModelLoader.load_model minus the weights, on the meta device.
@@ -220,7 +352,8 @@ class SGLangBinding(EngineBinding):
         from sglang.srt.runtime_context import get_serving
 
         return {"engine_weight_version": get_serving().weight_version,
-                "beacon": str(self.beacon.path), "verification": self._target.verifier.state()}
+                "beacon": str(self.beacon.path), "verification": self._target.verifier.state(),
+                "copy_plan": self._target.plan.info()}
 
     def state_changed(self, state: dict[str, Any]) -> None:
         self.beacon.publish(state)

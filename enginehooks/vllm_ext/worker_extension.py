@@ -44,6 +44,7 @@ from enginehooks.engine.copy_plan import (
     Route,
     check_plan,
     coverage,
+    named_tensors,
     replay,
 )
 from enginehooks.engine.expectations import (
@@ -282,11 +283,6 @@ class VLLMTarget(Target):
         return True
 
 
-def named_tensors(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
-    yield from model.named_parameters(remove_duplicate=False)
-    yield from model.named_buffers(remove_duplicate=False)
-
-
 def _split(name: str) -> tuple[str, str]:
     module, _, attr = name.rpartition(".")
     return module, attr
@@ -331,8 +327,12 @@ def plannable(model: torch.nn.Module, plan: CopyPlan,
                 if not cover.get(dest) or Layout.of(restored[attr]) != plan.layouts.get(dest):
                     bad.add(mname)
             elif attr in SKIP_TENSORS or dest in live:
-                t = live.get(dest)
-                if t is None or Layout.of(t) != plan.layouts.get(dest):
+                # written in place, as vLLM's reload writes it (it keeps these live):
+                # the copy casts into whatever dtype processing gave it (CPU small
+                # GEMMs keep an fp32 bias), so only sizes and strides must agree
+                t, want = live.get(dest), plan.layouts.get(dest)
+                if t is None or want is None or (tuple(t.shape), tuple(t.stride())) != (
+                        want.sizes, want.strides):
                     bad.add(mname)
             else:
                 bad.add(mname)

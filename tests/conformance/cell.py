@@ -145,6 +145,7 @@ def run_in_process(req: dict[str, Any], work: Path) -> dict[str, Any]:
         fresh_generate,
         start_engine,
     )
+    from enginehooks.testing.tiny import perturb
     from tests.conformance.families import family_named
 
     family, engine, dtype = req["family"], req["engine"], req["dtype"]
@@ -154,6 +155,9 @@ def run_in_process(req: dict[str, Any], work: Path) -> dict[str, Any]:
     # loads a model through its Transformers backend (Olmo2Model then needs a vLLM
     # config to be built), so an HF model built after an in-process vLLM engine can fail.
     model = trained(family, d0)
+    # The first push records the engine's copy plan (engine/copy_plan.py) through its
+    # loader; the push the oracle judges is the second, through the plan where verified.
+    warm = perturb(trained(family, d0), seed=SEED + 2)
     try:
         replica = start_engine(engine, d0, dtype=dtype, engine_args=engine_args)
     except EngineUnavailable as e:
@@ -167,12 +171,23 @@ def run_in_process(req: dict[str, Any], work: Path) -> dict[str, Any]:
         pushed, reference = (model, model) if req["trainer"] == "plain" else with_lora(model)
         with WeightSync("gloo", bucket_bytes=BUCKET, timeout_s=120) as sync:
             sync.add_replica(replica.handle())
+            sync.push(warm, version=0)
             report = sync.push(pushed, version=1)
             after = replica.generate()
+            plan = copy_plan(replica.handle())
             oracle = fresh_generate(engine, save_reference(reference, d0, work / "d1"),
                                     dtype=dtype, engine_args=engine_args)
             bad = check_bad_updates(sync, replica, reference, 1)
-    return verdict(before, after, oracle, bad, report)
+    return dict(verdict(before, after, oracle, bad, report), copy_plan=plan)
+
+
+def copy_plan(handle: Any) -> dict[str, Any] | None:
+    """What went through the engine's copy plan in the judged push (first worker)."""
+    info = handle.info(60)[0].get("copy_plan")
+    if not info:
+        return None
+    keys = ("state", "reason", "planned", "loader", "planned_last", "loader_last")
+    return {k: info.get(k) for k in keys}
 
 
 def verdict(before: Any, after: Any, oracle: Any, bad: list[str], report: Any) -> dict[str, Any]:
