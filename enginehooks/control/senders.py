@@ -1,0 +1,163 @@
+"""Several trainer ranks sending one update: who sends which tensor, the one manifest they
+share, and each sender's part of it (pure functions; `docs/scale.md`).
+
+One update from k senders is **one manifest** (one update id, one signature): sender
+j's tensors, in its own stream order, packed into buckets of their own, and the
+manifest's `meta["senders"]` lists, per sender, its run of buckets and tensors:
+`[[first_bucket, n_buckets, first_tensor, n_tensors], ...]` in sender order. The
+trainer signs the manifest, so the signature covers which sender sends which bucket.
+
+Each side derives sender j's **part** from it with `parts`: a manifest of its own
+(buckets renumbered from 0, `meta` naming the part and the whole update's id). Sender j
+packs its part and receivers unpack it with the ordinary single-sender code, so every
+bucket is checked exactly as before (trailer, manifest id, index, size, digest, MAC):
+a bucket of part j carries part j's id, which no other part or update has, so it cannot
+be replayed as another sender's bucket.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from enginehooks.core.buckets import manifest_id
+from enginehooks.core.errors import ManifestError
+from enginehooks.core.manifest import Manifest, TensorSpec, plan
+
+SENDERS_KEY = "senders"
+
+
+def assign_balanced(specs: Sequence[TensorSpec], senders: int) -> list[int]:
+    """The sender of each tensor (in stream order) when every sender holds every tensor
+    (FSDP ranks iterate the whole stream in lockstep): the sender with the fewest bytes
+    so far, lowest rank first on a tie. Stream order is kept within each sender, and the
+    senders' parts interleave along the stream, so they all progress together (a rank
+    that gathers layer n waits for no other rank's sends of earlier layers)."""
+    if senders < 1:
+        raise ValueError(f"senders must be >= 1, got {senders}")
+    loads = [0] * senders
+    owners = []
+    for s in specs:
+        j = min(range(senders), key=lambda r: (loads[r], r))
+        owners.append(j)
+        loads[j] += max(s.nbytes, 1)
+    return owners
+
+
+def split_specs(specs: Sequence[TensorSpec], owners: Sequence[int],
+                senders: int) -> list[list[TensorSpec]]:
+    """`specs` grouped by owner, each group in stream order."""
+    if len(owners) != len(specs):
+        raise ValueError(f"{len(owners)} owners for {len(specs)} tensors")
+    out: list[list[TensorSpec]] = [[] for _ in range(senders)]
+    for s, j in zip(specs, owners):
+        if not 0 <= j < senders:
+            raise ValueError(f"tensor {s.name!r}: sender {j} is outside 0..{senders - 1}")
+        out[j].append(s)
+    return out
+
+
+def decide_parts(per_rank: Sequence[Sequence[TensorSpec]]) -> list[list[TensorSpec]]:
+    """Which tensors each trainer rank sends, from what each rank says it can stream:
+    every rank the same tensors (ranks that each produce the whole model, such as FSDP
+    ranks gathering in lockstep): a balanced assignment (`assign_balanced`); tensors no
+    two ranks share (each rank owns its part): its own. Anything else is refused,
+    naming a tensor two ranks both offer."""
+    if not per_rank:
+        raise ManifestError("no trainer rank offered any tensor")
+    first = list(per_rank[0])
+    if all(list(p) == first for p in per_rank[1:]):
+        return split_specs(first, assign_balanced(first, len(per_rank)), len(per_rank))
+    seen: dict[str, int] = {}
+    for j, specs in enumerate(per_rank):
+        for s in specs:
+            if s.name in seen:
+                raise ManifestError(
+                    f"trainer ranks {seen[s.name]} and {j} both stream {s.name!r}, but not the "
+                    "same tensors: every rank must stream either the whole model or only the "
+                    "tensors it owns")
+            seen[s.name] = j
+    return [list(p) for p in per_rank]
+
+
+def plan_senders(parts: Sequence[Sequence[TensorSpec]], *, weight_version: int | str,
+                 bucket_bytes: int, checksum: str | None, split: bool = True,
+                 meta: Mapping[str, Any] | None = None, **options: Any) -> Manifest:
+    """One manifest for an update sent by `len(parts)` senders, sender j sending the
+    tensors `parts[j]` (module docstring); `options` go to `plan`. A name planned by two
+    senders is refused."""
+    if not parts:
+        raise ManifestError("an update needs at least one sender")
+    base = {k: v for k, v in (meta or {}).items() if k != SENDERS_KEY}
+    planned = [plan(p, weight_version=weight_version, bucket_bytes=bucket_bytes,
+                    checksum=checksum, split=split, meta=base, **options) for p in parts]
+    buckets: list[list[Any]] = []
+    tensors: list[dict[str, Any]] = []
+    ranges: list[list[int]] = []
+    version = 1
+    for m in planned:
+        d = m.to_dict()
+        version = max(version, int(d["format_version"]))
+        first_b, first_t = len(buckets), len(tensors)
+        buckets += [[first_b + rb[0], *rb[1:]] for rb in d["buckets"]]
+        for t in d["tensors"]:
+            t["pieces"] = [[first_b + p[0], *p[1:]] for p in t["pieces"]]
+            tensors.append(t)
+        ranges.append([first_b, len(d["buckets"]), first_t, len(d["tensors"])])
+    whole = planned[0].to_dict()
+    whole.update(format_version=version, buckets=buckets, tensors=tensors,
+                 meta={**base, SENDERS_KEY: ranges})
+    return Manifest.from_dict(whole)
+
+
+def sender_ranges(manifest: Manifest) -> list[tuple[int, int, int, int]]:
+    """`meta["senders"]` validated: contiguous runs that cover every bucket and tensor
+    in order, each tensor's pieces inside its sender's buckets. A manifest without the
+    key has one sender."""
+    raw = manifest.meta.get(SENDERS_KEY)
+    if raw is None:
+        return [(0, len(manifest.buckets), 0, len(manifest.tensors))]
+    if not isinstance(raw, list) or not raw or len(raw) > 65536:
+        raise ManifestError(f"meta.senders must be a non-empty list, got {str(raw)[:200]}")
+    out: list[tuple[int, int, int, int]] = []
+    nb = nt = 0
+    for j, r in enumerate(raw):
+        if (not isinstance(r, list) or len(r) != 4
+                or not all(isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in r)):
+            raise ManifestError(f"meta.senders[{j}] must be 4 integers >= 0, got {r!r}")
+        if r[0] != nb or r[2] != nt:
+            raise ManifestError(f"meta.senders[{j}] = {r}: runs must be contiguous (expected "
+                                f"buckets from {nb}, tensors from {nt})")
+        nb, nt = nb + r[1], nt + r[3]
+        out.append((r[0], r[1], r[2], r[3]))
+    if nb != len(manifest.buckets) or nt != len(manifest.tensors):
+        raise ManifestError(f"meta.senders covers {nb} buckets and {nt} tensors; the manifest "
+                            f"has {len(manifest.buckets)} and {len(manifest.tensors)}")
+    for j, (fb, cb, ft, ct) in enumerate(out):
+        for t in manifest.tensors[ft:ft + ct]:
+            if any(not fb <= p.bucket < fb + cb for p in t.pieces):
+                raise ManifestError(f"tensor {t.name!r} of sender {j} has a piece outside "
+                                    f"that sender's buckets {fb}..{fb + cb - 1}")
+    return out
+
+
+def parts(manifest: Manifest) -> list[Manifest]:
+    """Each sender's part of `manifest`, as a manifest of its own (module docstring).
+    Both sides derive it from the signed manifest; a manifest of one sender without the
+    key is its own single part."""
+    if SENDERS_KEY not in manifest.meta:
+        return [manifest]
+    ranges = sender_ranges(manifest)
+    d = manifest.to_dict()
+    update = f"{manifest_id(manifest):016x}"
+    meta = {k: v for k, v in d["meta"].items() if k != SENDERS_KEY}
+    out = []
+    for j, (fb, cb, ft, ct) in enumerate(ranges):
+        tensors = []
+        for t in d["tensors"][ft:ft + ct]:
+            tensors.append({**t, "pieces": [[p[0] - fb, *p[1:]] for p in t["pieces"]]})
+        part = {**d, "buckets": [[rb[0] - fb, *rb[1:]] for rb in d["buckets"][fb:fb + cb]],
+                "tensors": tensors,
+                "meta": {**meta, "part": j, "parts": len(ranges), "update": update}}
+        out.append(Manifest.from_dict(part))
+    return out

@@ -1,0 +1,98 @@
+"""One trainer rank of a multi-sender push, run inside its host's namespace (or on
+loopback): `python -m tests.multihost.multi_trainer SPEC_JSON`, then one JSON command
+per stdin line, one JSON answer per stdout line (the same protocol as `trainer.py`).
+
+SPEC: `{"model_dir", "host" (this rank's address), "rank", "world", "master"
+("addr:port" of rank 0's rendezvous for the trainer's own gloo group), "replicas":
+[{"kind", "url", "name"}] (rank 0), "timeout_s", "bucket_bytes", "mode"}`; mode
+"balanced" (every rank streams the whole model, as FSDP ranks do; the coordinator
+shares it out), "owned" (rank r streams only the tensors it owns: every world-th name)
+or "single" (rank 0 alone pushes with a plain `WeightSync`; the baseline).
+
+Commands: `{"op": "push", "seed", "version"}` on every rank (answers `{"ok", "seconds",
+...}` or the error, with `"type"`); `{"op": "digests", "names", "replica"?}` (rank 0);
+`{"op": "exit"}` (every rank: closes the groups together).
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import json
+import sys
+import time
+import traceback
+from typing import Any
+
+import torch.distributed as dist
+
+from enginehooks import WeightSync
+from enginehooks.control.multisend import MultiSenderSync
+from enginehooks.control.ranks import TrainerRanks
+from enginehooks.testing.tiny import load_tiny, perturb
+from enginehooks.trainer_side.contract import adapter_for
+from tests.multihost.trainer import handle_of
+
+
+def main(spec: dict[str, Any]) -> None:
+    rank, world, mode = int(spec["rank"]), int(spec["world"]), spec.get("mode", "balanced")
+    timeout_s = float(spec["timeout_s"])
+    model = load_tiny(spec["model_dir"])
+    base = {n: t.clone() for n, t in model.state_dict().items()}
+    dist.init_process_group("gloo", init_method=f"tcp://{spec['master']}", rank=rank,
+                            world_size=world, timeout=_dt.timedelta(seconds=timeout_s * 8))
+    handles = {r["name"]: handle_of(r) for r in spec.get("replicas") or []}
+    sync: WeightSync
+    if mode == "single":
+        sync = WeightSync("gloo", host=spec["host"], timeout_s=timeout_s,
+                          bucket_bytes=spec["bucket_bytes"])
+    else:
+        sync = MultiSenderSync(TrainerRanks(None, timeout_s=timeout_s), "gloo",
+                               host=spec["host"], timeout_s=timeout_s,
+                               bucket_bytes=spec["bucket_bytes"])
+    if rank == 0:
+        for h in handles.values():
+            sync.add_replica(h)
+    names = sorted(base)
+
+    def answer(obj: dict[str, Any]) -> None:
+        print(json.dumps(obj), flush=True)
+
+    answer({"ready": True, "rank": rank})
+    for line in sys.stdin:
+        cmd = json.loads(line)
+        op = cmd["op"]
+        if op == "exit":
+            break
+        if op == "push":
+            model.load_state_dict(base)
+            perturb(model, seed=int(cmd["seed"]))
+            what: Any = model
+            if mode == "owned":
+                mine = {n for i, n in enumerate(names) if i % world == rank}
+                what = adapter_for(model, include=lambda n: n in mine)
+            t0 = time.monotonic()
+            if mode == "single" and rank != 0:
+                answer({"ok": True, "seconds": 0.0, "idle": True})
+                continue
+            try:
+                report = sync.push(what, version=cmd["version"])
+            except Exception as e:
+                traceback.print_exc()  # to this rank's log
+                answer({"ok": False, "type": type(e).__name__, "error": str(e),
+                        "replica": getattr(e, "replica", None),
+                        "seconds": time.monotonic() - t0})
+                continue
+            answer({"ok": True, "seconds": time.monotonic() - t0, "bytes": report.bytes,
+                    "phases": dict(getattr(report, "phases", {}) or {})})
+        elif op == "digests":
+            h = handles[cmd["replica"]] if "replica" in cmd else next(iter(handles.values()))
+            answer({"ok": True, "digests": h.digests(cmd["names"], timeout_s=60.0)})
+        else:
+            answer({"ok": False, "type": "ValueError", "error": f"unknown op {op!r}"})
+    if mode != "single" or rank == 0:
+        sync.close()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main(json.loads(sys.argv[1]))
