@@ -123,7 +123,8 @@ class MultiSenderSync(WeightSync):
             manifest = plan_senders(
                 decide_parts(per_rank), weight_version=version, bucket_bytes=self.bucket_bytes,
                 checksum=self.checksum, split=self.transport.split,
-                meta={"transport": self.transport_name, "verify": self.verify})
+                meta={"transport": self.transport_name, "verify": self.verify},
+                direct_min=getattr(self.transport, "direct_min", None))
             return adapter, manifest
 
         adapter, manifest = self._phase("plan", report, make_plan)
