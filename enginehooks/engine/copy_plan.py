@@ -9,13 +9,14 @@ and replays it afterwards without the loader:
 
 - `PlanRecorder` runs under the engine's loader (a `ByteTracer`, normally on the meta
   skeleton of the loader dry run) and records, per fed tensor, the aten ops it goes
-  through. A tensor whose path is views of itself plus exactly one `copy_` into a
-  parameter or buffer (constant `fill_` / `zero_` of parameters while it loads, such
-  as a vocabulary's padding, are kept as steps too) gets a `Route` of `Step`s, each a
+  through. A tensor whose path is views of itself plus `copy_`s into parameters or
+  buffers (usually one; a fused checkpoint tensor split into shards takes one per
+  shard; constant `fill_` / `zero_` of parameters while it loads, such as a
+  vocabulary's padding, are kept as steps too) gets a `Route` of `Step`s, each a
   destination view given as (storage offset, sizes, strides) and, for a copy, the
   source view likewise. Anything else (scaling, `exp`, a concatenation into a new
-  tensor, a dtype conversion before the copy, quantisation, `.item()`) keeps the tensor
-  on the loader, with the op named.
+  tensor, a dtype conversion before the copy, quantisation, `.item()`, a copy into a
+  temporary) keeps the tensor on the loader, with the op named.
 - `check_plan` proves a plan on real tensors: the loader's result (a fresh-load shadow
   before post-load processing) must equal, bit for bit, what the plan writes into
   scratch copies of the destinations; a difference disables the plan, naming it.
@@ -49,6 +50,10 @@ PLAN_ENV = "ENGINEHOOKS_COPY_PLAN"
 
 _COPY = torch.ops.aten.copy_.default
 _FILLS = {torch.ops.aten.fill_.Scalar, torch.ops.aten.zero_.default}
+#: ops that read only a tensor's metadata (shape, dtype, device), never its values
+_METADATA_ONLY = {getattr(torch.ops.aten, n).default for n in (
+    "empty_like", "zeros_like", "ones_like", "full_like", "new_empty", "new_zeros",
+    "new_ones", "new_full", "new_empty_strided")}
 
 
 def plan_enabled() -> bool:
@@ -237,8 +242,8 @@ class PlanRecorder(ByteTracer):
             if key is not None and key in self.fed:
                 name, start = self.fed[key]
                 steps = self.steps.setdefault(name, [])
-                if any(s.src is not None for s in steps):
-                    self._spoil(name, "the loader copies it more than once")
+                # several copies of views of one tensor (a fused checkpoint tensor split
+                # into the shards of a fused parameter) replay as they ran
                 steps.append(Step(owner, self._relative(first, owner),
                                   View(src.storage_offset() - start, tuple(src.shape),
                                        tuple(src.stride()))))
@@ -258,7 +263,7 @@ class PlanRecorder(ByteTracer):
             else:
                 self.global_reason = self.global_reason or what
         out = super().__torch_dispatch__(func, types, args, kwargs)
-        if fed_in and not recorded:
+        if fed_in and not recorded and func not in _METADATA_ONLY:
             outs = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
             views = bool(outs) and all(_storage_key(t) in self.fed for t in outs)
             if not views:

@@ -186,7 +186,8 @@ def copy_plan(handle: Any) -> dict[str, Any] | None:
     info = handle.info(60)[0].get("copy_plan")
     if not info:
         return None
-    keys = ("state", "reason", "planned", "loader", "planned_last", "loader_last")
+    keys = ("state", "reason", "planned", "loader", "planned_last", "loader_last",
+            "loader_examples")
     return {k: info.get(k) for k in keys}
 
 

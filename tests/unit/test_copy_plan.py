@@ -184,3 +184,41 @@ def test_full_copy_destinations() -> None:
     assert plan.full_copy("embed") is None      # copy plus a fill
     step = plan.full_copy("plain")
     assert step is not None and step.dest == "plain"
+
+
+class Split(nn.Module):
+    """A fused checkpoint tensor split by the loader into the two halves of a fused
+    parameter in another order (phi3's gate_up_proj into vLLM's merged layer), and one
+    copied through a temporary (a `clone` first: the loader's own tensor, not a view)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.merged = nn.Parameter(torch.zeros(8, 4))
+        self.via_temp = nn.Parameter(torch.zeros(4))
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        for name, w in weights:
+            if name == "fused":
+                up, gate = w.chunk(2, dim=0)
+                self.merged.data.narrow(0, 0, 4).copy_(gate)
+                self.merged.data.narrow(0, 4, 4).copy_(up)
+            elif name == "via_temp":
+                tmp = torch.empty_like(w)
+                tmp.copy_(w)
+                self.via_temp.data.copy_(tmp)
+
+
+def test_a_split_source_is_planned_and_a_temporary_is_not() -> None:
+    ws = {"fused": torch.randn(8, 4), "via_temp": torch.randn(4)}
+    with torch.device("meta"):
+        skeleton = Split()
+    plan = record_plan(skeleton, specs(ws), load)
+    assert plan.planned() == ["fused"] and len(plan.routes["fused"].steps) == 2
+    assert "copy_" in plan.loader()["via_temp"]
+    real = Split()
+    real.load_weights(ws.items())
+    assert check_plan(plan, tensors(real), ws) is None
+    replayed = Split()
+    with torch.no_grad():
+        replay(plan.routes["fused"], ws["fused"], tensors(replayed))
+    assert torch.equal(replayed.merged, real.merged)
