@@ -1,0 +1,206 @@
+"""Several senders (issue 23), the pure parts: who sends which tensor, the one manifest
+and each sender's part of it, and the static schedule. The end-to-end push from several
+trainer processes is in tests/multihost/test_multi_sender.py."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from enginehooks.control.schedule import (
+    ScheduleError,
+    Slice,
+    Transfer,
+    floor_seconds,
+    link_bytes,
+    schedule,
+    view_slices,
+)
+from enginehooks.control.senders import (
+    assign_balanced,
+    decide_parts,
+    parts,
+    plan_senders,
+    sender_ranges,
+)
+from enginehooks.core.auth import AuthError
+from enginehooks.core.buckets import Unpacker, manifest_id, pack
+from enginehooks.core.errors import ManifestError, TransportError
+from enginehooks.core.manifest import Manifest, TensorSpec, plan
+
+SECRET = b"s" * 32
+
+
+def specs(*sizes: int, dtype: str = "float32") -> list[TensorSpec]:
+    return [TensorSpec(f"t{i}", dtype, (n,)) for i, n in enumerate(sizes)]
+
+
+def test_balanced_assignment_interleaves_and_balances_bytes() -> None:
+    s = specs(100, 100, 100, 100, 10, 10, 10, 10)
+    owners = assign_balanced(s, 2)
+    assert owners == [0, 1, 0, 1, 0, 1, 0, 1]
+    # one big tensor: the others go to the rest until they catch up
+    owners = assign_balanced(specs(400, 100, 100, 100, 100), 2)
+    assert owners == [0, 1, 1, 1, 1]
+    loads = [0, 0, 0]
+    big = specs(*range(1, 200))
+    for spec, j in zip(big, assign_balanced(big, 3)):
+        loads[j] += spec.nbytes
+    assert max(loads) - min(loads) <= 199 * 4  # within the largest tensor
+    with pytest.raises(ValueError):
+        assign_balanced(s, 0)
+
+
+def test_decide_parts_shares_the_whole_model_and_keeps_owned_parts() -> None:
+    s = specs(10, 20, 30, 40)
+    shared = decide_parts([s, s])
+    assert sorted(x.name for p in shared for x in p) == sorted(x.name for x in s)
+    assert all(shared)
+    owned = decide_parts([s[:1], s[1:]])
+    assert owned == [s[:1], s[1:]]
+    with pytest.raises(ManifestError, match="trainer ranks 0 and 1 both stream 't1'"):
+        decide_parts([s[:2], s[1:]])
+
+
+def manifest_of(per: list[list[TensorSpec]], bucket_bytes: int = 256) -> Manifest:
+    return plan_senders(per, weight_version=7, bucket_bytes=bucket_bytes, checksum="crc32",
+                        meta={"transport": "gloo"})
+
+
+def test_one_manifest_lists_each_senders_buckets_and_parts_are_standalone() -> None:
+    per = [specs(10, 100, 3), [TensorSpec("u0", "bfloat16", (300,)), TensorSpec("u1", "int64", (0,))]]
+    m = manifest_of(per)
+    assert [t.name for t in m.tensors] == ["t0", "t1", "t2", "u0", "u1"]
+    ranges = sender_ranges(m)
+    assert ranges[0][0] == 0 and ranges[1][0] == ranges[0][1]
+    assert ranges[1][0] + ranges[1][1] == len(m.buckets)
+    # round trip through JSON (the manifest crosses the network, signed)
+    m2 = Manifest.from_json(m.to_json())
+    ps = parts(m2)
+    assert [[t.name for t in p.tensors] for p in ps] == [["t0", "t1", "t2"], ["u0", "u1"]]
+    # a part is what that sender alone would have planned, plus who it is
+    alone = plan(per[1], weight_version=7, bucket_bytes=256, checksum="crc32",
+                 meta={"transport": "gloo"})
+    assert ps[1].tensors == alone.tensors and ps[1].buckets == alone.buckets
+    assert ps[1].meta["part"] == 1 and ps[1].meta["parts"] == 2
+    assert ps[1].meta["update"] == f"{manifest_id(m):016x}"
+    # every part has an id of its own: a bucket of one cannot pass as another's
+    assert len({manifest_id(p) for p in ps} | {manifest_id(m)}) == 3
+    # one sender, no key: the manifest is its own part
+    single = plan(per[0], weight_version=7, bucket_bytes=256, checksum="crc32")
+    assert parts(single) == [single]
+
+
+def test_a_name_planned_by_two_senders_is_refused() -> None:
+    with pytest.raises(ManifestError, match="appears twice"):
+        manifest_of([specs(10), specs(10)])
+
+
+@pytest.mark.parametrize("bad, match", [
+    ([[0, 1, 0, 2]], "covers"),
+    ([[0, 1, 0, 1], [2, 1, 1, 2]], "contiguous"),
+    ([[0, "1", 0, 1]], "4 integers"),
+    ("x", "non-empty list"),
+])
+def test_sender_runs_that_do_not_cover_the_manifest_are_refused(bad: object, match: str) -> None:
+    m = manifest_of([specs(10), specs(10, 10)[1:]])
+    d = m.to_dict()
+    d["meta"]["senders"] = bad
+    with pytest.raises(ManifestError, match=match):
+        parts(Manifest.from_dict(d))
+
+
+def test_a_tensor_outside_its_senders_buckets_is_refused() -> None:
+    m = manifest_of([specs(10, 10), [TensorSpec("u", "float32", (10,))]])
+    d = m.to_dict()
+    d["meta"]["senders"] = [[0, 1, 0, 1], [1, 1, 1, 2]]  # t1 (bucket 0) given to sender 1
+    with pytest.raises(ManifestError, match="outside that sender's buckets"):
+        parts(Manifest.from_dict(d))
+
+
+def roundtrip(part: Manifest, tensors: dict[str, torch.Tensor], secret: bytes | None,
+              receiver_part: Manifest | None = None,
+              receiver_secret: bytes | None = None) -> dict[str, torch.Tensor]:
+    from enginehooks.core.buckets import buffer_bytes
+
+    size = buffer_bytes(part)
+    bufs = []
+    for _i, buf in pack(part, [(t.name, tensors[t.name]) for t in part.tensors],
+                        lambda _i: torch.empty(size, dtype=torch.uint8), secret):
+        bufs.append(buf.clone())
+    rp = receiver_part or part
+    un = Unpacker(rp, "cpu", None, receiver_secret if receiver_secret is not None else secret)
+    out: dict[str, torch.Tensor] = {}
+    for i, b in enumerate(bufs):
+        out.update({n: t.clone() for n, t in un.unpack(i, b)})
+    return out
+
+
+def test_each_part_packs_and_unpacks_with_the_single_sender_code_and_is_checked() -> None:
+    per = [specs(10, 100), [*specs(5, 70, 33)[1:], TensorSpec("w", "float32", (7,))]]
+    per[1] = [TensorSpec(f"s{i}", x.dtype, x.shape) for i, x in enumerate(per[1])]
+    m = manifest_of(per, bucket_bytes=128)
+    g = torch.Generator().manual_seed(0)
+    tensors = {t.name: torch.randn(t.shape, generator=g) for t in m.tensors}
+    ps = parts(m)
+    got = {}
+    for p in ps:
+        got.update(roundtrip(p, tensors, SECRET))
+    assert set(got) == set(tensors) and all(torch.equal(got[n], tensors[n]) for n in tensors)
+    # a bucket of part 1 offered as part 0's: another update id
+    with pytest.raises(TransportError, match="another update"):
+        roundtrip(ps[1], tensors, SECRET, receiver_part=ps[0])
+    # signed with another secret: refused
+    with pytest.raises(AuthError):
+        roundtrip(ps[0], tensors, b"x" * 32, receiver_secret=SECRET)
+
+
+def test_the_senders_list_is_covered_by_the_manifest_id() -> None:
+    m = manifest_of([specs(10, 10), [TensorSpec("u", "float32", (10,))]])
+    d = json.loads(m.to_json())
+    assert manifest_id(Manifest.from_dict(d)) == manifest_id(m)
+    d["meta"]["senders"] = [[0, 2, 0, 3]]  # one sender claims everything
+    assert manifest_id(Manifest.from_dict(d)) != manifest_id(m)
+
+
+# -- the static schedule ---------------------------------------------------------------
+def test_fsdp_shards_into_tensor_parallel_engine_ranks_each_get_only_their_slice() -> None:
+    # 4 trainer ranks hold dim-0 quarters of a 1024-byte weight; engine TP=2 ranks need halves
+    holds = {r: [Slice("w", 256 * r, 256 * (r + 1))] for r in range(4)}
+    needs = {0: [Slice("w", 0, 512)], 1: [Slice("w", 512, 1024)]}
+    ts = schedule(holds, needs)
+    assert ts == [Transfer(0, 0, "w", 0, 256), Transfer(1, 0, "w", 256, 512),
+                  Transfer(2, 1, "w", 512, 768), Transfer(3, 1, "w", 768, 1024)]
+    egress, ingress = link_bytes(ts)
+    assert ingress == {0: 512, 1: 512}  # nothing an engine rank drops
+    assert egress == {0: 256, 1: 256, 2: 256, 3: 256}
+
+
+def test_replicated_bytes_are_sent_once_per_engine_rank_by_the_least_loaded_holder() -> None:
+    # a norm every trainer rank holds, needed whole by 4 engine ranks
+    holds = {r: [Slice("norm", 0, 100)] for r in range(4)}
+    needs = {e: [Slice("norm", 0, 100)] for e in range(4)}
+    ts = schedule(holds, needs)
+    assert sorted((t.dst, t.nbytes) for t in ts) == [(e, 100) for e in range(4)]
+    egress, _ = link_bytes(ts)
+    assert egress == {0: 100, 1: 100, 2: 100, 3: 100}  # balanced, not all from rank 0
+
+
+def test_column_slices_of_a_matrix_and_missing_bytes() -> None:
+    # an engine rank reads columns 2..4 of a 4x6 float32 matrix: one run per row
+    runs = view_slices("m", 2, (4, 2), (6, 1), 4)
+    assert runs == [Slice("m", 8 + 24 * i, 16 + 24 * i) for i in range(4)]
+    assert view_slices("m", 6, (2, 6), (6, 1), 4) == [Slice("m", 24, 72)]  # rows 1-2: one run
+    holds = {0: [Slice("m", 0, 48)], 1: [Slice("m", 48, 96)]}
+    ts = schedule(holds, {0: runs})
+    assert sum(t.nbytes for t in ts) == 32 and {t.src for t in ts} == {0, 1}
+    with pytest.raises(ScheduleError, match="engine rank 0 needs bytes \\[96, 100\\) of 'm'"):
+        schedule(holds, {0: [Slice("m", 90, 100)]})
+
+
+def test_floor_is_the_busiest_link() -> None:
+    ts = [Transfer(0, 0, "a", 0, 1000), Transfer(1, 0, "b", 0, 3000)]
+    assert floor_seconds(ts, egress_bps=1000.0, ingress_bps=10000.0) == 3.0
+    assert floor_seconds(ts, egress_bps=1e6, ingress_bps=1000.0) == 4.0
