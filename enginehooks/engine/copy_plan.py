@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Collection, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -456,6 +456,24 @@ class PlanState:
         """The first planned update equalled a fresh load."""
         if self.state == "verifying":
             self.state = "on"
+
+    def judge(self, mismatched: Sequence[str], planned: Collection[str]) -> None:
+        """The verdict of the first update through the plan: `mismatched` (module.key
+        names that differed from a fresh load, already repaired) against `planned` (the
+        tensors the plan wrote). A difference in a module the plan wrote turns it off; a
+        difference only where the loader wrote is the engine's reload path, which
+        verification repairs and keeps watching, and says nothing against the plan."""
+        mine = {n.rpartition(".")[0] for n in planned}
+        blamed = [m for m in mismatched if m.rpartition(".")[0] in mine]
+        if blamed:
+            self.disable("the first update through the plan differed from a fresh load "
+                         f"(repaired from it) in tensors the plan wrote: {blamed[:5]}")
+        else:
+            if mismatched:
+                log.info("%s: the first update through the plan equalled a fresh load where "
+                         "the plan wrote; %d tensors the loader wrote were repaired",
+                         self.engine, len(mismatched))
+            self.verified()
 
     def split(self, tensors: Iterable[tuple[str, torch.Tensor]]) -> Iterator[
             tuple[str, torch.Tensor, Route | None]]:

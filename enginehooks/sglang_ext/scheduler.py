@@ -190,10 +190,11 @@ class SGLangTarget(Target):
         if plan is not None:
             self._check_plan(model, plan, kept, landed, verify)
         elif verify:
-            self._verify(model, kept, landed, checking and planned > 0)
+            dests = {st.dest for r in routes.values() for st in r.steps}
+            self._verify(model, kept, landed, checking and planned > 0, dests)
 
     def _verify(self, model: torch.nn.Module, kept: list[tuple[str, torch.Tensor]],
-                landed: set[str], checking: bool) -> None:
+                landed: set[str], checking: bool, planned: set[str]) -> None:
         try:
             verdict = self.verifier.run(model, lambda: self.fresh_load(kept), landed)
         except WeightsMismatch as e:
@@ -206,11 +207,8 @@ class SGLangTarget(Target):
         if verdict is None:
             self.plan.disable("the first update through the plan could not be verified "
                               f"({(self.verifier.last or {}).get('error')})")
-        elif verdict.mismatched:
-            self.plan.disable("the first update through the plan differed from a fresh load "
-                              f"(repaired from it): {verdict.mismatched[:5]}")
         else:
-            self.plan.verified()
+            self.plan.judge(verdict.mismatched, planned)
 
     def _check_plan(self, model: torch.nn.Module, plan: CopyPlan,
                     kept: list[tuple[str, torch.Tensor]], landed: set[str],

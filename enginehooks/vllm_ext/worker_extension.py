@@ -166,10 +166,11 @@ class VLLMTarget(Target):
         if plan is not None:
             self._check_plan(plan, kept, landed, verify)
         elif verify:
-            self._verify(model, kept, landed, checking)
+            planned = {st.dest for r in routes.values() for st in r.steps}
+            self._verify(model, kept, landed, checking, planned)
 
     def _verify(self, model: torch.nn.Module, kept: list[tuple[str, torch.Tensor]],
-                landed: set[str], checking: bool) -> None:
+                landed: set[str], checking: bool, planned: set[str]) -> None:
         """Verify after apply; the first update applied through the plan is always
         verified, and any difference from a fresh load turns the plan off."""
         try:
@@ -184,11 +185,8 @@ class VLLMTarget(Target):
         if verdict is None:
             self.plan.disable("the first update through the plan could not be verified "
                               f"({(self.verifier.last or {}).get('error')})")
-        elif verdict.mismatched:
-            self.plan.disable("the first update through the plan differed from a fresh load "
-                              f"(repaired from it): {verdict.mismatched[:5]}")
         else:
-            self.plan.verified()
+            self.plan.judge(verdict.mismatched, planned)
 
     def _check_plan(self, plan: CopyPlan, kept: list[tuple[str, torch.Tensor]],
                     landed: set[str], verify: bool) -> None:

@@ -222,3 +222,16 @@ def test_a_split_source_is_planned_and_a_temporary_is_not() -> None:
     with torch.no_grad():
         replay(plan.routes["fused"], ws["fused"], tensors(replayed))
     assert torch.equal(replayed.merged, real.merged)
+
+
+def test_only_a_difference_where_the_plan_wrote_turns_it_off() -> None:
+    ws = weights()
+    state = PlanState("test")
+    state.adopt(record_plan(meta_model(), specs(ws), load), None)
+    # the loader's part differed (an engine reload bug, repaired by verification)
+    state.judge(["experts.w13_weight"], {"qkv", "layers.0.norm.weight"})
+    assert state.state == "on"
+    state = PlanState("test")
+    state.adopt(record_plan(meta_model(), specs(ws), load), None)
+    state.judge(["layers.0.norm.weight", "experts.w13_weight"], {"layers.0.norm.weight"})
+    assert state.state == "off" and "layers.0.norm.weight" in (state.reason or "")
