@@ -1,0 +1,242 @@
+"""The engine side's refusals and state changes, each by type and whole message, on a
+real `EngineSide` (a `LocalEngine`'s, in this process): the fail-closed code every
+engine plugin runs. Found by `make mutants` (engine/side.py): most of these lines
+could change without any test noticing, because the end-to-end tests only ask
+whether a push failed, not which refusal ended it."""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+from enginehooks import WeightSync
+from enginehooks.core.auth import AuthError
+from enginehooks.core.errors import (
+    ConfigError,
+    ManifestError,
+    ReplicaBusy,
+    ReplicaError,
+    TransportError,
+)
+from enginehooks.core.manifest import TensorSpec, plan
+from enginehooks.engine import side as side_mod
+from enginehooks.engine.local import LocalEngine
+from enginehooks.engine.side import MAX_DIGEST_NAMES, ON_TORN_ENV, default_policy, refusal_of
+
+
+def engine(name: str = "side") -> LocalEngine:
+    torch.manual_seed(0)
+    return LocalEngine(nn.Linear(3, 4), name=name)
+
+
+def manifest(version: Any = 7, shape: tuple[int, ...] = (4, 3)) -> str:
+    return plan([TensorSpec("weight", "float32", shape), TensorSpec("bias", "float32", (4,))],
+                weight_version=version, bucket_bytes=1024).to_json()
+
+
+def test_default_policy_reads_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(ON_TORN_ENV, raising=False)
+    assert default_policy() == "refuse"
+    monkeypatch.setenv(ON_TORN_ENV, "serve")
+    assert default_policy() == "serve"
+    assert engine().side.on_torn == "serve"
+    monkeypatch.setenv(ON_TORN_ENV, "Serve")
+    with pytest.raises(ConfigError) as err:
+        default_policy()
+    assert str(err.value) == "ENGINEHOOKS_ON_TORN='Serve': one of ('refuse', 'serve')"
+
+
+def test_a_new_side_is_initial_and_says_so() -> None:
+    s = engine().side
+    state = s.public_state()
+    assert {k: state[k] for k in state if k != "time"} == {
+        "state": "initial", "version": None, "updating_to": None, "failed_version": None,
+        "reason": None, "on_torn": "refuse", "group": None}
+    info = s.info()
+    assert (info["rank"], info["version"], info["state"], info["group"], info["transport"],
+            info["last_error"], info["failed_version"], info["authenticated"],
+            info["engine"]) == (0, None, "initial", None, None, None, None, False, "local")
+    assert info["instance"] == s.instance and len(s.instance) == 32
+    assert info["dtype"] == "float32" and info["wire_dtypes"] == {}
+
+
+def test_a_token_to_an_engine_without_a_secret_is_refused_with_the_fix() -> None:
+    s = engine().side
+    with pytest.raises(AuthError) as err:
+        s.check(manifest(), "some-token")
+    assert str(err.value) == (
+        "check refused: the trainer signs its updates but this engine has no shared secret: "
+        "set ENGINEHOOKS_SECRET (or ENGINEHOOKS_SECRET_FILE) in the engine's environment too")
+    assert s.check(manifest(), None) == []  # unsigned: checked
+
+
+@pytest.mark.parametrize("endpoint", [["gloo"], {"transport": 3}, {"world_size": 2}])
+def test_a_join_without_a_transport_is_refused(endpoint: Any) -> None:
+    s = engine().side
+    with pytest.raises(ConfigError) as err:
+        s.join(endpoint, 1)
+    assert str(err.value) == ("a group endpoint is a JSON object naming its transport, not "
+                              f"{endpoint!r:.200}")
+    assert s.group is None and s.transport is None
+
+
+def test_a_join_with_an_unknown_policy_is_refused_and_changes_nothing() -> None:
+    s = engine().side
+    with pytest.raises(ConfigError) as err:
+        s.join({"transport": "gloo", "on_torn": "ignore"}, 1)
+    assert str(err.value) == "on_torn='ignore': one of ('refuse', 'serve')"
+    assert s.on_torn == "refuse" and s.group is None
+
+
+def test_receive_before_joining_is_refused() -> None:
+    s = engine().side
+    with pytest.raises(TransportError) as err:
+        s.receive(manifest(), "g")
+    assert str(err.value) == "this worker has not joined a transport group"
+    assert s.state == "initial" and s.version is None
+
+
+def test_a_refused_manifest_names_every_problem_and_leaves_the_state() -> None:
+    s = engine().side
+    with pytest.raises(ManifestError) as err:
+        s.receive(manifest(shape=(4, 5)), "g")
+    assert str(err.value).startswith("refused before any data moved: ")
+    assert "weight" in str(err.value) and "[4, 5]" in str(err.value)
+    assert s.state == "initial"
+
+
+def test_receive_for_another_group_is_refused() -> None:
+    e = engine()
+    with WeightSync("gloo", timeout_s=20) as sync:
+        sync.add_replica(e)
+        sync.push(nn.Linear(3, 4), version=1)
+        s = e.side
+        group = s.group
+        assert group and s.state == "current" and s.version == 1
+        with pytest.raises(TransportError) as err:
+            s.receive(manifest(version=2), "another-group")
+        assert str(err.value) == (f"this worker is in group {group!r} now, not "
+                                  "'another-group': another trainer took it over; the next "
+                                  "push rejoins")
+        assert s.state == "current" and s.version == 1
+
+
+def test_a_busy_worker_refuses_at_once_naming_the_update() -> None:
+    s = engine().side
+    s.updating_to, s.group = "v9", "g1"
+    assert s._busy.acquire(blocking=False)
+    try:
+        for call in (lambda: s.receive(manifest(), "g1"), lambda: s.leave(None),
+                     lambda: s.join({"transport": "gloo"}, 1)):
+            with pytest.raises(ReplicaBusy) as err:
+                call()
+            verb = str(err.value).split(" ")[0]
+            assert str(err.value) == (f"{verb} refused: this worker is applying the update to "
+                                      "version 'v9' (group g1); one update at a time")
+    finally:
+        s._busy.release()
+    # Released after each refusal and after a normal verb: the next one runs.
+    assert s._busy.acquire(blocking=False)
+    s._busy.release()
+
+
+def test_the_lock_is_released_when_a_verb_fails() -> None:
+    s = engine().side
+    with pytest.raises(TransportError):
+        s.receive(manifest(), "g")
+    assert s._busy.acquire(blocking=False)
+    s._busy.release()
+
+
+def test_a_stale_leave_is_answered_and_ignored() -> None:
+    s = engine().side
+    s.group = "now"
+    reply = s._stale_leave("before")
+    assert reply == {"left": False, "group": "before",
+                     "reason": "this worker is in group 'now', not 'before': a late leave of "
+                               "an earlier group, ignored"}
+
+
+def test_digests_are_capped_per_call() -> None:
+    s = engine().side
+    assert set(s.digests(["weight"] * MAX_DIGEST_NAMES)) == {"weight"}
+    with pytest.raises(ConfigError) as err:
+        s.digests(["weight"] * (MAX_DIGEST_NAMES + 1))
+    assert str(err.value) == "digests of 4097 tensors asked; at most 4096 per call"
+
+
+def test_digests_are_crc32_of_the_checkpoint_rows() -> None:
+    import zlib
+
+    e = engine()
+    d = e.side.digests(["weight", "bias", "missing"])
+    w = e.target.tensors["weight"].detach().contiguous()
+    assert d == {
+        "weight": {"dtype": "float32", "shape": [4, 3],
+                   "crc32": zlib.crc32(w.reshape(-1).view(torch.uint8).numpy())},
+        "bias": {"dtype": "float32", "shape": [4],
+                 "crc32": zlib.crc32(e.target.tensors["bias"].detach().view(torch.uint8)
+                                     .numpy())}}
+
+
+def test_refusal_follows_state_and_policy() -> None:
+    s = engine().side
+    assert s.refusal() is None  # initial: serve
+    for state in ("updating", "torn"):
+        s.state = state
+        assert s.refusal() == refusal_of(s.public_state())
+    s.state = "current"
+    assert s.refusal() is None
+    s.state, s.on_torn = "torn", "serve"
+    assert s.refusal() is None
+
+
+def test_a_failed_update_tears_the_worker_and_says_why() -> None:
+    e = engine()
+
+    class Broken(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.weight = nn.Parameter(torch.zeros(4, 3))
+            self.bias = nn.Parameter(torch.zeros(4))
+
+    with WeightSync("gloo", timeout_s=20) as sync:
+        sync.add_replica(e)
+        sync.push(nn.Linear(3, 4), version=1)
+
+    def fail(*a: Any, **k: Any) -> None:
+        raise RuntimeError("disk on fire")
+
+    s = e.side
+    s.target.prepare = fail  # type: ignore[method-assign]
+    with WeightSync("gloo", timeout_s=20) as sync:
+        sync.add_replica(e)
+        with pytest.raises(ReplicaError, match=r"replica 'side': RuntimeError: disk on fire"):
+            sync.push(Broken(), version=2)
+    assert (s.state, s.version, s.failed_version, s.updating_to) == ("torn", None, 2, None)
+    assert s.last_error == "update to 2 failed: RuntimeError: disk on fire"
+    assert s.public_state()["reason"] == s.last_error
+
+
+def test_state_changes_reach_the_binding_in_order() -> None:
+    e = engine()
+    seen: list[str] = []
+    lock = threading.Lock()
+    real = e.side.binding.state_changed
+
+    def record(state: dict[str, Any]) -> None:
+        with lock:
+            seen.append(state["state"])
+        real(state)
+
+    e.side.binding.state_changed = record  # type: ignore[method-assign]
+    with WeightSync("gloo", timeout_s=20) as sync:
+        sync.add_replica(e)
+        sync.push(nn.Linear(3, 4), version=1)
+    assert "updating" in seen and seen[-1] == "current"
+    assert seen.index("updating") < len(seen) - 1
+    assert side_mod.EngineSide is type(e.side)
