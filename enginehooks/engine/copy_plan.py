@@ -235,28 +235,26 @@ class PlanRecorder(ByteTracer):
         first = args[0] if args and isinstance(args[0], torch.Tensor) else None
         owner = self.owner.get(_storage_key(first) or -1) if first is not None else None
         recorded = False
-        if func is _COPY and owner is not None and len(args) >= 2 \
-                and isinstance(args[1], torch.Tensor):
-            src = args[1]
-            key = _storage_key(src)
-            if key is not None and key in self.fed:
-                name, start = self.fed[key]
-                steps = self.steps.setdefault(name, [])
-                # several copies of views of one tensor (a fused checkpoint tensor split
-                # into the shards of a fused parameter) replay as they ran
-                steps.append(Step(owner, self._relative(first, owner),
-                                  View(src.storage_offset() - start, tuple(src.shape),
-                                       tuple(src.stride()))))
-                recorded = True
+        src = args[1] if func is _COPY and len(args) >= 2 else None
+        key = _storage_key(src) if isinstance(src, torch.Tensor) else None
+        if owner is not None and key is not None and key in self.fed:
+            name, start = self.fed[key]
+            # several copies of views of one tensor (a fused checkpoint tensor split into
+            # the shards of a fused parameter) replay as they ran
+            self.steps.setdefault(name, []).append(Step(
+                owner, self._relative(first, owner),  # type: ignore[arg-type]
+                View(src.storage_offset() - start, tuple(src.shape), tuple(src.stride()))))
+            recorded = True
         elif func in _FILLS and owner is not None and not fed_in:
             value = 0 if func is torch.ops.aten.zero_.default else args[1]
             if self.current is not None and isinstance(value, (int, float, bool)):
                 self.steps.setdefault(self.current, []).append(
                     Step(owner, self._relative(first, owner), None, value))
                 recorded = True
-        elif owner is not None and not fed_in and self._writes(func, args, kwargs):
-            # a write into the model that comes from no fed tensor (another parameter,
-            # a computed value): not replayable
+        elif owner is not None and self._writes(func, args, kwargs) and not fed_in:
+            # a write into the model that comes from no fed tensor (a value computed
+            # from the parameter itself, `param.copy_(-exp(param))`, another
+            # parameter): not replayable
             what = f"the loader writes {owner} with {func}"
             if self.current is not None:
                 self._spoil(self.current, what)

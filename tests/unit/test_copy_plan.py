@@ -235,3 +235,25 @@ def test_only_a_difference_where_the_plan_wrote_turns_it_off() -> None:
     state.adopt(record_plan(meta_model(), specs(ws), load), None)
     state.judge(["layers.0.norm.weight", "experts.w13_weight"], {"layers.0.norm.weight"})
     assert state.state == "off" and "layers.0.norm.weight" in (state.reason or "")
+
+
+class Composed(nn.Module):
+    """vLLM's `composed_weight_loader` (Mamba2's A from A_log): copy, then
+    `param.copy_(-exp(param))` computed from the parameter itself."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.A = nn.Parameter(torch.zeros(4))
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        for _, w in weights:
+            self.A.data.copy_(w)
+            self.A.data.copy_(-torch.exp(self.A.data.float()))
+
+
+def test_a_value_computed_from_the_parameter_after_the_copy_stays_on_the_loader() -> None:
+    ws = {"A_log": torch.randn(4)}
+    with torch.device("meta"):
+        skeleton = Composed()
+    plan = record_plan(skeleton, specs(ws), load)
+    assert plan.planned() == [] and "writes A" in plan.loader()["A_log"]
