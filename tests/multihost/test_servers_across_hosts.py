@@ -22,10 +22,13 @@ Faults, made in the switch while the engine receives over a link shaped so that 
 push takes seconds: (a) the link drops every packet, (b) latency jumps to seconds,
 (c) the engine's host disappears; and a partition while the engines `check` the
 manifest and while they `finish` (flush). Each ends the push on the trainer within
-`timeout_s` plus the coordinator's grace, with an error naming the replica; the engine
-ends its update within `timeout_s`, `torn` (never `current` on the failed version) or
-still on its previous version; after the link heals the next push succeeds and meets
-the exact oracle.
+`timeout_s` plus the coordinator's grace, with an error naming the replica. The engine
+ends its update within `timeout_s` of the last byte it received (its receive waits that
+long per bucket), `torn`, never `current` on the failed version; a partition during
+`check` leaves it on its previous version; one during `finish` comes after the engine
+applied the whole update (`finish` only flushes the prefix cache): it is `current` on
+that version and serves exactly it. After the link heals the next push succeeds and
+meets the exact oracle.
 
 CI runs the vLLM server's share; SGLang's, the three-host mixed push and the slower
 contract scenarios need `ENGINEHOOKS_MULTIHOST_FULL=1` (their log is committed under
@@ -37,7 +40,6 @@ from __future__ import annotations
 import functools
 import json
 import os
-import shutil
 import subprocess
 import sys
 import time
@@ -60,12 +62,13 @@ from enginehooks.testing.servers import (
     EngineServerProcess,
     SGLangServerProcess,
     VLLMServerProcess,
+    cpu_env,
 )
 from enginehooks.testing.stalling_trainer import HOST_ENV
 from enginehooks.testing.tiny import hf_greedy, load_tiny, perturb
 from tests.contract import test_replica_contract as rc
 from tests.contract import test_server_contract as sc
-from tests.multihost.test_vllm_across_hosts import docs_argv
+from tests.multihost.test_vllm_across_hosts import docs_argv, sglang_docs_argv
 from tests.support import have
 
 HOSTS = ["trainer", "vllm", "sglang"]
@@ -154,16 +157,26 @@ class DocsVLLMServer(VLLMServerProcess):
                                      f"http://{host.address}:{self.port}")
 
 
+class DocsSGLangServer(SGLangServerProcess):
+    """The SGLang server started with docs/transports.md's engine-host line, as written
+    (plus the `sgl_kernel` stand-in where the real kernels cannot be imported)."""
+
+    def __init__(self, model: Path, log: Path, host: Host, python: str) -> None:
+        argv, env = sglang_docs_argv(model, host.address, python)
+        self.model, self.port = str(model), int(argv[argv.index("--port") + 1])
+        EngineServerProcess.__init__(self, argv, cpu_env({**env, SECRET_ENV: SECRET}), log,
+                                     f"http://{host.address}:{self.port}")
+
+
 def start_server(engine: str, net: Network, model: Path, folder: Path) -> EngineServerProcess:
     python = engine_python(engine)
     if python is None:
         pytest.skip(f"{engine}'s environment is not built (scripts/setup-{engine}-env.sh)")
-    host, env = net.hosts[engine], {SECRET_ENV: SECRET}
+    host = net.hosts[engine]
     if engine == "vllm":
         srv: EngineServerProcess = DocsVLLMServer(model, folder / "vllm.log", host, folder)
     else:
-        srv = SGLangServerProcess(model, folder / "sglang.log", host=host.address, port=30000,
-                                  python=on_host(host, python, folder), env=dict(os.environ, **env))
+        srv = DocsSGLangServer(model, folder / "sglang.log", host, on_host(host, python, folder))
     net.processes.append(srv.proc)  # the network kills it whatever happens
     try:
         srv.wait_ready(timeout_s=400.0)
@@ -325,11 +338,23 @@ def wait_beacons(beacons: list[str], pred: Callable[[dict[str, Any]], bool], tim
         time.sleep(0.05)  # polling files the workers write, bounded above
 
 
-def assert_exact(server: Any, model: Any, like: Path, tmp: Path, version: Any) -> None:
+#: (engine, seed) -> the engine's outputs freshly loaded from `perturb(llama, seed)`: the
+#: healed pushes of every fault push the same weights, and one fresh load serves them all.
+FRESH: dict[tuple[str, int], list[Generation]] = {}
+#: The weights every healed push sends (after its test's own pushes moved the engine).
+HEALED_SEED = 112
+
+
+def assert_exact(server: Any, seed: int, like: Path, tmp: Path, version: Any) -> None:
     """The exact oracle: the server equals the same engine freshly loaded from
-    `save_pretrained(model)`, and HF's greedy tokens."""
+    `save_pretrained` of the pushed weights (`perturb(llama, seed)`), and HF's greedy
+    tokens."""
+    model = perturb(load_tiny(like), seed=seed)
     got = server.generations()
-    diff = first_difference(got, rc.fresh_outputs(server.engine, model, like, tmp))
+    key = (server.engine, seed)
+    if key not in FRESH:
+        FRESH[key] = rc.fresh_outputs(server.engine, model, like, tmp)
+    diff = first_difference(got, FRESH[key])
     assert diff is None, f"{server.engine} after the push != freshly loaded: {diff}"
     assert [list(g.tokens) for g in got] == hf_greedy(model, PROMPTS, NEW_TOKENS)
     assert {g.version for g in got} == {str(version)}
@@ -384,14 +409,18 @@ def test_fault_mid_push_ends_every_side_in_time_and_the_next_push_heals(
               f"{engine_s:.1f}s: {[s.get('reason') for s in ended]}")
         assert named(err, h.name), err
         assert trainer_s <= TIMEOUT_S + TRAINER_MARGIN_S, (trainer_s, err)
-        assert engine_s <= TIMEOUT_S + ENGINE_MARGIN_S, (engine_s, ended)
+        # The engine's receive waits `timeout_s` per bucket: it ends within `timeout_s`
+        # of the last byte it received. A dead link carries none after the fault; a slow
+        # one may still deliver what was in flight until the trainer gives up (then the
+        # sender stops).
+        last_byte_s = trainer_s if fault == "latency-jumps-to-seconds" else 0.0
+        assert engine_s <= last_byte_s + TIMEOUT_S + ENGINE_MARGIN_S, (engine_s, ended)
         for s in ended:
             assert s["state"] == "torn" and s["failed_version"] == failed, s
 
         # Healed: the next push lands and meets the exact oracle.
-        model = perturb(load_tiny(like), seed=112)
-        sync.push(model, version=f"{fault}-healed")
-    assert_exact(server, model, like, tmp_path, f"{fault}-healed")
+        sync.push(perturb(load_tiny(like), seed=HEALED_SEED), version=f"{fault}-healed")
+    assert_exact(server, HEALED_SEED, like, tmp_path, f"{fault}-healed")
 
 
 def faulty_handle(server: Any, verb: str, fault: Callable[[], None]) -> Any:
@@ -457,9 +486,8 @@ def test_partition_during_a_control_phase_ends_in_time_and_the_next_push_heals(
             assert {g.version for g in gens} == {failed}
             assert [list(g.tokens) for g in gens] == hf_greedy(
                 perturb(load_tiny(like), seed=121), PROMPTS, NEW_TOKENS)
-        model = perturb(load_tiny(like), seed=122)
-        sync.push(model, version=f"{verb}-healed")
-    assert_exact(server, model, like, tmp_path, f"{verb}-healed")
+        sync.push(perturb(load_tiny(like), seed=HEALED_SEED), version=f"{verb}-healed")
+    assert_exact(server, HEALED_SEED, like, tmp_path, f"{verb}-healed")
 
 
 # -- the mixed fleet across three hosts -------------------------------------------------
@@ -476,14 +504,11 @@ def test_one_push_updates_vllm_and_sglang_on_two_other_hosts(
                     timeout_s=90, bucket_bytes=BUCKET_BYTES) as sync:
         for h in handles:
             sync.add_replica(h)
-        model = perturb(load_tiny(like), seed=131)
-        report = sync.push(model, version="mixed-1")
+        report = sync.push(perturb(load_tiny(like), seed=131), version="mixed-1")
         assert report.ok and [r.name for r in report.replicas] == [h.name for h in handles]
         for srv in both.values():
-            assert_exact(srv, model, like, tmp_path / srv.engine, "mixed-1")  # type: ignore[attr-defined]
-        model = perturb(load_tiny(like), seed=132)
-        report = sync.push(model, version="mixed-2")
+            assert_exact(srv, 131, like, tmp_path / srv.engine, "mixed-1")  # type: ignore[attr-defined]
+        report = sync.push(perturb(load_tiny(like), seed=HEALED_SEED), version="mixed-2")
         assert report.phases["group"] < report.phases["transfer"] + 1.0  # the group is reused
     for srv in both.values():
-        assert_exact(srv, model, like, tmp_path / f"{srv.engine}-2", "mixed-2")  # type: ignore[attr-defined]
-    shutil.rmtree(tmp_path, ignore_errors=True)
+        assert_exact(srv, HEALED_SEED, like, tmp_path / f"{srv.engine}-2", "mixed-2")  # type: ignore[attr-defined]

@@ -1,31 +1,20 @@
-"""A real vLLM server on another host: started in the engine's namespace (10.78.0.2)
-with the launch line of docs/transports.md, which is the README's CPU line on the
-engine host's address plus float32, eager mode and a short context (so that greedy
-tokens can be compared exactly; checked below), and a
-trainer on 10.78.0.1 pushing over gloo with `WeightSync(host="10.78.0.1")`. Oracle: the
-server's greedy tokens, asked for from the trainer's host, equal HF transformers' on the
-weights the trainer pushed. Before each side bound its own address, the engine's worker
-failed this push with "Cannot resolve 10.78.0.1 to a (local) address"."""
+"""The vLLM server's launch line across hosts (docs/transports.md): the README's CPU line
+on the engine host's address plus float32, eager mode and a short context (so that
+greedy tokens can be compared exactly). `test_servers_across_hosts.py` starts the
+server of its vLLM tests with this line, as written, on 10.78.0.2, and a trainer on
+10.78.0.1 pushes into it with `WeightSync(host="10.78.0.1")`. Before each side bound its
+own address, the engine's worker failed that push with "Cannot resolve 10.78.0.1 to a
+(local) address"."""
 
 from __future__ import annotations
 
 import os
+import re
+import shlex
 import sys
-import time
-from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
-import pytest
-
-from enginehooks.testing.generation import NEW_TOKENS, PROMPTS
-from enginehooks.testing.netns import Network
-from enginehooks.testing.tiny import hf_greedy, load_tiny, perturb
-from tests.multihost.conftest import ENGINE, TRAINER, TrainerProcess
-from tests.support import requires_vllm
 from tests.support.readme import ROOT, LaunchLine, launch_lines
-
-pytestmark = [requires_vllm, pytest.mark.vllm, pytest.mark.slow]
 
 #: The README's CPU launch line, then what an exact comparison with HF needs.
 EXACT = ["--dtype", "float32", "--enforce-eager", "--max-model-len", "256"]
@@ -55,37 +44,29 @@ def docs_argv(model: Path, host: str) -> tuple[list[str], dict[str, str]]:
     return [fill.get(a, a) for a in line.argv], env
 
 
-@pytest.fixture(scope="module")
-def vllm_trainer(net: Network, model_dirs: dict[str, Path],
-                 tmp_path_factory: pytest.TempPathFactory) -> Iterator[TrainerProcess]:
-    engine, logs = net.hosts[ENGINE], tmp_path_factory.mktemp("vllm-across-hosts")
-    argv, env = docs_argv(model_dirs["llama"], engine.address)
-    assert "--host" in argv and argv[argv.index("--host") + 1] == engine.address
-    port = argv[argv.index("--port") + 1]
-    with open(logs / "vllm.log", "wb") as log:
-        server = engine.popen(argv, env=env, stdout=log, stderr=log)
-    url = f"http://{engine.address}:{port}"
-    spec = {"model_dir": str(model_dirs["llama"]), "host": net.hosts[TRAINER].address,
-            "replica": {"kind": "vllm", "url": url, "name": f"vllm@{engine.address}"},
-            "timeout_s": 60.0, "bucket_bytes": 32 << 10}
-    trainer = TrainerProcess(net.hosts[TRAINER], spec, logs / "trainer.log")
-    try:
-        deadline = time.monotonic() + 300
-        while not trainer.call({"op": "health"}, timeout_s=30)["ok"]:
-            if server.poll() is not None or time.monotonic() > deadline:
-                tail = (logs / "vllm.log").read_text(errors="replace")[-3000:]
-                pytest.fail(f"vLLM on {engine.address} did not start:\n{tail}")
-            time.sleep(2.0)  # readiness probe of a server we started, bounded above
-        yield trainer
-    finally:
-        trainer.close()
+#: The SGLang engine host's line: the section's second bash block (run as written).
+SGLANG_DOCS_HOST = "10.78.0.3"
 
 
-def test_push_into_a_vllm_server_on_another_host_serves_the_new_weights_exactly(
-        vllm_trainer: TrainerProcess, model_dirs: dict[str, Path]) -> None:
-    out: dict[str, Any] = vllm_trainer.call({"op": "push", "seed": 21, "version": 1})
-    assert out["ok"], out
-    assert out["report"]["buckets"] > 1
-    got = vllm_trainer.call({"op": "greedy", "prompts": PROMPTS, "max_tokens": NEW_TOKENS})
-    want = hf_greedy(perturb(load_tiny(model_dirs["llama"]), seed=21), PROMPTS, NEW_TOKENS)
-    assert got["tokens"] == want
+def sglang_docs_argv(model: Path, host: str, python: str) -> tuple[list[str], dict[str, str]]:
+    """The SGLang launch line of docs/transports.md, with this run's model, address and
+    interpreter, and the environment it names (on top of this process's)."""
+    text = DOCS.read_text()
+    start = text.index(f"## {DOCS_SECTION}\n")
+    end = text.find("\n## ", start + 1)
+    blocks = re.findall(r"```bash\n(.*?)```", text[start:end if end > 0 else None], re.S)
+    words = shlex.split(blocks[1].replace("\\\n", " "))
+    env = {}
+    while re.fullmatch(r"[A-Z_][A-Z0-9_]*=.*", words[0]):
+        k, _, v = words.pop(0).partition("=")
+        env[k] = v
+    fill = {"python": python, "MODEL": str(model), SGLANG_DOCS_HOST: host}
+    return [fill.get(a, a) for a in words], dict(os.environ, **env)
+
+
+def test_the_sglang_docs_line_runs_sglang_on_cpu_on_the_engine_hosts_address() -> None:
+    argv, env = sglang_docs_argv(Path("/m"), "10.9.9.9", "py")
+    assert argv[:3] == ["py", "-m", "sglang.launch_server"]
+    assert argv[argv.index("--host") + 1] == "10.9.9.9"
+    assert argv[argv.index("--model-path") + 1] == "/m"
+    assert env["SGLANG_USE_CPU_ENGINE"] == "1"
