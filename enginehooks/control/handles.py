@@ -13,16 +13,7 @@ from typing import Any
 
 from enginehooks.core.errors import ConfigError, ManifestError, ReplicaError
 from enginehooks.engine import protocol
-from enginehooks.engine.contract import (
-    CHECK,
-    DIGESTS,
-    FLUSH,
-    INFO,
-    JOIN,
-    LEAVE,
-    RECEIVE,
-    method_name,
-)
+from enginehooks.engine.contract import INFO, method_name
 
 
 class EngineHandle(ABC):
@@ -100,7 +91,7 @@ class EngineHandle(ABC):
     def _sort(replies: list[Any], call_id: str, found: dict[int, Any]) -> None:
         """File the answers of call `call_id` by worker; others are stale: dropped."""
         for i, reply in enumerate(replies):
-            if protocol.is_envelope(reply) and reply["call"] == call_id:
+            if protocol.answers(reply, call_id):
                 found[i] = reply
 
     def _tagged_rpc(self, method: str, *args: Any, deadline: protocol.Deadline) -> list[Any]:
@@ -109,35 +100,39 @@ class EngineHandle(ABC):
         return self.rpc(method, *args, timeout_s=deadline.left(floor=0.001))
 
     # -- shared verbs -------------------------------------------------------------------
+    def request(self, request: protocol.Request, timeout_s: float) -> list[Any]:
+        """Send one typed request (`engine/protocol.py`) to every worker."""
+        return self.call(request.verb, *request.args(), timeout_s=timeout_s)
+
     def info(self, timeout_s: float) -> list[dict[str, Any]]:
-        return self.call(INFO, timeout_s=timeout_s)
+        return self.request(protocol.InfoRequest(), timeout_s)
 
     # `auth` is the token of a signed message (`core/auth.py`): required by engines that
     # have a shared secret, ignored by the others.
     def join(self, endpoint: dict[str, Any], rank_offset: int, timeout_s: float,
              auth: str | None = None) -> None:
-        self.call(JOIN, json.dumps(endpoint), rank_offset, *_opt(auth), timeout_s=timeout_s)
+        self.request(protocol.JoinRequest(endpoint, rank_offset, auth), timeout_s)
 
     def leave(self, timeout_s: float, auth: str | None = None) -> None:
         """`auth`: the leave's one argument, `protocol.leave_message` (the group it
         leaves and the token signing it), or a bare token (leave whatever group)."""
-        self.call(LEAVE, *_opt(auth), timeout_s=timeout_s)
+        self.request(protocol.LeaveRequest(auth), timeout_s)
 
     def check(self, manifest_json: str, timeout_s: float, auth: str | None = None) -> None:
         """Raise `ManifestError` listing every worker's problems with the manifest."""
-        problems = sorted({p for ps in self.call(CHECK, manifest_json, *_opt(auth),
-                                                 timeout_s=timeout_s) for p in ps})
+        problems = sorted({p for ps in self.request(protocol.CheckRequest(manifest_json, auth),
+                                                    timeout_s) for p in ps})
         if problems:
             raise ManifestError(f"replica {self.name!r} refused the update: " + "; ".join(problems))
 
     def receive(self, manifest_json: str, group: str, timeout_s: float,
                 auth: str | None = None) -> list[dict[str, Any]]:
-        return self.call(RECEIVE, manifest_json, group, *_opt(auth), timeout_s=timeout_s)
+        return self.request(protocol.ReceiveRequest(manifest_json, group, auth), timeout_s)
 
     def flush_workers(self, timeout_s: float, auth: str | None = None) -> list[dict[str, Any]]:
         """The contract's `flush` verb on every worker, for engines that flush their
         prefix cache from inside the worker (`flush_cache` decides when)."""
-        return self.call(FLUSH, *_opt(auth), timeout_s=timeout_s)
+        return self.request(protocol.FlushRequest(auth), timeout_s)
 
     def version(self, timeout_s: float = 30.0) -> int | str | None:
         """The weight version every worker holds; None if they differ or any is torn."""
@@ -150,8 +145,5 @@ class EngineHandle(ABC):
     def digests(self, names: list[str], timeout_s: float = 60.0) -> dict[str, Any]:
         """Digests of engine-side weights that the engine keeps in checkpoint layout
         (worker 0), for bit-exact checks without moving the tensors."""
-        return self.call(DIGESTS, json.dumps(names), timeout_s=timeout_s)[0]
+        return self.request(protocol.DigestsRequest(list(names)), timeout_s)[0]
 
-
-def _opt(auth: str | None) -> tuple[str, ...]:
-    return () if auth is None else (auth,)

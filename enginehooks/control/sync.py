@@ -25,7 +25,7 @@ import torch
 from enginehooks.control._futures import spawn
 from enginehooks.control.handles import EngineHandle
 from enginehooks.control.report import PushReport, ReplicaResult
-from enginehooks.core.auth import AuthError, load_secret, sign
+from enginehooks.core.auth import AuthError, load_secret
 from enginehooks.core.checksums import check_name
 from enginehooks.core.dtypes import torch_dtype
 from enginehooks.core.errors import (
@@ -296,8 +296,7 @@ class WeightSync:
         workers of `r` only (its audience)."""
         if not self.secret:
             return None
-        return sign(self.secret, verb, protocol.signed_payload(verb, **fields),
-                    audience=self._audience.get(id(r), ()))
+        return protocol.token(self.secret, verb, self._audience.get(id(r), ()), **fields)
 
     def send_dtype(self) -> torch.dtype | None:
         """The dtype floating tensors travel in: `dtype=` if given, else the one the

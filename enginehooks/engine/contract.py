@@ -4,22 +4,23 @@ A replica is reached through the engine's own RPC (vLLM `collective_rpc` to work
 methods, SGLang's scheduler RPC, a local call) under the method names
 `enginehooks_<verb>`: vLLM asserts on names its worker already has, hence the prefix.
 Arguments and results are JSON-able; over HTTP they may arrive as strings, so they
-are decoded here, once. Every engine plugin exposes exactly `VERBS`, each forwarding
-to one `EngineSide` (`engine/side.py`) with `dispatch`; what differs per engine is the
-`EngineBinding` it supplies: the target that applies tensors, the expectations it
-derives from its own loader, its dtype, and its engine-level controls.
+are decoded once, into the verb's typed request (`engine/protocol.py`). Every engine
+plugin exposes exactly `VERBS`, each forwarding to one `EngineSide` (`engine/side.py`)
+with `dispatch`; what differs per engine is the `EngineBinding` it supplies: the
+target that applies tensors, the expectations it derives from its own loader, its
+dtype, and its engine-level controls.
 """
 
 from __future__ import annotations
 
-import json
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 
 from enginehooks.core.errors import ConfigError
+from enginehooks.engine import protocol
 
 if TYPE_CHECKING:
     from enginehooks.engine.expectations import Expectations
@@ -57,63 +58,11 @@ def verb_of(method: str) -> str:
     return verb
 
 
-def _json_value(v: Any) -> Any:
-    """A JSON argument that may arrive already decoded or as JSON text (HTTP)."""
-    return json.loads(v) if isinstance(v, (str, bytes)) else v
-
-
-def _text(v: Any) -> str:
-    return v if isinstance(v, str) else json.dumps(v)
-
-
-def _object(v: Any) -> dict[str, Any]:
-    out = _json_value(v)
-    if not isinstance(out, dict):
-        raise ValueError(f"expected a JSON object, got {type(out).__name__}")
-    return out
-
-
-def _names(v: Any) -> list[str]:
-    out = _json_value(v)
-    if not isinstance(out, list) or not all(isinstance(n, str) for n in out):
-        raise ValueError("expected a JSON list of tensor names")
-    return out
-
-
-def _int(v: Any) -> int:
-    if isinstance(v, bool) or not isinstance(v, (int, str)):
-        raise ValueError(f"expected an integer, got {type(v).__name__}")
-    return int(v)
-
-
-def _token(v: Any) -> str | None:
-    return None if v in (None, "", "None", "null") else _text(v)
-
-
-#: verb -> (decoders of its required arguments, decoders of its optional ones)
-ARGUMENTS: dict[str, tuple[tuple[Callable[[Any], Any], ...], tuple[Callable[[Any], Any], ...]]] = {
-    INFO: ((), ()),
-    JOIN: ((_object, _int), (_token,)),
-    LEAVE: ((), (_token,)),
-    CHECK: ((_text,), (_token,)),
-    RECEIVE: ((_text, _text), (_token,)),
-    DIGESTS: ((_names,), ()),
-    FLUSH: ((), (_token,)),
-}
-
-
 def dispatch(side: EngineSide, verb: str, args: tuple[Any, ...] | list[Any]) -> Any:
-    """Run `verb` on `side` with `args` decoded: what every engine's RPC method does."""
-    required, optional = ARGUMENTS[verb]
-    if not len(required) <= len(args) <= len(required) + len(optional):
-        raise ConfigError(f"{PREFIX}{verb} takes {len(required)} to "
-                          f"{len(required) + len(optional)} arguments, got {len(args)}")
-    decoders = (*required, *optional)
-    try:
-        decoded = [d(a) for d, a in zip(decoders, args)]
-    except (TypeError, ValueError) as e:  # arguments arrive as text from the network
-        raise ConfigError(f"{PREFIX}{verb}: malformed argument ({type(e).__name__}: {e})") from e
-    return getattr(side, verb)(*decoded)
+    """Run `verb` on `side` with `args` decoded into the verb's typed request
+    (`protocol.REQUESTS`): what every engine's RPC method does."""
+    request = protocol.REQUESTS[verb].from_args(args)
+    return getattr(side, verb)(*request.values())
 
 
 class EngineBinding(ABC):

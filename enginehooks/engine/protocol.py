@@ -18,6 +18,13 @@ Ray actors, in-process replicas) carries the same messages:
   trainer signs exactly what the worker verifies.
 - **a `leave` names its group** (`leave_message` / `parse_leave`): a worker ignores a
   leave for a group it is no longer in (one delayed by the network past the next join).
+- **a typed request per verb** (`JoinRequest`, `LeaveRequest`, `CheckRequest`,
+  `ReceiveRequest`, `DigestsRequest`, `FlushRequest`, `InfoRequest`): the handle builds
+  the RPC's arguments from one (`args()`), the worker decodes them into the same class
+  (`from_args`, what `contract.dispatch` runs), and the token signs its `payload()`;
+  typed replies (`WorkerInfo`, `JoinReply`, `LeaveReply`, `ReceiveReply`, `FlushReply`).
+- **tokens are made and checked here** (`token`, `verify_token`, `verify_route`): no
+  other module builds or parses a payload text or an envelope (a test scans for it).
 - **`WorkerInfo`**: what `info` answers; `authenticated` is required.
 - **`Deadline`**: one absolute deadline per call, read where the call waits.
 
@@ -29,12 +36,12 @@ from __future__ import annotations
 import json
 import time
 import uuid
-from collections.abc import Sequence
-from dataclasses import dataclass
-from typing import Any, TypedDict
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, fields
+from typing import Any, ClassVar, TypedDict
 
 from enginehooks.core import errors
-from enginehooks.core.auth import AuthError, canonical
+from enginehooks.core.auth import AuthError, Verifier, canonical, sign
 from enginehooks.core.errors import ConfigError, EngineHooksError, PushTimeout, ReplicaError
 
 CALL_PREFIX = "enginehooks-call:"
@@ -102,6 +109,34 @@ def is_envelope(reply: Any) -> bool:
     return isinstance(reply, dict) and reply.get("enginehooks") == VERSION and "call" in reply
 
 
+def answers(reply: Any, call_id: str) -> bool:
+    """Whether `reply` is the envelope of call `call_id` (not a late one of another)."""
+    return is_envelope(reply) and reply["call"] == call_id
+
+
+# Channels where every call has its own answer path (Ray object refs) carry no call id:
+# `{"result": ...}` or `{"error": class name, "message": text}`.
+def result_reply(result: Any) -> dict[str, Any]:
+    return {"result": result}
+
+
+def error_reply(e: BaseException) -> dict[str, Any]:
+    return {"error": type(e).__name__, "message": str(e)[:20000]}
+
+
+def read_reply(reply: Any, who: str, op: str) -> Any:
+    """The result of a `result_reply`, or the error of an `error_reply` raised as the
+    same enginehooks class (anything else: a `ReplicaError` naming `who` and `op`)."""
+    if isinstance(reply, dict) and "result" in reply:
+        return reply["result"]
+    if isinstance(reply, dict) and "error" in reply:
+        kind, message = str(reply["error"]), str(reply.get("message", ""))
+        if kind in error_classes() and kind != "ReplicaError":
+            raise restore_error(kind, message, who)
+        raise ReplicaError(who, f"{op} failed in the actor: {kind}: {message}")
+    raise ReplicaError(who, f"{op}: the actor answered {reply!r:.300}")
+
+
 def error_classes() -> dict[str, type[EngineHooksError]]:
     """Every `EngineHooksError` subclass by name (those imported so far; the ones the
     engine contract raises are imported with it)."""
@@ -163,6 +198,191 @@ def signed_payload(verb: str, **fields: Any) -> str:
     if verb in ("leave", "flush"):
         return canonical("")
     raise ConfigError(f"verb {verb!r} is not signed")
+
+
+def token(secret: bytes, verb: str, audience: Sequence[str] = (), **fields: Any) -> str:
+    """The token of one control message: `verb`'s payload signed with `secret`, for the
+    workers named by `audience` (their `info` instance ids; empty: any)."""
+    return sign(secret, verb, signed_payload(verb, **fields), audience=audience)
+
+
+def verify_token(verifier: Verifier, verb: str, auth: str | None, **fields: Any) -> None:
+    """Raise `AuthError` unless `auth` signs `verb`'s payload (`signed_payload`)."""
+    verifier.verify(verb, signed_payload(verb, **fields), auth)
+
+
+# -- typed requests ----------------------------------------------------------------------
+def _json_value(v: Any) -> Any:
+    """A JSON argument that may arrive already decoded or as JSON text (HTTP)."""
+    return json.loads(v) if isinstance(v, (str, bytes)) else v
+
+
+def _text(v: Any) -> str:
+    return v if isinstance(v, str) else json.dumps(v)
+
+
+def _object(v: Any) -> dict[str, Any]:
+    out = _json_value(v)
+    if not isinstance(out, dict):
+        raise ValueError(f"expected a JSON object, got {type(out).__name__}")
+    return out
+
+
+def _names(v: Any) -> list[str]:
+    out = _json_value(v)
+    if not isinstance(out, list) or not all(isinstance(n, str) for n in out):
+        raise ValueError("expected a JSON list of tensor names")
+    return out
+
+
+def _int(v: Any) -> int:
+    if isinstance(v, bool) or not isinstance(v, (int, str)):
+        raise ValueError(f"expected an integer, got {type(v).__name__}")
+    return int(v)
+
+
+def _token(v: Any) -> str | None:
+    return None if v in (None, "", "None", "null") else _text(v)
+
+
+@dataclass(frozen=True)
+class Request:
+    """One verb's arguments. Fields in the order the RPC carries them (and the worker's
+    `EngineSide` method takes them); the trailing `auth` (or a leave's message) is
+    optional on the wire."""
+
+    verb: ClassVar[str] = ""
+    #: decoders of the wire arguments, in field order; `required` of them must be sent
+    decoders: ClassVar[tuple[Callable[[Any], Any], ...]] = ()
+    required: ClassVar[int] = 0
+
+    def args(self) -> tuple[Any, ...]:
+        """The RPC's arguments (JSON text for objects; an absent optional one left out)."""
+        out = [json.dumps(v) if isinstance(v, (dict, list)) else v for v in self.values()]
+        while len(out) > self.required and out[-1] is None:
+            out.pop()
+        return tuple(out)
+
+    def values(self) -> list[Any]:
+        return [getattr(self, f.name) for f in fields(self)]
+
+    @classmethod
+    def from_args(cls, args: Sequence[Any]) -> Request:
+        """Decode an RPC's raw arguments (possibly JSON text); `ConfigError` otherwise."""
+        if not cls.required <= len(args) <= len(cls.decoders):
+            raise ConfigError(f"enginehooks_{cls.verb} takes {cls.required} to "
+                              f"{len(cls.decoders)} arguments, got {len(args)}")
+        try:
+            decoded = [d(a) for d, a in zip(cls.decoders, args)]
+        except (TypeError, ValueError) as e:  # arguments arrive as text from the network
+            raise ConfigError(f"enginehooks_{cls.verb}: malformed argument "
+                              f"({type(e).__name__}: {e})") from e
+        return cls(*decoded)
+
+
+@dataclass(frozen=True)
+class InfoRequest(Request):
+    verb: ClassVar[str] = "info"
+
+
+@dataclass(frozen=True)
+class JoinRequest(Request):
+    """Join the sender's group (`endpoint`, with `world_size`) as ranks from `rank_offset`."""
+
+    verb: ClassVar[str] = "join"
+    decoders: ClassVar[tuple[Callable[[Any], Any], ...]] = (_object, _int, _token)
+    required: ClassVar[int] = 2
+    endpoint: dict[str, Any]
+    rank_offset: int
+    auth: str | None = None
+
+    def payload(self) -> str:
+        return signed_payload("join", endpoint=self.endpoint, rank_offset=self.rank_offset)
+
+
+@dataclass(frozen=True)
+class LeaveRequest(Request):
+    """Leave a group: `message` is a `leave_message` (group and token) or a bare token."""
+
+    verb: ClassVar[str] = "leave"
+    decoders: ClassVar[tuple[Callable[[Any], Any], ...]] = (_token,)
+    message: str | None = None
+
+
+@dataclass(frozen=True)
+class CheckRequest(Request):
+    """Validate `manifest` (JSON text) against the engine's loader; nothing moves."""
+
+    verb: ClassVar[str] = "check"
+    decoders: ClassVar[tuple[Callable[[Any], Any], ...]] = (_text, _token)
+    required: ClassVar[int] = 1
+    manifest: str
+    auth: str | None = None
+
+    def payload(self) -> str:
+        return signed_payload("check", manifest=self.manifest)
+
+
+@dataclass(frozen=True)
+class ReceiveRequest(Request):
+    """Take and apply the update `manifest` from the sender of `group`."""
+
+    verb: ClassVar[str] = "receive"
+    decoders: ClassVar[tuple[Callable[[Any], Any], ...]] = (_text, _text, _token)
+    required: ClassVar[int] = 2
+    manifest: str
+    group: str
+    auth: str | None = None
+
+    def payload(self) -> str:
+        return signed_payload("receive", manifest=self.manifest, group=self.group)
+
+
+@dataclass(frozen=True)
+class DigestsRequest(Request):
+    """crc32 of the named weights (read-only; capped by the worker)."""
+
+    verb: ClassVar[str] = "digests"
+    decoders: ClassVar[tuple[Callable[[Any], Any], ...]] = (_names,)
+    required: ClassVar[int] = 1
+    names: list[str]
+
+
+@dataclass(frozen=True)
+class FlushRequest(Request):
+    verb: ClassVar[str] = "flush"
+    decoders: ClassVar[tuple[Callable[[Any], Any], ...]] = (_token,)
+    auth: str | None = None
+
+
+#: verb -> its request class
+REQUESTS: dict[str, type[Request]] = {c.verb: c for c in (
+    InfoRequest, JoinRequest, LeaveRequest, CheckRequest, ReceiveRequest, DigestsRequest,
+    FlushRequest)}
+
+
+class JoinReply(TypedDict):
+    rank: int
+    transport: str
+    group: str
+
+
+class LeaveReply(TypedDict, total=False):
+    left: bool
+    group: str | None
+    reason: str
+
+
+class ReceiveReply(TypedDict, total=False):
+    """One worker's stats of an applied update (transport stats plus these)."""
+
+    seconds: float
+    version: int | str
+    flushed: bool
+
+
+class FlushReply(TypedDict):
+    flushed: bool | None
 
 
 # -- join -------------------------------------------------------------------------------
@@ -247,12 +467,15 @@ def route_payload(method: str, host: str, path: str, query: str, body: bytes) ->
                       "query": query, "body": hashlib.sha256(body).hexdigest()})
 
 
+def verify_route(verifier: Verifier, method: str, host: str, path: str, query: str,
+                 body: bytes, auth: str | None) -> None:
+    """Raise `AuthError` unless `auth` (the `ROUTE_AUTH_HEADER`) signs this request."""
+    verifier.verify(ROUTE_VERB, route_payload(method, host, path, query, body), auth)
+
+
 def route_headers(secret: bytes | str | None, url: str, body: Any) -> dict[str, str]:
     """The header that signs a POST of JSON `body` to `url` (none without a secret)."""
-    import json
     import urllib.parse
-
-    from enginehooks.core.auth import sign
 
     if not secret:
         return {}

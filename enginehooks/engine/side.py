@@ -123,10 +123,11 @@ class EngineSide:
         return refusal_of(self.public_state())
 
     def _authorize(self, verb: str, token: str | None, **fields: Any) -> None:
-        payload = protocol.signed_payload(verb, **fields)
         if self.verifier is not None:
-            self.verifier.verify(verb, payload, token)
-        elif token is not None:
+            protocol.verify_token(self.verifier, verb, token, **fields)
+            return
+        protocol.signed_payload(verb, **fields)  # a verb that is not signed is a bug
+        if token is not None:
             # The trainer signs because it has a secret; this engine has none and would
             # accept anyone's push: refuse, so mixed setups fail at the first join on
             # every path (vLLM's own weight-transfer calls cannot ask `info` first).
@@ -173,7 +174,7 @@ class EngineSide:
 
     def join(self, endpoint: dict[str, Any], rank_offset: int,
              auth: str | None = None, *, replica_workers: int | None = None,
-             expected_workers: int | None = None) -> dict[str, Any]:
+             expected_workers: int | None = None) -> protocol.JoinReply:
         """Join the group described by `endpoint` as rank `rank_offset + worker_rank`
         (leaving any previous group: a later trainer takes the worker over).
 
@@ -201,9 +202,9 @@ class EngineSide:
             self.group = str(endpoint.get("group") or endpoint.get("root") or "")
             self.on_torn = policy
             self.binding.state_changed(self.public_state())
-            return {"rank": rank, "transport": transport, "group": self.group}
+            return protocol.JoinReply(rank=rank, transport=transport, group=self.group)
 
-    def leave(self, message: str | None = None) -> dict[str, Any]:
+    def leave(self, message: str | None = None) -> protocol.LeaveReply:
         """Leave the group named by `message` (`protocol.leave_message`: the group and
         its token). A leave for a group this worker is no longer in is ignored and
         answered `left: False`: the network can deliver the leave of a failed push after
@@ -218,12 +219,12 @@ class EngineSide:
             if group is not None and group != self.group:  # a join came first
                 return self._stale_leave(group)
             self._leave()
-        return {"left": True, "group": group}
+        return protocol.LeaveReply(left=True, group=group)
 
-    def _stale_leave(self, group: str) -> dict[str, Any]:
-        return {"left": False, "group": group,
-                "reason": f"this worker is in group {self.group!r}, not {group!r}: a late "
-                          "leave of an earlier group, ignored"}
+    def _stale_leave(self, group: str) -> protocol.LeaveReply:
+        return protocol.LeaveReply(
+            left=False, group=group, reason=f"this worker is in group {self.group!r}, not "
+                                            f"{group!r}: a late leave of an earlier group, ignored")
 
     def _leave(self) -> None:
         if self.receiver is not None and self.transport is not None:
@@ -297,9 +298,9 @@ class EngineSide:
                          "crc32": zlib.crc32(data.reshape(-1).view(torch.uint8).numpy())}
         return out
 
-    def flush(self, auth: str | None = None) -> dict[str, Any]:
+    def flush(self, auth: str | None = None) -> protocol.FlushReply:
         self._authorize("flush", auth)
-        return {"flushed": self.binding.flush()}
+        return protocol.FlushReply(flushed=self.binding.flush())
 
 
 def refusal_of(state: dict[str, Any]) -> dict[str, Any]:

@@ -22,7 +22,8 @@ from typing import Any
 
 from enginehooks.control.handles import EngineHandle
 from enginehooks.core.errors import ConfigError
-from enginehooks.ray_ext.calls import OPERATIONS, error_reply
+from enginehooks.engine import protocol
+from enginehooks.ray_ext.calls import OPERATIONS
 
 EXTENSION = "enginehooks.vllm_ext.WorkerExtension"
 
@@ -47,9 +48,9 @@ class EngineActorMixin:
             if fn is None:
                 raise ConfigError(f"{type(handle).__name__} has no {op}()")
             extra = {} if auth is None else {"auth": auth}
-            return {"result": fn(*args, timeout_s=timeout_s, **extra)}
+            return protocol.result_reply(fn(*args, timeout_s=timeout_s, **extra))
         except Exception as e:
-            return error_reply(e)
+            return protocol.error_reply(e)
 
 
 class VLLMActor(EngineActorMixin):

@@ -43,7 +43,7 @@ from typing import Any
 from enginehooks.core.auth import AuthError, Verifier, load_secret
 from enginehooks.core.errors import EngineTorn
 from enginehooks.engine.beacon import Beacon
-from enginehooks.engine.protocol import ROUTE_AUTH_HEADER, ROUTE_VERB, route_payload
+from enginehooks.engine.protocol import ROUTE_AUTH_HEADER, verify_route
 from enginehooks.engine.side import refusal_of
 
 log = logging.getLogger("enginehooks.vllm")
@@ -232,9 +232,9 @@ class EnginehooksEndpoints:
                         "type": "BadRequest", "code": 400}})
                 if verifier is not None:
                     try:
-                        verifier.verify(ROUTE_VERB, route_payload(
-                            request.method, request.headers.get("host", ""), path,
-                            request.url.query, body), request.headers.get(ROUTE_AUTH_HEADER))
+                        verify_route(verifier, request.method, request.headers.get("host", ""),
+                                     path, request.url.query, body,
+                                     request.headers.get(ROUTE_AUTH_HEADER))
                     except AuthError as e:
                         return JSONResponse(status_code=401, content={"error": {
                             "message": f"enginehooks: {path} is a control route and this "
