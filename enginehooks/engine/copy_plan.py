@@ -49,6 +49,7 @@ log = logging.getLogger("enginehooks.copy_plan")
 PLAN_ENV = "ENGINEHOOKS_COPY_PLAN"
 
 _COPY = torch.ops.aten.copy_.default
+_CLONE = torch.ops.aten.clone.default
 _FILLS = {torch.ops.aten.fill_.Scalar, torch.ops.aten.zero_.default}
 #: ops that read only a tensor's metadata (shape, dtype, device), never its values
 _METADATA_ONLY = {getattr(torch.ops.aten, n).default for n in (
@@ -115,6 +116,16 @@ class Step:
     view: View
     src: View | None = None
     value: float | int | bool | None = None
+    #: clones the loader made of views of the source before the copy (view, memory
+    #: format), replayed in order: `x = view.of(x).clone(memory_format=...)`
+    pre: tuple[tuple[View, Any], ...] = ()
+
+    def source(self, t: torch.Tensor) -> torch.Tensor:
+        """The view of the received tensor `t` this step copies."""
+        for view, fmt in self.pre:
+            x = view.of(t)
+            t = x.clone(memory_format=fmt) if fmt is not None else x.clone()
+        return self.src.of(t)  # type: ignore[union-attr]
 
 
 @dataclass
@@ -177,7 +188,7 @@ class CopyPlan:
             return None
         step = r.steps[0]
         layout = self.layouts.get(step.dest)
-        if step.src is None or layout is None:
+        if step.src is None or layout is None or step.pre:
             return None
         n = step.view.numel()
         full = (0, n)
@@ -197,7 +208,8 @@ class PlanRecorder(ByteTracer):
 
     def __init__(self, model: torch.nn.Module) -> None:
         super().__init__(model)
-        self.fed: dict[int, tuple[str, int]] = {}   # storage -> (name, its start offset)
+        # storage -> (name, its start offset, the clones that made it from the fed tensor)
+        self.fed: dict[int, tuple[str, int, tuple[tuple[View, Any], ...]]] = {}
         self.steps: dict[str, list[Step]] = {}
         self.reasons: dict[str, str] = {}
         self.global_reason: str | None = None
@@ -213,7 +225,7 @@ class PlanRecorder(ByteTracer):
         super().mark(name, t)
         key = _storage_key(t)
         if key is not None:
-            self.fed[key] = (name, t.storage_offset())
+            self.fed[key] = (name, t.storage_offset(), ())
             if not t.is_contiguous():
                 self._spoil(name, "the tensor fed to the loader is not contiguous")
 
@@ -237,14 +249,33 @@ class PlanRecorder(ByteTracer):
         recorded = False
         src = args[1] if func is _COPY and len(args) >= 2 else None
         key = _storage_key(src) if isinstance(src, torch.Tensor) else None
+        for t in self._destinations(func, args, kwargs):
+            k = _storage_key(t)
+            if k is not None and k in self.fed:  # an in-place op on the tensor itself
+                self._spoil(self.fed[k][0], f"the loader modifies it in place ({func})")
         if owner is not None and key is not None and key in self.fed:
-            name, start = self.fed[key]
+            name, start, pre = self.fed[key]
             # several copies of views of one tensor (a fused checkpoint tensor split into
             # the shards of a fused parameter) replay as they ran
             self.steps.setdefault(name, []).append(Step(
                 owner, self._relative(first, owner),  # type: ignore[arg-type]
-                View(src.storage_offset() - start, tuple(src.shape), tuple(src.stride()))))
+                View(src.storage_offset() - start, tuple(src.shape), tuple(src.stride())),
+                pre=pre))
             recorded = True
+        elif func is _CLONE and len(fed_in) == 1 and first is not None \
+                and _storage_key(first) in self.fed:
+            # a copy of a view of the tensor (`.contiguous()`, `.clone()`) before the
+            # copy into the parameter: replayed as a clone of the same view
+            name, start, pre = self.fed[_storage_key(first)]  # type: ignore[index]
+            out = super().__torch_dispatch__(func, types, args, kwargs)
+            k = _storage_key(out)
+            if k is not None:
+                view = View(first.storage_offset() - start, tuple(first.shape),
+                            tuple(first.stride()))
+                self.fed[k] = (name, out.storage_offset(),
+                               (*pre, (view, kwargs.get("memory_format"))))
+                self._keep.append(out)
+            return out
         elif func in _FILLS and owner is not None and not fed_in:
             value = 0 if func is torch.ops.aten.zero_.default else args[1]
             if self.current is not None and isinstance(value, (int, float, bool)):
@@ -333,7 +364,7 @@ def replay(route: Route, src: torch.Tensor, tensors: Mapping[str, torch.Tensor])
         if step.src is None:
             d.fill_(step.value)  # type: ignore[arg-type]
         else:
-            s = step.src.of(src)
+            s = step.source(src)
             if d.data_ptr() != s.data_ptr() or d.dtype != s.dtype:  # received in place
                 d.copy_(s)
 

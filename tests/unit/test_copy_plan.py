@@ -257,3 +257,35 @@ def test_a_value_computed_from_the_parameter_after_the_copy_stays_on_the_loader(
         skeleton = Composed()
     plan = record_plan(skeleton, specs(ws), load)
     assert plan.planned() == [] and "writes A" in plan.loader()["A_log"]
+
+
+class Cloned(nn.Module):
+    """GPT-OSS's experts in vLLM: a transposed view made contiguous (a clone) before the
+    copy (planned, the clone replayed); and a tensor scaled in place (loader)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.experts = nn.Parameter(torch.zeros(2, 3, 4))
+        self.scaled = nn.Parameter(torch.zeros(4))
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        for name, w in weights:
+            if name == "experts":
+                t = w.transpose(1, 2).contiguous()
+                self.experts.data.copy_(t)
+            elif name == "scaled":
+                w.mul_(2)
+                self.scaled.data.copy_(w)
+
+
+def test_a_clone_of_a_view_is_replayed_and_an_in_place_change_is_not() -> None:
+    ws = {"experts": torch.randn(2, 4, 3), "scaled": torch.randn(4)}
+    with torch.device("meta"):
+        skeleton = Cloned()
+    plan = record_plan(skeleton, specs(ws), load)
+    assert plan.planned() == ["experts"] and plan.routes["experts"].steps[0].pre
+    assert "in place" in plan.loader()["scaled"]
+    real = Cloned()
+    real.load_weights({n: t.clone() for n, t in ws.items()}.items())
+    assert check_plan(plan, tensors(real), ws) is None
+    assert plan.full_copy("experts") is None
