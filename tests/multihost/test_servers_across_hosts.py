@@ -221,9 +221,11 @@ def server(request: pytest.FixtureRequest, hosts: Network,
 
 
 def handle_of(server: Any, name: str | None = None) -> Any:
-    options = {"secret": SECRET} if server.engine == "vllm" else {}
-    return HANDLES[server.engine](server.url, name=name or f"{server.engine}@{server.host.address}",
-                                  **options)
+    """The server contract's handle (signing what the engine guards), named after the
+    engine's host."""
+    h = sc.handle(server)
+    h.name = name or f"{server.engine}@{server.host.address}"
+    return h
 
 
 class ServerReplica(rc.RunningEngine):
