@@ -15,6 +15,7 @@ Phases of a push (each timed through the `run_phase` hook):
 
 from __future__ import annotations
 
+import contextlib
 import threading
 from collections.abc import Callable
 from concurrent.futures import FIRST_COMPLETED, FIRST_EXCEPTION, Future, wait
@@ -477,7 +478,15 @@ class WeightSync:
         pending: set[Future[Any]] = {connect, *joins}
         while not connect.done():
             done, pending = wait(pending, timeout=deadline.left(), return_when=FIRST_COMPLETED)
-            if any(f.exception() is not None for f in done if f is not connect):
+            failed = [f.exception() for f in done if f is not connect and f.exception()]
+            if failed:
+                # End the wait of every rank that did arrive (the other replicas'
+                # workers block in the group's rendezvous otherwise, until its timeout).
+                call_off = getattr(sender, "call_off", None)
+                if callable(call_off):
+                    with contextlib.suppress(Exception):
+                        call_off(f"a replica refused its join: {type(failed[0]).__name__}: "
+                                 f"{failed[0]}")
                 return  # the caller reports the replica's error (and closes the sender)
             if not done:
                 raise PushTimeout(f"group: the transport group of {world} did not form within "

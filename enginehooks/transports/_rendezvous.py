@@ -12,6 +12,7 @@ from __future__ import annotations
 import datetime as _dt
 import os
 import socket
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -166,6 +167,38 @@ def gloo_devices(peer_host: str, peer_port: int = 9) -> list[Any]:
             f"the trainer") from e
 
 
+#: Store keys of a group's arrival barrier (under the group's prefix).
+ARRIVED_KEY, ABORT_KEY = "arrived", "abort"
+ARRIVAL_POLL_S = 0.05
+
+
+def arrive(store: dist.Store, prefix: str, world_size: int, timeout_s: float) -> None:
+    """Wait until every rank of the group has arrived, or the sender called the group off
+    (`call_off`). A replica that refuses its join never arrives: the coordinator calls
+    the group off at once, and every rank already waiting here (the trainer's and the
+    healthy replicas') ends now with the reason, instead of blocking in the process
+    group's constructor until its timeout."""
+    pstore = dist.PrefixStore(prefix, store)
+    pstore.add(ARRIVED_KEY, 1)
+    deadline = time.monotonic() + timeout_s
+    while True:
+        if pstore.check([ABORT_KEY]):
+            reason = pstore.get(ABORT_KEY).decode("utf-8", "replace")
+            raise TransportError(f"group {prefix!r} was called off by the sender: {reason}")
+        arrived = int(pstore.add(ARRIVED_KEY, 0))
+        if arrived >= world_size:
+            return
+        if time.monotonic() >= deadline:
+            raise TransportError(f"group {prefix!r} did not form within {timeout_s}s: "
+                                 f"{arrived} of {world_size} ranks arrived")
+        time.sleep(ARRIVAL_POLL_S)  # a store poll: bounded by the deadline above
+
+
+def call_off(store: dist.Store, prefix: str, reason: str) -> None:
+    """End the arrival wait of every rank of the group, with `reason`."""
+    dist.PrefixStore(prefix, store).set(ABORT_KEY, reason[:2000])
+
+
 def new_group(
     backend: str,
     store: dist.Store,
@@ -181,8 +214,10 @@ def new_group(
     find the interface this process binds (`gloo_devices`). NCCL picks its interfaces
     itself (`NCCL_SOCKET_IFNAME` names them).
 
-    Blocks until every rank has joined, or raises after `timeout_s`.
+    Blocks until every rank has joined, or raises after `timeout_s` or as soon as the
+    sender calls the group off (`arrive`).
     """
+    arrive(store, prefix, world_size, timeout_s)
     pstore = dist.PrefixStore(prefix, store)
     store_host = host if host is not None else str(getattr(store, "host", "127.0.0.1"))
     store_port = int(getattr(store, "port", 0) or 9)

@@ -60,6 +60,7 @@ from enginehooks.core.errors import TransportError
 from enginehooks.core.manifest import Manifest
 from enginehooks.transports._rendezvous import (
     GroupEndpoint,
+    call_off,
     client_store,
     connect_timeout,
     master_store,
@@ -255,6 +256,11 @@ class BroadcastSender(Sender):
             except BaseException:
                 self._break()
                 raise
+
+    def call_off(self, reason: str) -> None:
+        """Call off the group while it forms (a replica refused its join): every rank
+        waiting for it ends at once with `reason` (`_rendezvous.arrive`)."""
+        call_off(self.store, f"enginehooks/{self.group_id}/", reason)
 
     def send(self, manifest: Manifest, stream: Stream, abort: Abort) -> SendStats:
         if self.pg is None:

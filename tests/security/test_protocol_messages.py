@@ -118,6 +118,30 @@ def test_a_refused_join_ends_the_push_at_once(guarded: list[LocalEngine]) -> Non
     assert guarded[0].side.state == "initial"
 
 
+def test_a_join_refused_by_one_replica_ends_the_push_on_every_replica(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Replica A refuses its join (another secret) while replica B has joined and waits
+    for the group to form: the push fails at once naming A, and B is not left waiting
+    out the group's timeout (the next push, without A, lands on B at once)."""
+    monkeypatch.setenv(SECRET_ENV, "another-secret")
+    a = LocalEngine(net(0), name="a-other-secret")
+    monkeypatch.setenv(SECRET_ENV, SECRET)
+    b = LocalEngine(net(0), name="b")
+    monkeypatch.delenv(SECRET_ENV)
+    t0 = time.monotonic()
+    with WeightSync("gloo", timeout_s=60, secret=SECRET) as sync:
+        sync.add_replica(b)
+        sync.add_replica(a)
+        with pytest.raises(AuthError, match="join refused") as got:
+            sync.push(net(1), version=1)
+        assert got.value.replica == "a-other-secret"
+        assert time.monotonic() - t0 < 15
+        sync.remove_replica(a)
+        assert sync.push(net(2), version=2).ok
+    assert time.monotonic() - t0 < 30  # the group's timeout is 60 s
+    assert b.side.version == 2 and a.side.state == "initial"
+
+
 def test_a_join_outside_the_world_size_is_refused_at_once_with_the_fix() -> None:
     """A worker whose rank the group has no room for refuses the join before touching
     the transport (it would wait out the group's timeout), naming the fix; so does a
