@@ -6,32 +6,55 @@ installed here: a real server started with a shared secret in its environment.
 - a request that arrives while an update is applied waits for it and is answered by
   the new weights (no 503 for a healthy update);
 - with on_torn="serve" the server serves and marks its answers;
-- unsigned, wrongly signed and replayed updates are refused and change nothing.
+- unsigned, wrongly signed and replayed updates are refused and change nothing;
+- pushes over gloo and disk equal HF transformers on the pushed weights;
+- an update that does not fit the engine is refused before any data moves;
+- a stopped server (SIGSTOP: alive, silent) fails the push within one bound for every
+  engine, and so does a server frozen as the data starts moving; both heal;
+- with pause=True requests are held while the update is applied and then answered by
+  the new weights, and requests generating when it began finish;
+- (SGLang) a server behind `--api-key` refuses a keyless handle.
+
+These scenarios were written once per engine (tests/vllm/test_vllm_server.py,
+tests/sglang/test_server.py) and had drifted apart; here every engine faces the same
+assertions and bounds, on the one server this module starts per engine.
 """
 
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
 import threading
 import time
 from collections.abc import Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 
-from enginehooks import EngineHooksError, ReplicaError, WeightSync
+from enginehooks import (
+    EngineHooksError,
+    ManifestError,
+    PushTimeout,
+    ReplicaError,
+    TransportError,
+    WeightSync,
+    hookimpl,
+)
 from enginehooks.core.auth import SECRET_ENV, canonical, sign
 from enginehooks.core.manifest import TensorSpec, plan
 from enginehooks.engine.beacon import Beacon
 from enginehooks.engine.contract import CHECK, method_name
+from enginehooks.plugins import register_plugin, unregister_plugin
 from enginehooks.testing.engines import NEW_TOKENS, PROMPTS, first_difference
 from enginehooks.testing.servers import HANDLES, SERVERS
 from enginehooks.testing.tiny import hf_greedy, load_tiny, perturb
-from enginehooks.trainer_side import ModuleAdapter
+from enginehooks.trainer_side import ModuleAdapter, StateDictAdapter, adapter_for
 from tests.support import have
 
 SECRET = "server-contract-secret"
@@ -50,11 +73,12 @@ def server(request: pytest.FixtureRequest, model_dirs: dict[str, Path],
         yield srv
 
 
-def handle(server: Any) -> Any:
+def handle(server: Any, name: str | None = None, **more: Any) -> Any:
     # A vLLM server with a secret guards its control routes (/collective_rpc, ...):
     # the handle signs its calls with the secret (docs/security.md).
     options = {"secret": SECRET} if server.engine == "vllm" else {}
-    return HANDLES[server.engine](server.url, name=f"{server.engine}-server", **options)
+    return HANDLES[server.engine](server.url, name=name or f"{server.engine}-server",
+                                  **options, **more)
 
 
 def signed_push(server: Any, model: Any, version: Any, **options: Any) -> Any:
@@ -185,3 +209,215 @@ def test_a_replayed_message_is_refused(server: Any) -> None:
     h.rpc(method_name(CHECK), m, token, timeout_s=30)
     with pytest.raises(EngineHooksError, match="replay"):
         h.rpc(method_name(CHECK), m, token, timeout_s=30)
+
+
+def tokens(server: Any, **kw: Any) -> list[list[int]]:
+    return [list(g.tokens) for g in server.generations(**kw)]
+
+
+@pytest.mark.parametrize("transport", ["gloo", "disk"])
+def test_pushes_equal_hf_on_the_pushed_weights(server: Any, model_dirs: dict[str, Path],
+                                               tmp_path: Path, transport: str) -> None:
+    first = perturb(load_tiny(model_dirs["llama"]), seed=61)
+    second = perturb(load_tiny(model_dirs["llama"]), seed=62)
+    assert hf_greedy(first, PROMPTS, NEW_TOKENS) != hf_greedy(second, PROMPTS, NEW_TOKENS)
+    h = handle(server)
+    opts = {"root": str(tmp_path / "ckpt")} if transport == "disk" else {}
+    with WeightSync(transport, bucket_bytes=32 << 10, timeout_s=60, secret=SECRET,
+                    transport_options=opts) as sync:
+        sync.add_replica(h)
+        r1 = sync.push(first, version=f"{transport}-1")
+        assert tokens(server) == hf_greedy(first, PROMPTS, NEW_TOKENS)
+        r2 = sync.push(second, version=f"{transport}-2")
+    assert r1.ok and r2.ok
+    if transport == "gloo":
+        assert r2.buckets == r1.buckets > 1
+    gens = server.generations()
+    assert [list(g.tokens) for g in gens] == hf_greedy(second, PROMPTS, NEW_TOKENS)
+    assert {g.version for g in gens} == {f"{transport}-2"}
+    assert h.version() == f"{transport}-2"
+
+
+MISFITS = [("lm_head.weight", (300, 64)),  # a wrong vocabulary
+           ("model.layers.1.self_attn.k_proj.weight", (3, 64)),  # a wrong shape
+           ("model.layers.0.mlp.not_a_weight", (4,))]  # a name the engine does not have
+
+
+@pytest.mark.parametrize("name,shape", MISFITS, ids=["vocab", "shape", "unknown"])
+def test_an_update_that_does_not_fit_is_refused_before_data_moves(
+        server: Any, model_dirs: dict[str, Path], name: str, shape: tuple[int, ...]) -> None:
+    model = perturb(load_tiny(model_dirs["llama"]), seed=63)
+    h = handle(server)
+    with WeightSync("gloo", timeout_s=60, secret=SECRET) as sync:
+        sync.add_replica(h)
+        sync.push(model, version="fits-63")
+        good = server.generations()
+        tensors = dict(adapter_for(model).stream())  # the checkpoint format
+        tensors[name] = torch.zeros(shape)
+        misfit = StateDictAdapter(tensors)
+        with pytest.raises(ManifestError, match=re.escape(name)):
+            sync.push(misfit, version="misfit")
+        assert misfit.produced == 0, "data moved before the manifest was validated"
+    assert h.version() == "fits-63"
+    assert first_difference(server.generations(), good) is None
+
+
+#: One bound for every engine: a push whose replica stops answering fails within its
+#: timeout (plus the slack of one HTTP round trip and the group's teardown).
+STOP_TIMEOUT_S = 4.0
+
+
+def stop_bound(timeout_s: float) -> float:
+    return timeout_s + 4.0
+
+
+@pytest.mark.parametrize("when", ["first push", "later push"])
+def test_a_stopped_server_fails_the_push_within_its_timeout_and_heals(
+        server: Any, model_dirs: dict[str, Path], when: str) -> None:
+    """SIGSTOP the whole server (alive, silent): before the group exists (the join is
+    refused) or after a push (the group is up): the push fails within the bound with
+    an error naming the replica; after SIGCONT the next push succeeds."""
+    name = f"{server.engine}-stopped"
+    with WeightSync("gloo", timeout_s=STOP_TIMEOUT_S, secret=SECRET) as sync:
+        sync.add_replica(handle(server, name=name))
+        if when == "later push":
+            sync.timeout_s = 60
+            sync.push(perturb(load_tiny(model_dirs["llama"]), seed=64), version="before-stop")
+            sync.timeout_s = STOP_TIMEOUT_S
+        server.signal_group(signal.SIGSTOP)
+        try:
+            t0 = time.monotonic()
+            with pytest.raises((PushTimeout, ReplicaError)) as err:
+                sync.push(perturb(load_tiny(model_dirs["llama"]), seed=65), version="never")
+            took = time.monotonic() - t0
+        finally:
+            server.signal_group(signal.SIGCONT)
+        print(f"{server.engine} stopped ({when}): the push failed after {took:.2f} s")
+        assert name in str(err.value), err.value
+        assert took < stop_bound(STOP_TIMEOUT_S), f"push took {took:.1f}s to fail: {err.value}"
+        assert err.value.report.error is not None  # type: ignore[union-attr]
+        sync.timeout_s = 60
+        healed = perturb(load_tiny(model_dirs["llama"]), seed=66)
+        sync.push(healed, version="after-stop")
+    gens = server.generations()
+    assert {g.version for g in gens} == {"after-stop"}
+    assert [list(g.tokens) for g in gens] == hf_greedy(healed, PROMPTS, NEW_TOKENS)
+
+
+def test_a_server_frozen_as_the_data_moves_fails_the_push_within_its_timeout_and_heals(
+        server: Any, model_dirs: dict[str, Path]) -> None:
+    """The server freezes just as the transfer starts: the sender must not wait on the
+    collective forever; the push fails within the same bound, and once the server wakes
+    the next push repairs it."""
+    model = perturb(load_tiny(model_dirs["llama"]), seed=67)
+
+    class FreezeAtTransfer:
+        @hookimpl(wrapper=True)
+        def run_phase(self, phase: str, report: Any, run: Any) -> Any:
+            if phase == "transfer":
+                server.signal_group(signal.SIGSTOP)
+            return (yield)
+
+    with WeightSync("gloo", timeout_s=STOP_TIMEOUT_S, bucket_bytes=4 << 10,
+                    secret=SECRET) as sync:
+        sync.add_replica(handle(server))
+        freezer = FreezeAtTransfer()
+        register_plugin(freezer, name="freezer")
+        try:
+            t0 = time.monotonic()
+            with pytest.raises((PushTimeout, ReplicaError, TransportError)) as err:
+                sync.push(model, version="frozen")
+            took = time.monotonic() - t0
+        finally:
+            unregister_plugin(freezer)
+            server.signal_group(signal.SIGCONT)
+        print(f"{server.engine} frozen at transfer: the push failed after {took:.2f} s")
+        assert took < stop_bound(STOP_TIMEOUT_S), f"push took {took:.1f}s to fail: {err.value}"
+        sync.timeout_s = 60
+        sync.push(model, version="thawed")
+    gens = server.generations()
+    assert {g.version for g in gens} == {"thawed"}
+    assert [list(g.tokens) for g in gens] == hf_greedy(model, PROMPTS, NEW_TOKENS)
+
+
+#: The pause mode that holds requests in flight and resumes them (vLLM's "keep",
+#: SGLang's "retract"); vLLM's default "wait" lets them finish before the update.
+HOLDING_MODE = {"vllm": "keep", "sglang": "retract"}
+LONG = 240  # tokens: the prompt and these fit vLLM's max_model_len of 256
+HELD_S = 5.0
+
+
+def test_pause_holds_requests_until_the_update_is_applied(
+        server: Any, model_dirs: dict[str, Path]) -> None:
+    """pause=True observed. A request sent once the engine is paused (just before the
+    data moves) is held: unanswered 5 s later, although nothing else holds it (the
+    workers are not updating yet; without the pause an idle tiny engine answers it in
+    well under a second, with the old weights), and answered after the resume by the
+    new weights, exactly HF's. Requests generating when the pause began resume and
+    finish with all their tokens."""
+    pool = ThreadPoolExecutor(3)
+    running: list[Future[Any]] = []
+    held: list[Future[Any]] = []
+    seen: dict[str, Any] = {}
+
+    class Observe:
+        @hookimpl(wrapper=True)
+        def run_phase(self, phase: str, report: Any, run: Any) -> Any:
+            if phase == "transfer":  # paused, the data not moving yet
+                held.append(pool.submit(server.generations, PROMPTS[:1], cold=False))
+                time.sleep(HELD_S)
+                seen["held answered"] = held[0].done()
+            result = yield
+            if phase == "check":  # the last phase before the pause
+                running.extend(pool.submit(server.generations, [p], LONG, cold=False)
+                               for p in ([7, 8, 9], [30, 31]))
+                time.sleep(0.2)
+            return result
+
+    model = perturb(load_tiny(model_dirs["llama"]), seed=68)
+    h = handle(server, pause_mode=HOLDING_MODE[server.engine])
+    plugin = Observe()
+    register_plugin(plugin, name="observe-pause")
+    try:
+        with WeightSync("gloo", timeout_s=60, pause=True, secret=SECRET) as sync:
+            sync.add_replica(h)
+            assert sync.push(model, version="paused-68").ok
+    finally:
+        unregister_plugin(plugin)
+        answers = [f.result(timeout=120) for f in held + running]
+        pool.shutdown()
+    assert seen == {"held answered": False}, f"a request was answered while paused: {seen}"
+    assert [list(g.tokens) for g in answers[0]] == hf_greedy(model, PROMPTS[:1], NEW_TOKENS)
+    assert [len(gens[0].tokens) for gens in answers[1:]] == [LONG, LONG]
+    gens = server.generations()
+    assert {g.version for g in gens} == {"paused-68"}
+    assert [list(g.tokens) for g in gens] == hf_greedy(model, PROMPTS, NEW_TOKENS)
+
+
+@pytest.mark.parametrize("engine", sorted(SERVERS))
+def test_a_server_behind_its_api_key_refuses_a_keyless_handle(
+        engine: str, model_dirs: dict[str, Path], tmp_path: Path) -> None:
+    """SGLang's `--api-key` guards every route, the plugin's included: a handle without
+    the key is refused (HTTP 401, nothing moves), the handle with it pushes."""
+    if engine == "vllm":
+        pytest.skip("vLLM's --api-key guards only its /v1 routes, not the dev routes "
+                    "enginehooks uses: a vLLM server is guarded by the enginehooks secret, "
+                    "tested with --api-key and a secret in tests/security/test_server_vllm_secret.py")
+    if not have(engine):
+        pytest.skip(f"{engine} runs in its own environment (scripts/test.sh runs it there)")
+    model = perturb(load_tiny(model_dirs["llama"]), seed=91)
+    with SERVERS[engine](model_dirs["llama"], tmp_path / f"{engine}-api-key.log",
+                         extra_args=["--api-key", "test-key-123"]) as srv:
+        with WeightSync("gloo", timeout_s=60) as sync:
+            sync.add_replica(HANDLES[engine](srv.url, name="keyless"))
+            with pytest.raises(ReplicaError, match=r"keyless.*HTTP 401"):
+                sync.push(model, version="keyless-1")
+        keyed = HANDLES[engine](srv.url, name="keyed", api_key="test-key-123")
+        with WeightSync("gloo", timeout_s=60) as sync:
+            sync.add_replica(keyed)
+            sync.push(model, version="keyed-2")
+        sp = {"temperature": 0.0, "max_new_tokens": NEW_TOKENS, "ignore_eos": True}
+        out = [keyed.generate(p, sp) for p in PROMPTS]
+        assert [o["output_ids"] for o in out] == hf_greedy(model, PROMPTS, NEW_TOKENS)
+        assert {o["meta_info"]["weight_version"] for o in out} == {"keyed-2"}
+        assert keyed.version() == "keyed-2"
