@@ -83,17 +83,21 @@ class VLLMTarget(Target):
         self.plan = PlanState("vLLM")
         self.requested = False  # the trainer asked this update to be verified
         self.routes: dict[str, Route] = {}  # this update's planned tensors
+        self.loader_too = False  # ...and some go through the loader
         self.device = torch.device(worker.device) if hasattr(worker, "device") else torch.device("cpu")
 
     def prepare(self, manifest: Manifest) -> None:
         self.requested = bool(manifest.meta.get("verify"))
-        self.routes = {}
+        self.routes, self.loader_too = {}, False
         if self.plan.usable and self.plan.plan is not None:
             try:
                 self.routes = plannable(self.worker.model_runner.get_model(), self.plan.plan,
                                         manifest.specs())
             except Exception as e:  # an enginehooks limitation: the loader takes it all
                 self.plan.disable(f"routing failed: {type(e).__name__}: {e}")
+            # some tensors stay on the loader: planned layers are then rebuilt inside
+            # vLLM's reload (no update-sized temporaries, one reload)
+            self.loader_too = len(self.routes) < len(manifest.tensors)
 
     def apply(self, tensors: Iterator[tuple[str, torch.Tensor]]) -> None:
         routes, self.routes = self.routes, {}
@@ -121,13 +125,30 @@ class VLLMTarget(Target):
                 keep(name, t, c)
                 yield name, c
 
+        def mixed() -> Iterator[tuple[str, torch.Tensor]]:
+            # Inside vLLM's layerwise reload: planned layers are rebuilt here as they
+            # arrive (and leave the reload's bookkeeping), the loader takes the rest.
+            assert layers is not None
+            for name, t in tensors:
+                fed.append(TensorSpec(name, dtype_name(t.dtype), tuple(t.shape)))
+                keep(name, t)
+                if name in routes:
+                    layers.write(name, t)
+                else:
+                    yield name, t.clone()
+            layers.finish()
+
         t0 = time.perf_counter()
-        if layers is None:
+        if layers is None or self.loader_too:
             try:
-                self.worker.reload_weights(weights_iterator=copies(), is_checkpoint_format=True)
+                self.worker.reload_weights(
+                    weights_iterator=copies() if layers is None else mixed(),
+                    is_checkpoint_format=True)
             except BaseException:
                 self._unwind_reload()
                 raise
+            if layers is not None:
+                self.plan.applied += 1
         else:
             from vllm.config import set_current_vllm_config
 
@@ -144,7 +165,7 @@ class VLLMTarget(Target):
             except BaseException:
                 layers.unwind()
                 raise
-            if rest:
+            if rest:  # names the manifest did not announce: the loader's, after all
                 try:
                     self.worker.reload_weights(weights_iterator=iter(rest),
                                                is_checkpoint_format=True)
@@ -393,9 +414,10 @@ class PlannedLayers:
 
         layer = self.modules[mname]
         info = get_layerwise_info(layer)
-        info.kernel_tensors = get_layer_params_buffers(layer)
-        info.kernel_non_persistent_buffers = set(layer._non_persistent_buffers_set)
-        restore_layer_on_meta(layer, info)
+        if not info.can_load():  # outside vLLM's reload: save the kernel tensors first
+            info.kernel_tensors = get_layer_params_buffers(layer)
+            info.kernel_non_persistent_buffers = set(layer._non_persistent_buffers_set)
+            restore_layer_on_meta(layer, info)
         materialize_layer(layer, info)
         self.open[mname] = info
 
@@ -415,7 +437,7 @@ class PlannedLayers:
                 layer.update_param_tp_status()
         info.loaded_weights = [(a, None) for a in sorted(self.loaded.get(mname, ()))]
         _copy_and_restore_kernel_tensors(layer, info)
-        info.reset()
+        info.reset()  # inside vLLM's reload: this layer is done, its finalize skips it
 
     def finish(self) -> None:
         """Every layer the update planned was closed (the stream carried all of it)."""
