@@ -30,14 +30,16 @@ applied the whole update (`finish` only flushes the prefix cache): it is `curren
 that version and serves exactly it. After the link heals the next push succeeds and
 meets the exact oracle.
 
-CI runs the vLLM server's share; SGLang's, the three-host mixed push and the slower
-contract scenarios need `ENGINEHOOKS_MULTIHOST_FULL=1` (their log is committed under
+CI runs the vLLM server's share; SGLang's (a second server start), the three-host
+mixed push and a contract scenario that needs one more fresh load need
+`ENGINEHOOKS_MULTIHOST_FULL=1` (their log is committed under
 benchmarks/results/multihost/).
 """
 
 from __future__ import annotations
 
 import functools
+import hashlib
 import json
 import os
 import subprocess
@@ -112,12 +114,41 @@ def on_host(host: Host, python: str, folder: Path) -> str:
     return str(script)
 
 
+#: The network of the module (set by the `hosts` fixture): where a fresh SGLang server runs.
+NET: list[Network] = []
+#: sha256 of a saved checkpoint -> its engine's fresh outputs (one fresh load per weights).
+FRESH: dict[tuple[str, str], list[Generation]] = {}
+
+
 def fresh_generate(engine: str, model_dir: str | Path, *, dtype: str = "float32",
                    prompts: Sequence[Sequence[int]] = PROMPTS, max_tokens: int = NEW_TOKENS,
-                   timeout_s: float = 300.0) -> list[Generation]:
-    """`enginehooks.testing.engines.fresh_generate`, in `engine`'s own environment."""
+                   timeout_s: float = 400.0) -> list[Generation]:
+    """The exact oracle's reference: `engine` freshly loaded from `model_dir`. vLLM: the
+    in-process engine in a child (`enginehooks.testing.engines.fresh_generate`; its
+    outputs equal the server's bit for bit, checked by the first vLLM test here). SGLang:
+    a second SGLang server from the same docs line on the SGLang host (the in-process
+    `sglang.Engine` differs from `launch_server` in the last bits of some logprobs,
+    -3.3523244857788086 vs -3.3523240089416504 on the same weights), as
+    tests/megatron does."""
+    digest = hashlib.sha256(b"".join(
+        f.read_bytes() for f in sorted(Path(model_dir).glob("*.safetensors")))).hexdigest()
+    key = (engine, digest)
+    if key in FRESH:
+        return FRESH[key]
     python = engine_python(engine)
     assert python is not None, f"{engine}'s environment is missing"
+    if engine == "sglang":
+        host = NET[0].hosts["sglang"]
+        folder = Path(model_dir).parent
+        srv = DocsSGLangServer(Path(model_dir), folder / "fresh-sglang.log", host,
+                               on_host(host, python, folder), port=30001)
+        NET[0].processes.append(srv.proc)
+        try:
+            srv.wait_ready(timeout_s=timeout_s)
+            FRESH[key] = srv.generations([list(p) for p in prompts], max_tokens)
+        finally:
+            srv.stop()
+        return FRESH[key]
     request = json.dumps({"engine": engine, "model_dir": str(model_dir), "dtype": dtype,
                           "engine_args": {}, "prompts": [list(p) for p in prompts],
                           "max_tokens": max_tokens})
@@ -127,8 +158,9 @@ def fresh_generate(engine: str, model_dir: str | Path, *, dtype: str = "float32"
     reply = json.loads(lines[-1]) if lines else {"error": out.stderr[-3000:]}
     if "error" in reply:
         raise EngineUnavailable(reply["error"])
-    return [Generation(tuple(g["tokens"]), tuple(g["logprobs"]), g["version"])
-            for g in reply["generations"]]
+    FRESH[key] = [Generation(tuple(g["tokens"]), tuple(g["logprobs"]), g["version"])
+                  for g in reply["generations"]]
+    return FRESH[key]
 
 
 # -- hosts and servers ------------------------------------------------------------------
@@ -138,6 +170,7 @@ def hosts(netns_ok: None) -> Iterator[Network]:
     and the contracts' trainers connect to the trainer host's own address."""
     with Network(HOSTS) as net, net.hosts["trainer"].entered(), pytest.MonkeyPatch.context() as mp:
         here = net.hosts["trainer"].address
+        NET[:] = [net]
         mp.setattr(sc, "WeightSync", functools.partial(WeightSync, host=here))
         mp.setattr(rc, "WeightSync", functools.partial(WeightSync, host=here, secret=SECRET))
         mp.setattr(rc, "fresh_generate", fresh_generate)
@@ -161,8 +194,11 @@ class DocsSGLangServer(SGLangServerProcess):
     """The SGLang server started with docs/transports.md's engine-host line, as written
     (plus the `sgl_kernel` stand-in where the real kernels cannot be imported)."""
 
-    def __init__(self, model: Path, log: Path, host: Host, python: str) -> None:
+    def __init__(self, model: Path, log: Path, host: Host, python: str,
+                 port: int | None = None) -> None:
         argv, env = sglang_docs_argv(model, host.address, python)
+        if port is not None:  # a second server on the same host
+            argv[argv.index("--port") + 1] = str(port)
         self.model, self.port = str(model), int(argv[argv.index("--port") + 1])
         EngineServerProcess.__init__(self, argv, cpu_env({**env, SECRET_ENV: SECRET}), log,
                                      f"http://{host.address}:{self.port}")
@@ -266,7 +302,6 @@ def test_push_equals_fresh_load(engine: str, replicas: dict[str, ServerReplica],
     rc.test_push_equals_fresh_load(engine, replicas, model_dirs, "llama", tmp_path)
 
 
-@full
 def test_pushes_in_a_row_reuse_the_group_then_disk(
         engine: str, replicas: dict[str, ServerReplica], model_dirs: dict[str, Path],
         tmp_path: Path) -> None:
@@ -287,11 +322,13 @@ def test_bad_update_is_refused_before_data_moves_and_changes_nothing(
 def test_failed_stream_tears_the_engine_and_the_next_push_repairs_it(
         engine: str, replicas: dict[str, ServerReplica], model_dirs: dict[str, Path],
         tmp_path: Path) -> None:
+    if engine == "sglang":
+        pytest.skip("one more fresh SGLang server for its oracle (minutes on the shared "
+                    "machine); SGLang runs this scenario on one host in tests/contract")
     rc.test_failed_stream_tears_the_engine_and_the_next_push_repairs_it(
         engine, replicas, model_dirs, tmp_path)
 
 
-@full
 def test_push_with_generation_paused(engine: str, replicas: dict[str, ServerReplica],
                                      model_dirs: dict[str, Path]) -> None:
     rc.test_push_with_generation_paused(engine, replicas, model_dirs)
@@ -303,13 +340,11 @@ def test_a_killed_trainer_leaves_the_server_refusing_until_the_next_push(
     sc.test_a_killed_trainer_leaves_the_server_refusing_until_the_next_push(server, model_dirs)
 
 
-@full
 def test_a_request_during_an_update_waits_and_gets_the_new_weights(
         server: Any, model_dirs: dict[str, Path]) -> None:
     sc.test_a_request_during_an_update_waits_and_gets_the_new_weights(server, model_dirs)
 
 
-@full
 def test_serve_policy_marks_the_answers(server: Any, model_dirs: dict[str, Path]) -> None:
     sc.test_serve_policy_marks_the_answers(server, model_dirs)
 
@@ -340,10 +375,8 @@ def wait_beacons(beacons: list[str], pred: Callable[[dict[str, Any]], bool], tim
         time.sleep(0.05)  # polling files the workers write, bounded above
 
 
-#: (engine, seed) -> the engine's outputs freshly loaded from `perturb(llama, seed)`: the
-#: healed pushes of every fault push the same weights, and one fresh load serves them all.
-FRESH: dict[tuple[str, int], list[Generation]] = {}
-#: The weights every healed push sends (after its test's own pushes moved the engine).
+#: The weights every healed push sends (after its test's own pushes moved the engine):
+#: one fresh load serves them all (`fresh_generate` keeps it).
 HEALED_SEED = 112
 
 
@@ -353,10 +386,7 @@ def assert_exact(server: Any, seed: int, like: Path, tmp: Path, version: Any) ->
     tokens."""
     model = perturb(load_tiny(like), seed=seed)
     got = server.generations()
-    key = (server.engine, seed)
-    if key not in FRESH:
-        FRESH[key] = rc.fresh_outputs(server.engine, model, like, tmp)
-    diff = first_difference(got, FRESH[key])
+    diff = first_difference(got, rc.fresh_outputs(server.engine, model, like, tmp))
     assert diff is None, f"{server.engine} after the push != freshly loaded: {diff}"
     assert [list(g.tokens) for g in got] == hf_greedy(model, PROMPTS, NEW_TOKENS)
     assert {g.version for g in got} == {str(version)}
@@ -467,15 +497,17 @@ def test_partition_during_a_control_phase_ends_in_time_and_the_next_push_heals(
         h.armed = True
         t0 = time.monotonic()
         try:
-            with pytest.raises(Exception) as caught:
-                sync.push(perturb(load_tiny(like), seed=121), version=failed)
+            # On a thread: a push that never ends fails this test instead of hanging it.
+            fut: Future[Any] = spawn(sync.push, perturb(load_tiny(like), seed=121),
+                                     version=failed)
+            err = fut.exception(timeout=TIMEOUT_S + TRAINER_MARGIN_S + 30.0)
             trainer_s = time.monotonic() - t0
             states = beacon_states(beacons)
         finally:
             host.heal()
         print(f"{server.engine}, partition during {verb}: trainer ended after {trainer_s:.1f}s "
-              f"({caught.type.__name__}: {caught.value}); engine {states}")
-        assert named(caught.value, h.name), caught.value
+              f"({type(err).__name__}: {err}); engine {states}")
+        assert named(err, h.name), err
         assert trainer_s <= TIMEOUT_S + TRAINER_MARGIN_S, trainer_s
         for s in states:
             assert s["state"] != "updating", s
@@ -506,10 +538,10 @@ def test_one_push_updates_vllm_and_sglang_on_two_other_hosts(
                     timeout_s=90, bucket_bytes=BUCKET_BYTES) as sync:
         for h in handles:
             sync.add_replica(h)
-        report = sync.push(perturb(load_tiny(like), seed=131), version="mixed-1")
+        report = sync.push(perturb(load_tiny(like), seed=11), version="mixed-1")
         assert report.ok and [r.name for r in report.replicas] == [h.name for h in handles]
         for srv in both.values():
-            assert_exact(srv, 131, like, tmp_path / srv.engine, "mixed-1")  # type: ignore[attr-defined]
+            assert_exact(srv, 11, like, tmp_path / srv.engine, "mixed-1")  # type: ignore[attr-defined]
         report = sync.push(perturb(load_tiny(like), seed=HEALED_SEED), version="mixed-2")
         assert report.phases["group"] < report.phases["transfer"] + 1.0  # the group is reused
     for srv in both.values():
