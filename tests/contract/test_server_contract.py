@@ -262,13 +262,16 @@ def test_an_update_that_does_not_fit_is_refused_before_data_moves(
     assert first_difference(server.generations(), good) is None
 
 
-#: One bound for every engine: a push whose replica stops answering fails within its
-#: timeout (plus the slack of one HTTP round trip and the group's teardown).
+#: One bound for every engine and both freezes: a push whose replica stops answering
+#: fails within the wait that timed out (timeout_s), the grace it then gives the
+#: replicas to say why (control/sync.py GRACE_S, at most timeout_s) and 2 s of slack.
+#: Measured on the shared 2-core machine at timeout 4 s: stopped 4.0-4.3 s (vLLM and
+#: SGLang), frozen as the data moves 4.2 s (vLLM), 8.4 s (SGLang).
 STOP_TIMEOUT_S = 4.0
 
 
 def stop_bound(timeout_s: float) -> float:
-    return timeout_s + 4.0
+    return 2 * timeout_s + 2.0
 
 
 @pytest.mark.parametrize("when", ["first push", "later push"])
