@@ -30,8 +30,8 @@ export ENGINEHOOKS_SGLANG_PYTHON ENGINEHOOKS_VLLM_PYTHON ENGINEHOOKS_MEGATRON_PY
 # and the Megatron ranks pushing into vLLM and SGLang servers.
 run_pytest vllm tests/unit tests/security tests/contract tests/conformance tests/vllm tests/gpu \
   tests/multihost tests/megatron -q -rs || status=1
-# The SGLang environment: the replica contract and conformance slice on SGLang, and the
-# SGLang suites.
-run_pytest sglang tests/contract tests/conformance tests/sglang -k "sglang or not contract" \
-  -q -rs || status=1
+# The SGLang environment: the replica contract and conformance slice on SGLang, the
+# SGLang suites, and the attacks on SGLang servers (tests/security).
+run_pytest sglang tests/contract tests/conformance tests/sglang \
+  tests/security/test_server_sglang.py -k "sglang or not contract" -q -rs || status=1
 exit "$status"

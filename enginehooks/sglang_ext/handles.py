@@ -173,19 +173,33 @@ class SGLangServer(_FlushTracking):
 
     Keep the server on loopback or a private network, or start it with `--api-key` and
     pass the same `api_key` here: SGLang's key check covers the plugin's route like any
-    other. Every call has a timeout.
+    other. With a shared secret (`secret`, a `WeightSync`'s, or `ENGINEHOOKS_SECRET`)
+    every POST carries a route token: a server with the secret refuses its admin routes
+    without one (`plugin.py`). Every call has a timeout.
     """
 
     def __init__(self, url: str = "http://127.0.0.1:30000", name: str | None = None,
-                 pause_mode: str = "retract", api_key: str | None = None) -> None:
+                 pause_mode: str = "retract", api_key: str | None = None,
+                 secret: bytes | str | None = None) -> None:
+        from enginehooks.core.auth import load_secret
+
         self.url = url.rstrip("/")
         self.name = name or self.url
         self.pause_mode = _check_mode(pause_mode)
         self._headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self._secret = secret.encode() if isinstance(secret, str) else (secret or load_secret())
+
+    def adopt_secret(self, secret: bytes) -> None:
+        """Sign with `secret` (a `WeightSync`'s) unless this handle has its own."""
+        if not self._secret:
+            self._secret = secret
 
     def _post(self, path: str, body: Any, timeout_s: float) -> Any:
+        from enginehooks.engine.protocol import route_headers
+
+        headers = {**self._headers, **route_headers(self._secret, f"{self.url}{path}", body)}
         return request_json(f"{self.url}{path}", body, timeout_s=timeout_s, who=self.name,
-                            headers=self._headers)
+                            headers=headers)
 
     def rpc(self, method: str, *args: Any, timeout_s: float) -> list[Any]:
         from enginehooks.sglang_ext.plugin import ROUTE
@@ -193,7 +207,16 @@ class SGLangServer(_FlushTracking):
         body = {"method": method, "args": list(args), "timeout_s": timeout_s}
         # The route's own deadline ends first, so its answer (naming the scheduler) wins
         # over a bare HTTP timeout whenever the server process itself is alive.
-        out = self._post(ROUTE, body, timeout_s + 5.0)
+        try:
+            out = self._post(ROUTE, body, timeout_s + 5.0)
+        except ReplicaError as e:
+            if "HTTP 404" in str(e):
+                raise ConfigError(
+                    f"{self.name}: the SGLang server has no {ROUTE} route: the enginehooks "
+                    "SGLang plugin is not loaded in it. Install enginehooks in the server's "
+                    "environment and leave SGLANG_PLUGINS unset or list 'enginehooks' in "
+                    "it, then restart the server") from None
+            raise
         if isinstance(out, dict) and "results" in out:
             return out["results"]
         if isinstance(out, dict) and "error" in out:

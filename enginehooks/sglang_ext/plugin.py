@@ -16,7 +16,17 @@ Hooks (all through SGLang's `HookRegistry`):
 - BEFORE `http_server._setup_and_run_http_server` (HTTP server only): add the route
   `POST /enginehooks/rpc` and bind the scheduler's RPC socket for it. `launch_server`
   offers no route to scheduler methods; an in-process `Engine` binds that socket
-  itself and never runs this hook.
+  itself and never runs this hook. With a shared secret in the server's environment,
+  also guard every route SGLang itself marks as an admin route (`@auth_level`
+  ADMIN_OPTIONAL / ADMIN_FORCE: `/update_weights_from_disk`,
+  `/update_weights_from_distributed`, `/init_weights_update_group`,
+  `/release_memory_occupation`, `/pause_generation`, ...): each needs a token
+  signed with the secret (`X-Enginehooks-Auth`, sent by `SGLangServer`), or is
+  refused with HTTP 401 (`OPEN_ADMIN_ROUTES` says which stay open, and why). Without
+  `--api-key`/`--admin-api-key` SGLang serves those routes to anyone, and they change
+  the weights behind the trainer's back. A secret
+  that cannot be loaded, or a guard that cannot be installed, stops the server
+  instead of serving it unguarded.
 
 Why a route rather than `--custom-weight-loader` + `/update_weights_from_tensor` for
 servers: the loader route only moves tensors inlined into the HTTP body as base64
@@ -94,7 +104,16 @@ def _after_handle_rpc(result: Any, self: Any, *args: Any, **kwargs: Any) -> Any:
 
 
 def _before_http_server(*args: Any, **kwargs: Any) -> None:
-    """Add `POST /enginehooks/rpc` to SGLang's FastAPI app before uvicorn starts."""
+    """Add `POST /enginehooks/rpc` to SGLang's FastAPI app before uvicorn starts, and,
+    with a shared secret, the guard of the admin routes (never skipped: a server with a
+    secret is not served unguarded)."""
+    from enginehooks.core.auth import load_secret
+
+    secret = load_secret()  # a secret file that cannot be read stops the server here
+    if secret:
+        from sglang.srt.entrypoints.http_server import app
+
+        install_admin_guard(app, secret)
     try:
         port_args = kwargs["port_args"] if "port_args" in kwargs else args[3]
         server_args = kwargs["server_args"] if "server_args" in kwargs else args[0]
@@ -147,3 +166,98 @@ def install_route(rpc_ipc_name: str, server_args: Any) -> None:
 
     app.add_api_route(ROUTE, enginehooks_rpc, methods=["POST"])
     log.info("enginehooks: %s ready (scheduler RPC socket %s)", ROUTE, rpc_ipc_name)
+
+
+#: Admin routes left open with a secret, and why: none changes the weights or what an
+#: answer is labelled with.
+OPEN_ADMIN_ROUTES: dict[str, str] = {
+    "/freeze_gc": "SGLang calls it on itself after warm-up, without any token",
+    "/flush_cache": "drops cached prefixes only (recomputed on the next request); tools "
+                    "flush before reading the engine",
+    ROUTE: "every verb that changes the engine carries its own token (engine/side.py); "
+           "info and digests read only",
+}
+
+
+def install_admin_guard(app: Any, secret: bytes) -> None:
+    """Refuse every request to a route SGLang marks as an admin route (its own
+    `@auth_level` metadata: the engine that owns the routes says which ones change it)
+    that carries no valid enginehooks route token (`engine/protocol.py`: signed over
+    method, host, path, query and body, fresh, used once). See the module docstring.
+
+    A plain ASGI middleware: SGLang replaces FastAPI's `@app.middleware("http")` with
+    one that ignores the response a middleware returns and hands the original `receive`
+    on, so a refusal must be sent here and a body read here must be replayed."""
+    if getattr(app.state, "enginehooks_admin_guard", False):
+        return
+    app.add_middleware(AdminGuard, secret=secret)
+    app.state.enginehooks_admin_guard = True
+    log.info("enginehooks: SGLang admin routes need a token signed with the shared secret")
+
+
+class AdminGuard:
+    """The ASGI middleware of `install_admin_guard`."""
+
+    def __init__(self, app: Any, secret: bytes) -> None:
+        from enginehooks.core.auth import Verifier
+
+        self.app = app
+        self.verifier = Verifier(secret)
+
+    def _admin(self, scope: dict[str, Any]) -> bool:
+        from sglang.srt.utils.auth import AuthLevel
+        from starlette.routing import Match
+
+        router = scope.get("app")
+        routes = getattr(getattr(router, "router", None), "routes", None) or []
+        for route in routes:
+            try:
+                match, child = route.matches(scope)
+            except Exception:
+                continue
+            if match == Match.FULL:
+                endpoint = child.get("endpoint") or getattr(route, "endpoint", None)
+                level = getattr(endpoint, "_auth_level", AuthLevel.NORMAL)
+                return level != AuthLevel.NORMAL
+        return False
+
+    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        path = scope.get("path", "")
+        if (scope.get("type") != "http" or scope.get("method") == "OPTIONS"
+                or path.rstrip("/") in OPEN_ADMIN_ROUTES or not self._admin(scope)):
+            await self.app(scope, receive, send)
+            return
+        from starlette.requests import Request
+        from starlette.responses import JSONResponse
+
+        from enginehooks.core.auth import AuthError
+        from enginehooks.engine.protocol import ROUTE_AUTH_HEADER, verify_route
+
+        chunks, more = [], True
+        while more:
+            message = await receive()
+            if message["type"] != "http.request":
+                return  # the client went away
+            chunks.append(message.get("body", b""))
+            more = bool(message.get("more_body"))
+        body = b"".join(chunks)
+        request = Request(scope)
+        try:
+            verify_route(self.verifier, request.method, request.headers.get("host", ""),
+                         path, request.url.query, body, request.headers.get(ROUTE_AUTH_HEADER))
+        except AuthError as e:
+            await JSONResponse(status_code=401, content={"error": (
+                f"enginehooks: {path} is an admin route and this engine has a shared "
+                f"secret: {e} (enginehooks' SGLangServer signs its calls)")})(
+                scope, receive, send)
+            return
+        sent = False
+
+        async def replay() -> dict[str, Any]:
+            nonlocal sent
+            if not sent:
+                sent = True
+                return {"type": "http.request", "body": body, "more_body": False}
+            return await receive()
+
+        await self.app(scope, replay, send)
