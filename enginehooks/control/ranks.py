@@ -145,9 +145,13 @@ class ShortGather:
 
     def __init__(self, ranks: TrainerRanks, work: Any, out: torch.Tensor) -> None:
         self.ranks, self.work, self.out = ranks, work, out
+        #: completes when the collective does; its callbacks run after `done()` is true
+        #: (`Work.is_completed()` can still say False inside them: a waiter woken by a
+        #: callback would then sleep until its timeout)
+        self.future = work.get_future()
 
     def done(self) -> bool:
-        return bool(self.work.is_completed())
+        return bool(self.future.done())
 
     def result(self, timeout_s: float | None = None) -> list[Any]:
         self.ranks._wait(self.work, "control answer", timeout_s)

@@ -127,8 +127,7 @@ class SenderSet(Sender):
             g = self.command({"op": "send", "manifest": manifest.to_json()})
         names = {t.name for t in mine[0].tensors}
         stats = self.own.send(mine[0], only(stream, names), abort)
-        fut = g.work.get_future()
-        fut.add_done_callback(lambda _f: abort.poke())
+        g.future.add_done_callback(lambda _f: abort.poke())
         if not abort.wait_for(g.done, self.timeout_s):
             raise TransportError(f"trainer ranks 1..{self.ranks.size - 1} did not finish "
                                  f"sending within {self.timeout_s}s")
