@@ -8,6 +8,10 @@ module replica (`replica.py`: the real `EngineSide` and transport receivers).
 - A sender rank killed in the middle of a push: the push fails on the coordinator and on
   the replica within their timeouts, the error names the sender rank, and the replica
   is torn (not `current` on a half-received version).
+- Outside CI (`ENGINEHOOKS_MULTIHOST_FULL=1`; its log is committed under
+  benchmarks/results/): two sender ranks on loopback push into a real vLLM server, which
+  then equals, token for token and logprob for logprob, vLLM freshly loaded from the
+  pushed weights (the exact oracle).
 """
 
 from __future__ import annotations
@@ -41,15 +45,17 @@ _port = [29610]
 
 
 class Rank:
-    """One trainer rank (`multi_trainer.py`) in its host."""
+    """One trainer rank (`multi_trainer.py`) in its host (None: on loopback here)."""
 
-    def __init__(self, host: Host, spec: dict[str, Any], log: Path) -> None:
+    def __init__(self, host: Host | None, spec: dict[str, Any], log: Path) -> None:
         self.log = open(log, "w")  # noqa: SIM115 - closed in close()
-        env = {**os.environ, "GLOO_SOCKET_IFNAME": "eth0"}
-        self.proc = host.popen([sys.executable, "-m", "tests.multihost.multi_trainer",
-                                json.dumps(spec)], cwd=str(ROOT), env=env,
-                               stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.log,
-                               text=True)
+        env = {**os.environ, "GLOO_SOCKET_IFNAME": "eth0" if host is not None else "lo"}
+        argv = [sys.executable, "-m", "tests.multihost.multi_trainer", json.dumps(spec)]
+        pipes: dict[str, Any] = {"stdin": subprocess.PIPE, "stdout": subprocess.PIPE,
+                                 "stderr": self.log, "text": True}
+        self.proc = (host.popen(argv, cwd=str(ROOT), env=env, **pipes) if host is not None
+                     else subprocess.Popen(argv, cwd=str(ROOT), env=env,
+                                           start_new_session=True, **pipes))
         self.lines = Lines(self.proc.stdout, f"trainer rank {spec['rank']}")  # type: ignore[arg-type]
 
     def send(self, cmd: dict[str, Any]) -> None:
@@ -168,3 +174,48 @@ def test_a_sender_rank_killed_mid_push_ends_the_push_everywhere_in_time(
     assert ended["time"] - wall_fault <= TIMEOUT_S + REPLICA_MARGIN_S, ended
     assert ended["state"] == "torn" and ended["failed_version"] == "multi-killed", ended
     assert "sender rank 1" in (ended.get("reason") or ""), ended
+
+
+FULL_ENV = "ENGINEHOOKS_MULTIHOST_FULL"
+
+
+@pytest.mark.skipif(not os.environ.get(FULL_ENV),
+                    reason=f"outside CI (set {FULL_ENV}=1): a vLLM server and a fresh load "
+                           "take minutes; the log is committed under benchmarks/results/")
+def test_two_senders_into_real_vllm_equal_a_fresh_load(model_dirs: dict[str, Path],
+                                                        tmp_path: Path) -> None:
+    from enginehooks.testing.engines import first_difference
+    from enginehooks.testing.servers import VLLMServerProcess
+    from tests.contract.test_replica_contract import fresh_outputs
+
+    like = model_dirs["llama"]
+    server = VLLMServerProcess(like, tmp_path / "vllm.log")
+    ranks: list[Rank] = []
+    try:
+        server.wait_ready(timeout_s=400.0)
+        before = server.generations()
+        _port[0] += 1
+        for r in range(2):
+            spec = {"model_dir": str(like), "host": "127.0.0.1", "rank": r, "world": 2,
+                    "master": f"127.0.0.1:{_port[0]}", "timeout_s": 60.0,
+                    "bucket_bytes": 64 << 10, "mode": "balanced",
+                    "replicas": ([{"kind": "vllm", "url": server.url, "name": "vllm"}]
+                                 if r == 0 else [])}
+            ranks.append(Rank(None, spec, tmp_path / f"rank{r}.log"))
+        for r in ranks:
+            r.lines.json(120.0)
+        out = push(ranks, 77, "multi-vllm")
+        assert all(o["ok"] for o in out), out
+        assert 0 < out[1]["bytes"] < out[0]["bytes"], out  # both ranks sent a share
+        got = server.generations()
+        assert first_difference(got, before) is not None, "the push changed nothing"
+        want = fresh_outputs("vllm", perturb(load_tiny(like), seed=77), like, tmp_path)
+        diff = first_difference(got, want)
+        print(f"two senders -> real vLLM: {out[0]['bytes']} bytes, rank 1 sent "
+              f"{out[1]['bytes']}; push {out[0]['seconds']:.2f} s; equal to a fresh load: "
+              f"{diff is None}")
+        assert diff is None, f"vLLM after a two-sender push != vLLM freshly loaded: {diff}"
+    finally:
+        for r in ranks:
+            r.close()
+        server.stop()
