@@ -240,3 +240,21 @@ def test_state_changes_reach_the_binding_in_order() -> None:
     assert "updating" in seen and seen[-1] == "current"
     assert seen.index("updating") < len(seen) - 1
     assert side_mod.EngineSide is type(e.side)
+
+
+def test_the_refusal_says_why_in_each_state() -> None:
+    base = {"version": None, "on_torn": "refuse", "group": "g", "time": 0.0}
+    updating = {**base, "state": "updating", "updating_to": "v2", "failed_version": None,
+                "reason": None}
+    assert refusal_of(updating) == {
+        "error": "enginehooks: the weights are being updated to version 'v2'; generation "
+                 "resumes when the update is done",
+        "state": "updating", "failed_version": None, "updating_to": "v2", "reason": None}
+    torn = {**base, "state": "torn", "updating_to": None, "failed_version": 3,
+            "reason": "update to 3 failed: TransportError: peer left"}
+    assert refusal_of(torn) == {
+        "error": "enginehooks: the update to version 3 failed (update to 3 failed: "
+                 "TransportError: peer left); this engine holds a mix of weight versions and "
+                 "refuses generation until a push succeeds (policy on_torn='refuse')",
+        "state": "torn", "failed_version": 3, "updating_to": None,
+        "reason": "update to 3 failed: TransportError: peer left"}
