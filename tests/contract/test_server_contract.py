@@ -377,6 +377,8 @@ def test_pause_holds_requests_until_the_update_is_applied(
                 time.sleep(0.2)
             return result
 
+    # Serving first (a torn engine refuses generation until a push succeeds).
+    signed_push(server, perturb(load_tiny(model_dirs["llama"]), seed=69), "serving-69")
     model = perturb(load_tiny(model_dirs["llama"]), seed=68)
     h = handle(server, pause_mode=HOLDING_MODE[server.engine])
     plugin = Observe()
