@@ -306,8 +306,19 @@ class VLLMServer(_VLLMHandle):
     def _post(self, path: str, body: Any | None, timeout_s: float) -> Any:
         body = body if body is not None else {}
         headers = {**self._headers, **route_headers(self._secret, f"{self.url}{path}", body)}
-        return request_json(f"{self.url}{path}", body, timeout_s=timeout_s, who=self.name,
-                            headers=headers)
+        try:
+            return request_json(f"{self.url}{path}", body, timeout_s=timeout_s, who=self.name,
+                                headers=headers)
+        except ReplicaError as e:
+            if "HTTP 404" not in str(e):
+                raise
+            # vLLM registers its control routes (RL, weight transfer, collective_rpc)
+            # only in dev mode: a bare 404 would hide the one setting to change.
+            route = path.split("?", 1)[0]
+            extra = f" ({SETUP_HINT})" if route == "/collective_rpc" else ""
+            raise ConfigError(f"{self.name}: the server has no {route} route: start vLLM "
+                              f"with VLLM_SERVER_DEV_MODE=1, which enables its control "
+                              f"routes{extra}") from None
 
     def _get(self, path: str, timeout_s: float) -> Any:
         return request_json(f"{self.url}{path}", None, timeout_s=timeout_s, who=self.name,
@@ -317,13 +328,7 @@ class VLLMServer(_VLLMHandle):
         # No "timeout" for vLLM: one that expires leaves its answer queued for the next
         # call (see _VLLMHandle); this client bounds its own wait.
         body = {"method": method, "args": [str(a) for a in args]}
-        try:
-            out = self._post("/collective_rpc", body, timeout_s)
-        except ReplicaError as e:
-            if "HTTP 404" in str(e):
-                raise ConfigError(f"{self.name}: the server has no /collective_rpc route: start "
-                                  f"vLLM with VLLM_SERVER_DEV_MODE=1 ({SETUP_HINT})") from None
-            raise
+        out = self._post("/collective_rpc", body, timeout_s)  # a 404 says: dev mode
         if not isinstance(out, dict) or "results" not in out:
             raise ReplicaError(self.name, f"/collective_rpc answered {out!r}")
         return out["results"]

@@ -144,8 +144,14 @@ def _refused(who: str, verb: str, e: BaseException) -> Exception:
     `AuthError`, a refused setup (world size, endpoint) a `ConfigError`, both with the
     fix they name; anything else a `ReplicaError`."""
     detail = _detail(e)
-    if "AuthError" in detail or "no shared secret" in detail:
-        out: Exception = AuthError(f"replica {who!r}: {verb} refused: {detail}")
+    if "404" in detail and "Not Found" in detail and "ConfigError" not in detail:
+        # vLLM's own HTTP client: the route is missing (not in dev mode).
+        out: Exception = ConfigError(
+            f"replica {who!r}: {verb}: the server has no such route ({detail[:300]}): start "
+            "vLLM with VLLM_SERVER_DEV_MODE=1 and --weight-transfer-config "
+            "'{\"backend\": \"enginehooks\"}'")
+    elif "AuthError" in detail or "no shared secret" in detail:
+        out = AuthError(f"replica {who!r}: {verb} refused: {detail}")
     elif "ConfigError" in detail or f"{verb} refused" in detail:
         out = ConfigError(f"replica {who!r}: {verb} refused: {detail}")
     else:

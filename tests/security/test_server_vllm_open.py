@@ -10,6 +10,11 @@ from __future__ import annotations
 
 import json
 import os
+import queue
+import signal
+import subprocess
+import sys
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -243,3 +248,40 @@ def test_a_timed_out_rpc_cannot_shift_the_answers_of_later_calls(
     gens = server.generations()
     assert {g.version for g in gens} == {"after-timeout"}
     assert [list(g.tokens) for g in gens] == hf_greedy(model, PROMPTS, NEW_TOKENS)
+
+
+def test_weight_info_says_torn_after_a_killed_trainer(
+        server: Any, model_dirs: dict[str, Path]) -> None:
+    """A trainer killed mid-push records nothing (vLLM's weight version still names
+    the last good push); `/weight_info` says `torn` from the workers' own state as soon
+    as their receive gives up, and the next push repairs it."""
+    env = {k: v for k, v in os.environ.items() if k not in (SECRET_ENV, "ENGINEHOOKS_SECRET_FILE")}
+    trainer = subprocess.Popen(
+        [sys.executable, "-m", "enginehooks.testing.stalling_trainer", "vllm", server.url,
+         str(model_dirs["llama"]), "killed-50", "8"],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+    lines: queue.Queue[str] = queue.Queue()
+    assert trainer.stdout is not None
+    out = trainer.stdout
+    threading.Thread(target=lambda: [lines.put(x) for x in out], daemon=True).start()
+    try:
+        deadline = time.monotonic() + 180
+        while True:
+            line = lines.get(timeout=max(0.1, deadline - time.monotonic()))
+            if line.strip() == "stalled":
+                break
+        trainer.send_signal(signal.SIGKILL)
+    finally:
+        trainer.kill()
+        trainer.wait(timeout=30)
+    deadline = time.monotonic() + 60
+    while True:  # the workers' receive gives up after the trainer's 8 s
+        info = json.loads(get(f"{server.url}/weight_info")[1])
+        if info["weight_version"] == "torn":
+            break
+        assert time.monotonic() < deadline, info
+        time.sleep(0.5)
+    assert "killed-50" in info["enginehooks"], info
+    model = perturb(load_tiny(model_dirs["llama"]), seed=47)
+    push(server, model, "after-kill")
+    assert json.loads(get(f"{server.url}/weight_info")[1])["weight_version"] == "after-kill"
