@@ -130,11 +130,11 @@ def test_a_busy_worker_refuses_at_once_naming_the_update() -> None:
     s.updating_to, s.group = "v9", "g1"
     assert s._busy.acquire(blocking=False)
     try:
-        for call in (lambda: s.receive(manifest(), "g1"), lambda: s.leave(None),
-                     lambda: s.join({"transport": "gloo"}, 1)):
+        for verb, call in (("receive", lambda: s.receive(manifest(), "g1")),
+                           ("leave", lambda: s.leave(None)),
+                           ("join", lambda: s.join({"transport": "gloo"}, 1))):
             with pytest.raises(ReplicaBusy) as err:
                 call()
-            verb = str(err.value).split(" ")[0]
             assert str(err.value) == (f"{verb} refused: this worker is applying the update to "
                                       "version 'v9' (group g1); one update at a time")
     finally:
