@@ -29,18 +29,20 @@ SENDERS_KEY = "senders"
 
 def assign_balanced(specs: Sequence[TensorSpec], senders: int) -> list[int]:
     """The sender of each tensor (in stream order) when every sender holds every tensor
-    (FSDP ranks iterate the whole stream in lockstep): the sender with the fewest bytes
-    so far, lowest rank first on a tie. Stream order is kept within each sender, and the
-    senders' parts interleave along the stream, so they all progress together (a rank
-    that gathers layer n waits for no other rank's sends of earlier layers)."""
+    (FSDP ranks iterate the whole stream in lockstep). Largest first, each to the
+    sender with the fewest bytes so far (lowest rank on a tie): the busiest sender ends
+    within the largest tensor of the others, wherever the big tensors sit in the stream
+    (an embedding first, an untied head last). Tensors of equal size keep their stream
+    order, so a run of layers is dealt round robin and the senders' parts interleave
+    along the stream (ranks that gather in lockstep all have something to send)."""
     if senders < 1:
         raise ValueError(f"senders must be >= 1, got {senders}")
     loads = [0] * senders
-    owners = []
-    for s in specs:
+    owners = [0] * len(specs)
+    for i in sorted(range(len(specs)), key=lambda i: -specs[i].nbytes):
         j = min(range(senders), key=lambda r: (loads[r], r))
-        owners.append(j)
-        loads[j] += max(s.nbytes, 1)
+        owners[i] = j
+        loads[j] += max(specs[i].nbytes, 1)
     return owners
 
 

@@ -44,6 +44,9 @@ def test_balanced_assignment_interleaves_and_balances_bytes() -> None:
     # one big tensor: the others go to the rest until they catch up
     owners = assign_balanced(specs(400, 100, 100, 100, 100), 2)
     assert owners == [0, 1, 1, 1, 1]
+    # a big tensor last (an untied head) is placed first, not left to unbalance the end
+    owners = assign_balanced(specs(100, 100, 100, 100, 400), 2)
+    assert owners == [1, 1, 1, 1, 0]
     loads = [0, 0, 0]
     big = specs(*range(1, 200))
     for spec, j in zip(big, assign_balanced(big, 3)):
