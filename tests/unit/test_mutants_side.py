@@ -258,3 +258,32 @@ def test_the_refusal_says_why_in_each_state() -> None:
                  "refuses generation until a push succeeds (policy on_torn='refuse')",
         "state": "torn", "failed_version": 3, "updating_to": None,
         "reason": "update to 3 failed: TransportError: peer left"}
+
+
+def test_a_leave_overtaken_by_a_join_is_ignored() -> None:
+    """The leave's group is checked again under the lock: a join of another group that
+    ran between the first check and the lock keeps the worker in the new group."""
+    from enginehooks.engine import protocol
+
+    s = engine().side
+    s.group = "old"
+
+    class JoinFirst:
+        """The worker's lock, taken over by a join of group "new" just before it."""
+
+        def __init__(self) -> None:
+            self.lock = threading.Lock()
+
+        def acquire(self, blocking: bool = True) -> bool:
+            s.group = "new"
+            return self.lock.acquire(blocking)
+
+        def release(self) -> None:
+            self.lock.release()
+
+    s._busy = JoinFirst()  # type: ignore[assignment]
+    reply = s.leave(protocol.leave_message("old", None))
+    assert reply == {"left": False, "group": "old",
+                     "reason": "this worker is in group 'new', not 'old': a late leave of an "
+                               "earlier group, ignored"}
+    assert s.group == "new"
