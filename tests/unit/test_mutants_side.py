@@ -287,3 +287,31 @@ def test_a_leave_overtaken_by_a_join_is_ignored() -> None:
                      "reason": "this worker is in group 'new', not 'old': a late leave of an "
                                "earlier group, ignored"}
     assert s.group == "new"
+
+
+def test_a_good_update_after_a_failed_one_clears_the_failure_and_reports_its_stats() -> None:
+    e = engine()
+    s = e.side
+    real_prepare = s.target.prepare
+
+    def fail(*a: Any, **k: Any) -> None:
+        raise RuntimeError("disk on fire")
+
+    s.target.prepare = fail  # type: ignore[method-assign]
+    with WeightSync("gloo", timeout_s=20) as sync:
+        sync.add_replica(e)
+        with pytest.raises(ReplicaError):
+            sync.push(nn.Linear(3, 4), version=1)
+    assert s.state == "torn" and s.failed_version == 1
+    s.target.prepare = real_prepare  # type: ignore[method-assign]
+    source = nn.Linear(3, 4)
+    with WeightSync("gloo", timeout_s=20) as sync:
+        sync.add_replica(e)
+        report = sync.push(source, version=2)
+    assert (s.state, s.version, s.failed_version, s.updating_to, s.last_error) == (
+        "current", 2, None, None, None)
+    assert s.refusal() is None
+    ((worker,),) = [r.stats["workers"] for r in report.replicas]
+    assert worker["version"] == 2 and worker["bytes"] == 64 and 0 < worker["seconds"] < 20
+    assert torch.equal(e.target.tensors["weight"], source.weight.detach())
+    assert torch.equal(e.target.tensors["bias"], source.bias.detach())
