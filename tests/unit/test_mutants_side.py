@@ -98,6 +98,11 @@ def test_receive_before_joining_is_refused() -> None:
         s.receive(manifest(), "g")
     assert str(err.value) == "this worker has not joined a transport group"
     assert s.state == "initial" and s.version is None
+    # Half a membership (a transport's name without its receiver) is no membership.
+    s.group, s.transport = "g", "gloo"
+    with pytest.raises(TransportError, match=r"^this worker has not joined a transport group$"):
+        s.receive(manifest(), "g")
+    assert s.state == "initial"
 
 
 def test_a_refused_manifest_names_every_problem_and_leaves_the_state() -> None:
