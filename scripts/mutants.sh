@@ -8,7 +8,10 @@
 # What is mutated and which tests run: [tool.mutmut] in pyproject.toml.
 # Survivors are either killed by a test or listed in tests/mutants-allowlist.txt; the
 # script ends non-zero if a survivor is neither. Report: docs/testing.md.
-#   ENGINEHOOKS_MUTANTS_JOBS   parallel mutant runs (default: number of cores)
+#   ENGINEHOOKS_MUTANTS_JOBS   parallel mutant runs (default: number of cores; 1 on a shared machine)
+#   ENGINEHOOKS_MUTANTS_KEEP=1 copy over the existing tree instead of starting afresh: mutmut
+#                              keeps the verdicts of functions whose source did not change
+#                              and re-tests only changed ones (module by module runs)
 #   extra arguments are passed to `mutmut run` (e.g. a mutant-name glob to run a subset)
 set -euo pipefail
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -33,7 +36,8 @@ fi
 "$venv/bin/pip" install -q -e "$here[test]" "torch==$TORCH_VERSION" >&2
 
 echo "[mutants] copying $here to $tree" >&2
-rm -rf "$tree" && mkdir -p "$tree"
+if [ "${ENGINEHOOKS_MUTANTS_KEEP:-0}" != 1 ]; then rm -rf "$tree"; fi
+mkdir -p "$tree"
 tar -C "$here" --exclude=.git --exclude=./mutants --exclude=__pycache__ --exclude='*.egg-info' \
   --exclude=./benchmarks/results -cf - . | tar -C "$tree" -xf -
 cd "$tree"
