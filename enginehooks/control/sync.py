@@ -464,6 +464,9 @@ class WeightSync:
         try:
             self._collect(scratch, "join", self._replicas, futs, self.timeout_s)
         except BaseException:
+            # The other replicas' joins end at once once the group is called off
+            # (`_connect`): let them, so the next push finds no worker still busy.
+            wait(futs, timeout=min(GRACE_S, self.timeout_s))
             sender.close()
             raise
         self._sender, self._members = sender, list(self._replicas)
