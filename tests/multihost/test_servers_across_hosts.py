@@ -27,7 +27,8 @@ ends its update within `timeout_s` of the last byte it received (its receive wai
 long per bucket), `torn`, never `current` on the failed version; a partition during
 `check` leaves it on its previous version; one during `finish` comes after the engine
 applied the whole update (`finish` only flushes the prefix cache): it is `current` on
-that version and serves exactly it. After the link heals the next push succeeds and
+that version and serves exactly it (SGLang's scheduler flushes while it applies, so its
+handle sends nothing in `finish` and that push succeeds). After the link heals the next push succeeds and
 meets the exact oracle.
 
 CI runs the vLLM server's share; SGLang's (a second server start), the three-host
@@ -507,7 +508,13 @@ def test_partition_during_a_control_phase_ends_in_time_and_the_next_push_heals(
             host.heal()
         print(f"{server.engine}, partition during {verb}: trainer ended after {trainer_s:.1f}s "
               f"({type(err).__name__}: {err}); engine {states}")
-        assert named(err, h.name), err
+        if err is None:
+            # The handle sent nothing in `finish`: the engine flushed its prefix cache
+            # while it applied the update (SGLang's scheduler does, and says so in its
+            # receive's answer), so the partition touched no call of this push.
+            assert verb == "finish" and getattr(h, "_last_flushed", None) is True, verb
+        else:
+            assert named(err, h.name), err
         assert trainer_s <= TIMEOUT_S + TRAINER_MARGIN_S, trainer_s
         for s in states:
             assert s["state"] != "updating", s
