@@ -320,3 +320,29 @@ def test_a_good_update_after_a_failed_one_clears_the_failure_and_reports_its_sta
     assert worker["version"] == 2 and worker["bytes"] == 64 and 0 < worker["seconds"] < 20
     assert torch.equal(e.target.tensors["weight"], source.weight.detach())
     assert torch.equal(e.target.tensors["bias"], source.bias.detach())
+
+
+def test_the_receive_hook_is_told_the_groups_transport() -> None:
+    """Plugins that own the receive for a transport (`receive_weights`) are told which
+    one the worker joined."""
+    from enginehooks import hookimpl
+    from enginehooks.plugins import register_plugin, unregister_plugin
+
+    told: list[str] = []
+
+    class Spy:
+        @hookimpl(tryfirst=True)
+        def receive_weights(self, transport: str, receiver: Any, manifest: Any,
+                            target: Any) -> None:
+            told.append(transport)
+            return None  # the built-in implementation receives
+
+    spy = Spy()
+    register_plugin(spy, name="transport-spy")
+    try:
+        with WeightSync("gloo", timeout_s=20) as sync:
+            sync.add_replica(engine())
+            sync.push(nn.Linear(3, 4), version=1)
+    finally:
+        unregister_plugin(spy)
+    assert told == ["gloo"]
