@@ -131,3 +131,31 @@ def test_faults_cut_the_link_and_heal_restores_it(netns_ok: None) -> None:
         assert probe() == "TimeoutError"
         b.heal()
         assert probe() == "reached"
+
+
+def test_entered_runs_this_thread_on_the_host_and_always_comes_back(netns_ok: None) -> None:
+    """`Host.entered` (the real-server tests run their trainer so): inside, this thread
+    binds the host's address, and threads it starts are there too; after the block,
+    also one that failed, the thread is back where it was."""
+    import os
+    import socket
+
+    def here() -> str:
+        return os.readlink("/proc/thread-self/ns/net")
+
+    before = here()
+    with Network(["a", "b"]) as net:
+        a = net.hosts["a"]
+        with pytest.raises(RuntimeError, match="inside"), a.entered():
+            assert here() != before
+            with socket.socket() as s:
+                s.bind((a.address, 0))  # only an address of this host can be bound
+            seen: list[str] = []
+            t = threading.Thread(target=lambda: seen.append(here()))
+            t.start()
+            t.join(10)
+            assert seen == [here()]
+            raise RuntimeError("inside")
+        assert here() == before
+        with socket.socket() as s, pytest.raises(OSError):
+            s.bind((a.address, 0))
