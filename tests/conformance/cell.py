@@ -49,7 +49,8 @@ def checkpoint(family: str, engine: str, root: Path) -> Path:
     """The family's tiny checkpoint for `engine` (built once per work folder)."""
     from tests.conformance.families import build, family_named
 
-    folder = root / f"{family}-{engine}" / "d0"
+    # no ':' in the path: SGLang serves the model under its path, and refuses a colon
+    folder = root / f"{family.replace(':', '-')}-{engine}" / "d0"
     if not (folder / "config.json").exists():
         build(family_named(family), engine, folder)
     return folder
