@@ -395,8 +395,11 @@ class WeightSync:
                         f"push failed{others}")
         elif isinstance(e, EngineHooksError) and not wrap:
             e.replica = e.replica or r.name
-            if others and len(e.args) == 1 and str(e) == e.args[0]:
-                e.args = (f"{e}{others}",)
+            if len(e.args) == 1 and str(e) == e.args[0]:
+                # The trainer reads which replica, whichever path the error took (a
+                # worker's ChecksumError said only "bucket 8: ..." here).
+                text = str(e) if repr(r.name) in str(e) else f"replica {r.name!r}: {what} failed: {e}"
+                e.args = (f"{text}{others}",)
             return e
         elif isinstance(e, VERDICTS):
             # The replica's own verdict (a bad digest, a refused token or manifest)
