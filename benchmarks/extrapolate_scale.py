@@ -5,8 +5,9 @@ training GPUs into 128 inference GPUs, every GPU with its own 400 Gb/s NIC.
 A paper model, not a measurement: what the measured efficiencies mean at line rate.
 Constants from the benchmark JSON (same run): `eta_1` (one sender's throughput over its
 link-rate floor), `eta_k` (k senders' throughput over theirs, the median of the
-multi-sender rows) and `c0` (seconds a push spends outside the transfer: plan, check,
-join, flush, measured on CPU, where RPCs are slower than on a GPU cluster's hosts).
+multi-sender rows into one replica, where a link is the bound) and `c0` (seconds a
+push spends outside the transfer: plan, check, join, flush, measured on CPU, where RPCs
+are slower than on a GPU cluster's hosts).
 
 Three ways (L = the NIC's line rate, B = the update's bytes, g = GPUs per replica,
 R = 128 / g replicas, every engine GPU receiving through its own NIC):
@@ -52,7 +53,12 @@ PEERS = {
 def constants(bench: dict[str, Any]) -> dict[str, float]:
     rows = bench["rows"]
     single = [r for r in rows if r["mode"] == "single" and r["replicas"] == 1]
-    multi = [r for r in rows if r["mode"] != "single" and r["trainer_nodes"] > 1]
+    # Rows into one replica: there each link's rate is the bound. Into two, gloo's
+    # broadcast sends each part once per replica (the one-to-all floor), an algorithm
+    # of the CPU transport; the GPU paths (NCCL's pipelined broadcast, the static
+    # schedule's point-to-point sends) cross each link once.
+    multi = [r for r in rows if r["mode"] != "single" and r["trainer_nodes"] > 1
+             and r["replicas"] == 1]
     overhead = [p - t for r in rows for p, t in [(r["median_push_s"], r["median_transfer_s"])]]
     return {"eta_1": single[0]["ratio_to_floor"],
             "eta_k": statistics.median(r["ratio_to_floor"] for r in multi),
