@@ -358,3 +358,30 @@ def test_reads_off_meta_sums_out_arguments_and_multi_output_writes_are_traced() 
     with MetaScalars():
         out = torch.ones(2, dtype=torch.float16, device="meta").to("cpu", torch.float64)
     assert out.dtype == torch.float64
+
+
+def test_readable_tensors_names_every_kind_a_forward_can_read() -> None:
+    """Parameters and buffers under every name they are registered by (a tensor tied
+    to two names in one module is two entries), tensor attributes, private ones
+    included, and what a callable attribute captured: closure cells and tensor
+    default arguments. A child's tensors are its own."""
+    m = nn.Module()
+    p = nn.Parameter(torch.ones(2))
+    m.register_parameter("weight", p)
+    m.register_parameter("weight_alias", p)
+    b = torch.zeros(3)
+    m.register_buffer("scale", b)
+    m.register_buffer("scale_alias", b)
+    m.register_buffer("unset", None)
+    m.cache = torch.full((2,), 5.0)
+    m._private = torch.full((1,), 7.0)
+    default = torch.full((1,), 9.0)
+    m.fn = lambda x, w=default, k=3: x * w * k
+    m.child = nn.Linear(2, 2)
+    found = readable_tensors(m)
+    assert {k: kind for k, (kind, _) in found.items()} == {
+        "weight": "param", "weight_alias": "param", "scale": "buffer",
+        "scale_alias": "buffer", "cache": "attr", "_private": "attr",
+        "fn<default0>": "closure"}
+    assert found["weight_alias"][1] is p and found["scale_alias"][1] is b
+    assert found["_private"][1] is m._private and found["fn<default0>"][1] is default
