@@ -6,8 +6,10 @@ SPEC: `{"model_dir", "host" (this rank's address), "rank", "world", "master"
 ("addr:port" of rank 0's rendezvous for the trainer's own gloo group), "replicas":
 [{"kind", "url", "name"}] (rank 0), "timeout_s", "bucket_bytes", "mode"}`; mode
 "balanced" (every rank streams the whole model, as FSDP ranks do; the coordinator
-shares it out), "owned" (rank r streams only the tensors it owns: every world-th name)
-or "single" (rank 0 alone pushes with a plain `WeightSync`; the baseline).
+shares it out), "owned" (rank r streams only the tensors it owns: every world-th name),
+"fsdp2" (each push's model is `fully_shard`ed over the ranks: real DTensors, gathered in
+lockstep while each rank sends its share; the control channel is a gloo group of its
+own) or "single" (rank 0 alone pushes with a plain `WeightSync`; the baseline).
 
 Commands: `{"op": "push", "seed", "version"}` on every rank (answers `{"ok", "seconds",
 ...}` or the error, with `"type"`); `{"op": "digests", "names", "replica"?}` (rank 0);
@@ -46,7 +48,9 @@ def main(spec: dict[str, Any]) -> None:
         sync = WeightSync("gloo", host=spec["host"], timeout_s=timeout_s,
                           bucket_bytes=spec["bucket_bytes"])
     else:
-        sync = MultiSenderSync(TrainerRanks(None, timeout_s=timeout_s), "gloo",
+        # FSDP2 gathers on the default group: the control channel needs its own
+        control = dist.new_group(backend="gloo") if mode == "fsdp2" else None
+        sync = MultiSenderSync(TrainerRanks(control, timeout_s=timeout_s), "gloo",
                                host=spec["host"], timeout_s=timeout_s,
                                bucket_bytes=spec["bucket_bytes"])
     if rank == 0:
@@ -70,6 +74,13 @@ def main(spec: dict[str, Any]) -> None:
             if mode == "owned":
                 mine = {n for i, n in enumerate(names) if i % world == rank}
                 what = adapter_for(model, include=mine.__contains__)
+            elif mode == "fsdp2":
+                from torch.distributed.fsdp import fully_shard
+
+                what = perturb(load_tiny(spec["model_dir"]), seed=int(cmd["seed"]))
+                for layer in what.model.layers:
+                    fully_shard(layer)
+                fully_shard(what)
             t0 = time.monotonic()
             if mode == "single" and rank != 0:
                 answer({"ok": True, "seconds": 0.0, "idle": True})

@@ -4,7 +4,8 @@ module replica (`replica.py`: the real `EngineSide` and transport receivers).
 
 - Both ranks stream the whole model (as FSDP ranks do); the coordinator shares it out;
   the replica accepts each rank's part under one manifest and holds, bit for bit, what
-  a fresh load of the trained model holds.
+  a fresh load of the trained model holds. The same with real FSDP2 ranks
+  (`fully_shard`), which gather in lockstep while each sends its share.
 - A sender rank killed in the middle of a push: the push fails on the coordinator and on
   the replica within their timeouts, the error names the sender rank, and the replica
   is torn (not `current` on a half-received version).
@@ -144,6 +145,39 @@ def test_two_sender_hosts_push_one_update_bit_exact(ranks: list[Rank], replica: 
         ranks[0].send({"op": "digests", "names": sorted(want)})
         got = ranks[0].lines.json(60.0)["digests"]
         assert {n: d["crc32"] for n, d in got.items()} == want
+
+
+def test_fsdp2_ranks_each_send_a_share_of_what_they_gather(
+        net: Network, replica: ModuleReplica, module_model: Path, tmp_path: Path) -> None:
+    """Real FSDP2 (`fully_shard` over both ranks): the ranks gather in lockstep on the
+    default group, each sends its share over its own broadcast group, the control
+    channel runs on a group of its own."""
+    _port[0] += 1
+    master = f"{net.hosts['trainer-0'].address}:{_port[0]}"
+    ranks: list[Rank] = []
+    try:
+        for r in range(2):
+            host = net.hosts[f"trainer-{r}"]
+            spec = {"model_dir": str(module_model), "host": host.address, "rank": r,
+                    "world": 2, "master": master, "timeout_s": TIMEOUT_S,
+                    "bucket_bytes": 256 << 10, "mode": "fsdp2",
+                    "replicas": ([{"kind": "module", "url": replica.url, "name": replica.name}]
+                                 if r == 0 else [])}
+            ranks.append(Rank(host, spec, tmp_path / f"fsdp2-rank{r}.log"))
+        for r in ranks:
+            r.lines.json(120.0)
+        out = push(ranks, 44, "fsdp2-1")
+        assert all(o["ok"] for o in out), out
+        assert 0 < out[1]["bytes"] < out[0]["bytes"], out
+        s = replica.state()
+        assert s["state"] == "current" and s["version"] == "fsdp2-1", s
+        want = crcs(module_model, 44)
+        ranks[0].send({"op": "digests", "names": sorted(want)})
+        got = ranks[0].lines.json(60.0)["digests"]
+        assert {n: d["crc32"] for n, d in got.items()} == want
+    finally:
+        for r in ranks:
+            r.close()
 
 
 def test_a_sender_rank_killed_mid_push_ends_the_push_everywhere_in_time(
