@@ -207,3 +207,15 @@ def test_floor_is_the_busiest_link() -> None:
     ts = [Transfer(0, 0, "a", 0, 1000), Transfer(1, 0, "b", 0, 3000)]
     assert floor_seconds(ts, egress_bps=1000.0, ingress_bps=10000.0) == 3.0
     assert floor_seconds(ts, egress_bps=1e6, ingress_bps=1000.0) == 4.0
+
+
+def test_several_senders_run_over_gloo_only_and_a_receiver_needs_its_senders() -> None:
+    from enginehooks.control.multisend import MultiSenderSync
+    from enginehooks.core.errors import ConfigError
+    from enginehooks.transports.multisender import MultiReceiver
+
+    with pytest.raises(ConfigError, match="several senders run over"):
+        MultiSenderSync(None, "nccl")  # type: ignore[arg-type]
+    for bad in ("x", [], None):
+        with pytest.raises(TransportError, match="lists its senders"):
+            MultiReceiver({"senders": bad, "world_size": 2}, 1, torch.device("cpu"))
