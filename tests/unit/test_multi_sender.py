@@ -219,3 +219,17 @@ def test_several_senders_run_over_gloo_only_and_a_receiver_needs_its_senders() -
     for bad in ("x", [], None):
         with pytest.raises(TransportError, match="lists its senders"):
             MultiReceiver({"senders": bad, "world_size": 2}, 1, torch.device("cpu"))
+
+
+def test_a_parts_error_names_its_sender_and_keeps_its_class() -> None:
+    from enginehooks.core.errors import ChecksumError, SenderAborted
+    from enginehooks.transports.multisender import named
+
+    for e in (SenderAborted("the sender aborted the update: boom"),
+              ChecksumError("bucket 3: crc32 mismatch")):
+        out = named(e, "sender rank 1 (10.78.0.2:5000)")
+        assert type(out) is type(e) and out.__cause__ is e
+        assert str(out).startswith("sender rank 1 (10.78.0.2:5000): ") and str(e) in str(out)
+    out = named(RuntimeError("Connection closed by peer"), "sender rank 2")
+    assert isinstance(out, TransportError)
+    assert str(out) == "sender rank 2: RuntimeError: Connection closed by peer"
