@@ -153,7 +153,7 @@ class SGLangTarget(Target):
                     continue
                 yield name, t
 
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.thread_time()
         updater.begin_weight_update()
         try:
             if routes:
@@ -178,7 +178,10 @@ class SGLangTarget(Target):
             updater.end_weight_update(run_post_load=False)
         if routes:
             self.plan.applied += 1
+        # wall and this thread's CPU seconds (the latter is what the apply costs when
+        # other processes share the cores)
         self.plan.last = {"seconds": round(time.perf_counter() - t0, 4),
+                          "cpu_seconds": round(time.thread_time() - c0, 4),
                           "planned_last": planned, "loader_last": len(fed) - planned}
         landed = self.landed(fed)
         plan: CopyPlan | None = None

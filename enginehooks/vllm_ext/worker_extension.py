@@ -138,7 +138,7 @@ class VLLMTarget(Target):
                     yield name, t.clone()
             layers.finish()
 
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.thread_time()
         if layers is None or self.loader_too:
             try:
                 self.worker.reload_weights(
@@ -176,7 +176,10 @@ class VLLMTarget(Target):
             self.plan.applied += 1
         landed = self.landed(fed)
         _repair_after_reload(model, landed)
+        # wall and this thread's CPU seconds (the latter is what the apply costs when
+        # other processes share the cores)
         self.plan.last = {"seconds": round(time.perf_counter() - t0, 4),
+                          "cpu_seconds": round(time.thread_time() - c0, 4),
                           "planned_last": len(routes), "loader_last": len(fed) - len(routes)}
         plan: CopyPlan | None = None
         if recording and fed:
