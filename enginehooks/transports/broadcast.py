@@ -410,6 +410,29 @@ class BroadcastReceiver(Receiver):
                  for _ in range(2)]
         payloads: list[torch.Tensor | None] = [None, None]
         landed = [False, False]
+        # `timeout_s` bounds the whole transfer, as it does on the trainer's side: a link
+        # that turns slow (each bucket arriving within the timeout) still ends the update
+        # in time, instead of `timeout_s` after the last byte that trickled in.
+        deadline = time.monotonic() + self.timeout_s
+
+        def late(what: str) -> TransportError:
+            return TransportError(f"{what}: the update did not arrive within "
+                                  f"{self.timeout_s:g}s (timeout_s bounds the whole "
+                                  f"transfer; raise it for slower links)")
+
+        def left(what: str) -> float:
+            seconds = deadline - time.monotonic()
+            if seconds <= 0:
+                raise late(what)
+            return seconds
+
+        def waited(work: Any, what: str) -> None:
+            try:
+                _wait(work, None, left(what), what, self.device)
+            except TransportError as e:  # gloo's own timeout names only the last op
+                if time.monotonic() >= deadline - 0.05:
+                    raise late(what) from e
+                raise
 
         def post(index: int) -> Any:
             """Post bucket `index`'s receive. A direct bucket's trailer is received and
@@ -417,21 +440,21 @@ class BroadcastReceiver(Receiver):
             nor a stranger's bytes ever land in the destination."""
             slot = index % 2
             if not manifest.buckets[index].direct:
-                return _bcast(pg, bufs[slot][: sizes[index]], self.timeout_s)
-            _wait(_bcast(pg, heads[slot], self.timeout_s), None, self.timeout_s,
-                  f"receive of bucket {index}'s trailer", self.device)
+                return _bcast(pg, bufs[slot][: sizes[index]], left(f"receive of bucket {index}"))
+            what = f"receive of bucket {index}'s trailer"
+            waited(_bcast(pg, heads[slot], left(what)), what)
             reason = unpacker.check_header(index, heads[slot])
             if reason >= 0:
                 text = torch.empty(reason, dtype=torch.uint8, device=self.device)
                 if reason:
-                    _wait(_bcast(pg, text, self.timeout_s), None, self.timeout_s,
-                          f"receive of bucket {index}'s abort reason", self.device)
+                    what = f"receive of bucket {index}'s abort reason"
+                    waited(_bcast(pg, text, left(what)), what)
                 unpacker.aborted(text)
             region = unpacker.landing(index)
             landed[slot] = region is not None
             payloads[slot] = region if region is not None else (
                 bufs[slot][: manifest.buckets[index].nbytes])
-            return _bcast(pg, payloads[slot], self.timeout_s)
+            return _bcast(pg, payloads[slot], left(f"receive of bucket {index}"))
 
         work: Any = None
         try:
@@ -439,7 +462,7 @@ class BroadcastReceiver(Receiver):
             for index in range(n):
                 slot = index % 2
                 buf = bufs[slot][: sizes[index]]
-                _wait(work, None, self.timeout_s, f"receive of bucket {index}", self.device)
+                waited(work, f"receive of bucket {index}")
                 work = None
                 direct = manifest.buckets[index].direct
                 # Read the trailer before posting the next receive: after an abort notice

@@ -442,12 +442,9 @@ def test_fault_mid_push_ends_every_side_in_time_and_the_next_push_heals(
               f"{engine_s:.1f}s: {[s.get('reason') for s in ended]}")
         assert named(err, h.name), err
         assert trainer_s <= TIMEOUT_S + TRAINER_MARGIN_S, (trainer_s, err)
-        # The engine's receive waits `timeout_s` per bucket: it ends within `timeout_s`
-        # of the last byte it received. A dead link carries none after the fault; a slow
-        # one may still deliver what was in flight until the trainer gives up (then the
-        # sender stops).
-        last_byte_s = trainer_s if fault == "latency-jumps-to-seconds" else 0.0
-        assert engine_s <= last_byte_s + TIMEOUT_S + ENGINE_MARGIN_S, (engine_s, ended)
+        # `timeout_s` bounds the engine's whole receive (not each bucket), so even a slow
+        # link that still delivers a bucket now and then ends it within `timeout_s`.
+        assert engine_s <= TIMEOUT_S + ENGINE_MARGIN_S, (engine_s, ended)
         for s in ended:
             assert s["state"] == "torn" and s["failed_version"] == failed, s
 
