@@ -357,7 +357,8 @@ def test_pause_holds_requests_until_the_update_is_applied(
     workers are not updating yet; without the pause an idle tiny engine answers it in
     well under a second, with the old weights), and answered after the resume by the
     new weights, exactly HF's. Requests generating when the pause began resume and
-    finish with all their tokens."""
+    finish with all their tokens. The window is at least ten times what the same
+    request takes unpaused here."""
     pool = ThreadPoolExecutor(3)
     running: list[Future[Any]] = []
     held: list[Future[Any]] = []
@@ -368,7 +369,7 @@ def test_pause_holds_requests_until_the_update_is_applied(
         def run_phase(self, phase: str, report: Any, run: Any) -> Any:
             if phase == "transfer":  # paused, the data not moving yet
                 held.append(pool.submit(server.generations, PROMPTS[:1], cold=False))
-                time.sleep(HELD_S)
+                time.sleep(hold_s)
                 seen["held answered"] = held[0].done()
             result = yield
             if phase == "check":  # the last phase before the pause
@@ -379,6 +380,12 @@ def test_pause_holds_requests_until_the_update_is_applied(
 
     # Serving first (a torn engine refuses generation until a push succeeds).
     signed_push(server, perturb(load_tiny(model_dirs["llama"]), seed=69), "serving-69")
+    # The hold window scales with what this machine takes to answer the same request
+    # unpaused, so "unanswered after hold_s" means held, not slow (a loaded machine
+    # otherwise passes this test with pause=False).
+    t0 = time.monotonic()
+    server.generations(PROMPTS[:1], cold=False)
+    hold_s = max(HELD_S, 10 * (time.monotonic() - t0))
     model = perturb(load_tiny(model_dirs["llama"]), seed=68)
     h = handle(server, pause_mode=HOLDING_MODE[server.engine])
     plugin = Observe()

@@ -32,7 +32,7 @@ os.environ["SGLANG_PLUGINS"] = "enginehooks"  # only our plugin: no third-party 
 #: Files in the order they run: those that start their own engines first, then the
 #: shared server (also used by the mixed test), so at most two engines ever run at once
 #: on this 2-core machine.
-FILE_ORDER = ["test_plugin_and_demo.py", "test_server.py", "test_mixed.py"]
+FILE_ORDER = ["test_plugin_and_demo.py", "test_mixed.py"]
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:

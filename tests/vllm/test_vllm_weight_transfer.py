@@ -24,7 +24,7 @@ from typing import Any
 import pytest
 import torch
 
-from enginehooks import ManifestError, ReplicaError, WeightSync
+from enginehooks import ConfigError, ManifestError, ReplicaError, WeightSync
 from enginehooks.testing.engines import (
     NEW_TOKENS,
     PROMPTS,
@@ -132,13 +132,13 @@ def test_refused_manifest_changes_nothing(native: VLLMInProcess, model_dirs: dic
 
 
 def test_bad_calls_give_clear_errors(native: VLLMInProcess) -> None:
-    with pytest.raises(Exception, match="endpoint"):
+    with pytest.raises(ConfigError, match=r"enginehooks expects \{'endpoint'"):
         native.llm.init_weight_transfer_engine({"init_info": {"bogus": 1}})
     native.llm.start_weight_update()
-    with pytest.raises(Exception, match="phase"):
+    with pytest.raises(ConfigError, match=r"phase must be one of \('check', 'receive'\)"):
         native.llm.update_weights({"update_info": {"manifest": "{}", "phase": "apply"}})
-    with pytest.raises(Exception, match="format_version"):
-        native.llm.start_weight_update()
+    native.llm.start_weight_update()
+    with pytest.raises(ManifestError, match="format_version None is not supported"):
         native.llm.update_weights({"update_info": {"manifest": "{}", "phase": "check"}})
 
 
