@@ -154,7 +154,7 @@ def run_rows(rows: list[str], args: argparse.Namespace, model_dir: Path) -> dict
     repetitions (group set-up, the engines' copy plan recording and verification) are
     not counted."""
     from enginehooks import WeightSync
-    from enginehooks.transports.broadcast import GlooTransport
+    from enginehooks.transports.collectives import GlooTransport
 
     dtype = getattr(torch, args.dtype)
     bucket = int(args.bucket_mb * (1 << 20))

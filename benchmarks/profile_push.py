@@ -203,7 +203,7 @@ def inner(args: Any) -> int:
     from bench_gloo_cpu import PRESETS, build_model, load_trainer
 
     from enginehooks import WeightSync
-    from enginehooks.transports.broadcast import GlooTransport
+    from enginehooks.transports.collectives import GlooTransport
 
     folder = Path(os.environ[ENV_DIR])
     dtype_name = args.dtype or PRESETS[args.preset]["dtype"]

@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Collection, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -43,6 +43,7 @@ from enginehooks.core.dtypes import dtype_name
 from enginehooks.core.errors import ConfigError
 from enginehooks.core.manifest import TensorSpec
 from enginehooks.engine.trace import ByteTracer, _storage_key
+from enginehooks.engine.verify import Verifier, WeightsMismatch
 
 log = logging.getLogger("enginehooks.copy_plan")
 
@@ -503,6 +504,27 @@ class PlanState:
                          "the plan wrote; %d tensors the loader wrote were repaired",
                          self.engine, len(mismatched))
             self.verified()
+
+    def verify_update(self, verifier: Verifier, model: torch.nn.Module,
+                      build_fresh: Callable[[], torch.nn.Module], landed: Collection[str],
+                      checking: bool, planned: Collection[str]) -> None:
+        """Verify after apply (`verify.Verifier.run`); when `checking` (the first update
+        through the plan), any difference from a fresh load, or no verdict at all, is
+        judged against the plan. Raises `WeightsMismatch` as the verifier does."""
+        try:
+            verdict = verifier.run(model, build_fresh, landed)
+        except WeightsMismatch as e:
+            if checking:
+                self.disable(f"the first update through the plan differed from a fresh "
+                             f"load: {e}")
+            raise
+        if not checking:
+            return
+        if verdict is None:
+            self.disable("the first update through the plan could not be verified "
+                         f"({(verifier.last or {}).get('error')})")
+        else:
+            self.judge(verdict.mismatched, planned)
 
     def split(self, tensors: Iterable[tuple[str, torch.Tensor]]) -> Iterator[
             tuple[str, torch.Tensor, Route | None]]:

@@ -53,7 +53,7 @@ from enginehooks.engine.expectations import (
     skeleton_on_meta,
 )
 from enginehooks.engine.side import EngineSide
-from enginehooks.engine.verify import Verifier, WeightsMismatch, ensure_room
+from enginehooks.engine.verify import Verifier, ensure_room
 from enginehooks.transports.base import Target
 
 log = logging.getLogger("enginehooks.sglang")
@@ -198,20 +198,10 @@ class SGLangTarget(Target):
 
     def _verify(self, model: torch.nn.Module, kept: list[tuple[str, torch.Tensor]],
                 landed: set[str], checking: bool, planned: set[str]) -> None:
-        try:
-            verdict = self.verifier.run(model, lambda: self.fresh_load(kept), landed)
-        except WeightsMismatch as e:
-            if checking:
-                self.plan.disable(f"the first update through the plan differed from a fresh "
-                                  f"load: {e}")
-            raise
-        if not checking:
-            return
-        if verdict is None:
-            self.plan.disable("the first update through the plan could not be verified "
-                              f"({(self.verifier.last or {}).get('error')})")
-        else:
-            self.plan.judge(verdict.mismatched, planned)
+        """Verify after apply; the first update applied through the plan is always
+        verified, and any difference from a fresh load turns the plan off."""
+        self.plan.verify_update(self.verifier, model, lambda: self.fresh_load(kept), landed,
+                                checking, planned)
 
     def _check_plan(self, model: torch.nn.Module, plan: CopyPlan,
                     kept: list[tuple[str, torch.Tensor]], landed: set[str],

@@ -4,7 +4,7 @@
 from __future__ import annotations
 
 from enginehooks.transports.base import GroupRequest, Receiver, Sender, Target, Transport
-from enginehooks.transports.broadcast import GlooTransport, NcclTransport
+from enginehooks.transports.collectives import GlooTransport, NcclTransport
 from enginehooks.transports.cuda_ipc import CudaIpcTransport
 from enginehooks.transports.disk import DiskTransport
 from enginehooks.transports.shm import ShmTransport

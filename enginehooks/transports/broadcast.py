@@ -25,7 +25,7 @@ NCCL specifics (what each guards against):
   stream after the current stream at launch, so the target's copies out of a buffer
   (made on the current stream) finish before the next receive overwrites it.
 
-Direct buckets (gloo, `GlooTransport.direct_min`; see `core/manifest.py`): the sender
+Direct buckets (gloo, `GlooTransport.direct_min` in `collectives.py`; see `core/manifest.py`): the sender
 broadcasts the bucket's trailer, then the payload from the tensor's own storage (no
 packing copy); the receiver checks the trailer (signature, update, index, size, or an
 abort notice whose reason follows as its own message) before it posts the payload's
@@ -41,7 +41,7 @@ import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator
-from typing import Any, ClassVar
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -73,7 +73,6 @@ from enginehooks.transports.base import (
     SendStats,
     Stream,
     Target,
-    Transport,
 )
 
 
@@ -503,40 +502,3 @@ class BroadcastReceiver(Receiver):
             # A process group dropped after a failed collective blocks in its destructor
             # until that collective times out; parked, the error travels at once.
             _bury(pg)
-
-
-class GlooTransport(Transport):
-    """Broadcast over gloo: CPU tensors, TCP between processes and hosts."""
-
-    name = "gloo"
-    #: tensors of at least this many bytes travel in direct buckets (`core/manifest.py`):
-    #: above it, a broadcast of its own costs less than the packing copy it saves
-    direct_min: ClassVar[int | None] = 1 << 20
-
-    def sender(self, **options: Any) -> Sender:
-        if options.get("trainer_ranks") is not None:  # several trainer ranks send (issue 23)
-            from enginehooks.transports.multisender import SenderSet
-
-            return SenderSet("gloo", **options)
-        options.pop("trainer_ranks", None)
-        return BroadcastSender("gloo", **options)
-
-    def receiver(self, endpoint: dict[str, Any], rank: int, device: torch.device) -> Receiver:
-        if "senders" in endpoint:  # one group per sender rank (transports/multisender.py)
-            from enginehooks.transports.multisender import MultiReceiver
-
-            return MultiReceiver(endpoint, rank, torch.device("cpu"))
-        return BroadcastReceiver(endpoint, rank, torch.device("cpu"))
-
-
-class NcclTransport(Transport):
-    """Broadcast over NCCL: GPU buffers, NVLink / InfiniBand between GPUs and nodes."""
-
-    name = "nccl"
-    default_checksum = "sum64"
-
-    def sender(self, **options: Any) -> Sender:
-        return BroadcastSender("nccl", **options)
-
-    def receiver(self, endpoint: dict[str, Any], rank: int, device: torch.device) -> Receiver:
-        return BroadcastReceiver(endpoint, rank, device)

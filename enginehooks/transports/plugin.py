@@ -6,7 +6,7 @@ from collections.abc import Callable
 
 from enginehooks.markers import hookimpl
 from enginehooks.transports.base import Transport
-from enginehooks.transports.broadcast import GlooTransport, NcclTransport
+from enginehooks.transports.collectives import GlooTransport, NcclTransport
 from enginehooks.transports.cuda_ipc import CudaIpcTransport
 from enginehooks.transports.disk import DiskTransport
 from enginehooks.transports.shm import ShmTransport

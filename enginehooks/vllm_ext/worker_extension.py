@@ -55,7 +55,7 @@ from enginehooks.engine.expectations import (
     skeleton_on_meta,
 )
 from enginehooks.engine.side import EngineSide
-from enginehooks.engine.verify import Verifier, WeightsMismatch, ensure_room
+from enginehooks.engine.verify import Verifier, ensure_room
 from enginehooks.transports.base import Target
 
 
@@ -197,20 +197,8 @@ class VLLMTarget(Target):
                 landed: set[str], checking: bool, planned: set[str]) -> None:
         """Verify after apply; the first update applied through the plan is always
         verified, and any difference from a fresh load turns the plan off."""
-        try:
-            verdict = self.verifier.run(model, lambda: self.fresh_load(kept), landed)
-        except WeightsMismatch as e:
-            if checking:
-                self.plan.disable(f"the first update through the plan differed from a fresh "
-                                  f"load: {e}")
-            raise
-        if not checking:
-            return
-        if verdict is None:
-            self.plan.disable("the first update through the plan could not be verified "
-                              f"({(self.verifier.last or {}).get('error')})")
-        else:
-            self.plan.judge(verdict.mismatched, planned)
+        self.plan.verify_update(self.verifier, model, lambda: self.fresh_load(kept), landed,
+                                checking, planned)
 
     def _check_plan(self, plan: CopyPlan, kept: list[tuple[str, torch.Tensor]],
                     landed: set[str], verify: bool) -> None:

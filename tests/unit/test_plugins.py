@@ -108,7 +108,7 @@ def test_hook_register_transports_third_party_package(tmp_path: Path) -> None:
 
 
 def test_duplicate_transport_name_is_an_error(plugin) -> None:
-    from enginehooks.transports.broadcast import GlooTransport
+    from enginehooks.transports.collectives import GlooTransport
 
     class Impostor(GlooTransport):
         name = "gloo"

@@ -21,7 +21,7 @@ import torch
 from enginehooks.core.errors import TransportError
 from enginehooks.core.manifest import TensorSpec, plan
 from enginehooks.transports.base import Abort
-from enginehooks.transports.broadcast import GlooTransport
+from enginehooks.transports.collectives import GlooTransport
 
 TIMEOUT_S = 2.0
 PER_TENSOR_S = 0.5  # well within the timeout, each time

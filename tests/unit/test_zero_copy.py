@@ -30,7 +30,7 @@ from enginehooks.engine.local import LocalEngine
 from enginehooks.engine.targets import ModuleTarget
 from enginehooks.trainer_side import TrainerAdapter, adapter_for
 from enginehooks.transports import broadcast
-from enginehooks.transports.broadcast import GlooTransport
+from enginehooks.transports.collectives import GlooTransport
 
 BUCKET = 16 << 10
 
