@@ -505,6 +505,37 @@ class PlanState:
                          self.engine, len(mismatched))
             self.verified()
 
+    def check_on_shadow(self, plan: CopyPlan, verifier: Verifier, model: torch.nn.Module,
+                        load_shadow: Callable[[Callable[[torch.nn.Module], None]],
+                                              torch.nn.Module],
+                        weights: Mapping[str, torch.Tensor], landed: Collection[str],
+                        verify: bool) -> None:
+        """Adopt `plan` (just recorded) after checking it on the engine's fresh-load shadow
+        before its post-load processing: what the loader wrote there must be what the plan
+        writes. `load_shadow(hook)` is the engine's fresh load of the update, calling
+        `hook(shadow)` before processing; with `verify`, the same shadow also verifies
+        the live `model` (one fresh load for both)."""
+        def hook(shadow: torch.nn.Module) -> None:
+            try:
+                problem = check_plan(plan, dict(named_tensors(shadow)), weights)
+            except Exception as e:
+                problem = f"the check failed: {type(e).__name__}: {e}"
+            self.adopt(plan, problem)
+
+        def build() -> torch.nn.Module:
+            return load_shadow(hook)
+
+        if verify:
+            verifier.run(model, build, landed)
+        else:
+            try:
+                build()
+            except Exception as e:
+                self.disable(f"no shadow to check it on: {type(e).__name__}: {e}")
+        if self.state == "pending":
+            self.disable("no shadow could be built to check it on "
+                         f"({(verifier.last or {}).get('error')})")
+
     def verify_update(self, verifier: Verifier, model: torch.nn.Module,
                       build_fresh: Callable[[], torch.nn.Module], landed: Collection[str],
                       checking: bool, planned: Collection[str]) -> None:

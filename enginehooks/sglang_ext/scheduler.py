@@ -41,7 +41,6 @@ from enginehooks.engine.copy_plan import (
     Layout,
     PlanState,
     Route,
-    check_plan,
     named_tensors,
     replay,
 )
@@ -191,7 +190,9 @@ class SGLangTarget(Target):
             except Exception as e:
                 self.plan.disable(f"recording failed: {type(e).__name__}: {e}")
         if plan is not None:
-            self._check_plan(model, plan, kept, landed, verify)
+            self.plan.check_on_shadow(plan, self.verifier, model,
+                                      lambda hook: self.fresh_load(kept, before_processing=hook),
+                                      dict(kept), landed, verify)
         elif verify:
             dests = {st.dest for r in routes.values() for st in r.steps}
             self._verify(model, kept, landed, checking and planned > 0, dests)
@@ -202,34 +203,6 @@ class SGLangTarget(Target):
         verified, and any difference from a fresh load turns the plan off."""
         self.plan.verify_update(self.verifier, model, lambda: self.fresh_load(kept), landed,
                                 checking, planned)
-
-    def _check_plan(self, model: torch.nn.Module, plan: CopyPlan,
-                    kept: list[tuple[str, torch.Tensor]], landed: set[str],
-                    verify: bool) -> None:
-        """The recorded plan, checked on the fresh-load shadow before post-load
-        processing: what SGLang's loader wrote there must be what the plan writes."""
-        weights = dict(kept)
-
-        def hook(shadow: torch.nn.Module) -> None:
-            try:
-                problem = check_plan(plan, dict(named_tensors(shadow)), weights)
-            except Exception as e:
-                problem = f"the check failed: {type(e).__name__}: {e}"
-            self.plan.adopt(plan, problem)
-
-        def build() -> torch.nn.Module:
-            return self.fresh_load(kept, before_processing=hook)
-
-        if verify:
-            self.verifier.run(model, build, landed)
-        else:
-            try:
-                build()
-            except Exception as e:
-                self.plan.disable(f"no shadow to check it on: {type(e).__name__}: {e}")
-        if self.plan.state == "pending":
-            self.plan.disable("no shadow could be built to check it on "
-                              f"({(self.verifier.last or {}).get('error')})")
 
     def fresh_load(self, weights: list[tuple[str, torch.Tensor]],
                    before_processing: Callable[[torch.nn.Module], None] | None = None

@@ -42,7 +42,6 @@ from enginehooks.engine.copy_plan import (
     Layout,
     PlanState,
     Route,
-    check_plan,
     coverage,
     named_tensors,
     replay,
@@ -188,7 +187,9 @@ class VLLMTarget(Target):
             except Exception as e:
                 self.plan.disable(f"recording failed: {type(e).__name__}: {e}")
         if plan is not None:
-            self._check_plan(plan, kept, landed, verify)
+            self.plan.check_on_shadow(plan, self.verifier, self.worker.model_runner.get_model(),
+                                      lambda hook: self.fresh_load(kept, before_processing=hook),
+                                      dict(kept), landed, verify)
         elif verify:
             planned = {st.dest for r in routes.values() for st in r.steps}
             self._verify(model, kept, landed, checking, planned)
@@ -199,35 +200,6 @@ class VLLMTarget(Target):
         verified, and any difference from a fresh load turns the plan off."""
         self.plan.verify_update(self.verifier, model, lambda: self.fresh_load(kept), landed,
                                 checking, planned)
-
-    def _check_plan(self, plan: CopyPlan, kept: list[tuple[str, torch.Tensor]],
-                    landed: set[str], verify: bool) -> None:
-        """The plan just recorded, checked on the fresh-load shadow before its post-load
-        processing: what the loader wrote there must be what the plan writes."""
-        weights = dict(kept)
-
-        def hook(shadow: torch.nn.Module) -> None:
-            try:
-                problem = check_plan(plan, dict(named_tensors(shadow)), weights)
-            except Exception as e:
-                problem = f"the check failed: {type(e).__name__}: {e}"
-            self.plan.adopt(plan, problem)
-
-        def build() -> torch.nn.Module:
-            return self.fresh_load(kept, before_processing=hook)
-
-        model = self.worker.model_runner.get_model()
-        if verify:
-            self.verifier.run(model, build, landed)
-        else:
-            try:
-                del_model = build()
-                del del_model
-            except Exception as e:
-                self.plan.disable(f"no shadow to check it on: {type(e).__name__}: {e}")
-        if self.plan.state == "pending":
-            self.plan.disable("no shadow could be built to check it on "
-                              f"({(self.verifier.last or {}).get('error')})")
 
     def fresh_load(self, weights: list[tuple[str, torch.Tensor]],
                    before_processing: Callable[[torch.nn.Module], None] | None = None
