@@ -82,10 +82,72 @@ def render(results: list[dict[str, Any]], versions: dict[str, str]) -> str:
             r = next(x for x in notes if (x["engine"], x["family"]) == (engine, family))
             lines.append(f"- **{engine} / {family}** ({', '.join(which)}): {r['status']}: "
                          f"{essence(r['detail'])}")
+    lines += plan_table(results, by)
     secs = sum(r.get("seconds", 0.0) for r in results)
     lines += ["", f"{len(results)} cells, {sum(r['status'] == 'pass' for r in results)} pass; "
               f"{secs / 60:.0f} minutes of cell time on a 2-core CPU machine.", ""]
     return "\n".join(lines)
+
+
+def plan_cell(r: dict[str, Any] | None, notes: list[str]) -> str:
+    """One cell of the copy-plan table: `planned / loader` tensors in the judged push, or
+    the state and a numbered reason (appended to `notes`) when the plan is not on."""
+    if r is None or r["status"] == "cannot run":
+        return ""
+    plan = r.get("copy_plan")
+    if not plan:
+        return "not recorded"
+    planned, loader = plan.get("planned_last"), plan.get("loader_last")
+    counts = f"{planned} / {loader}" if planned is not None else ""
+    if plan.get("state") == "on":
+        return counts
+    reason = plan.get("reason") or "no reason given"
+    if reason not in notes:
+        notes.append(reason)
+    return f"{plan.get('state')} [{notes.index(reason) + 1}]" + (f" {counts}" if counts else "")
+
+
+def plan_table(results: list[dict[str, Any]],
+               by: dict[tuple[str, str, str, str], dict[str, Any]]) -> list[str]:
+    """The second table of docs/models.md: per family and engine, how many update tensors
+    the judged push (the second of an in-process cell, see `cell.py`) sent through the
+    copy plan and how many stayed on the engine's loader, so a family whose plan turned
+    off, or that keeps most of its tensors on the loader, shows beside its oracle verdict
+    (issue 20). Cells without the plan's counts (FSDP2 cells push into a server and
+    record none; results from before the plan) read "not recorded"."""
+    if not any(r.get("copy_plan") for r in results):
+        return []
+    cols = [(e, t, d) for t in ("plain", "peft") for e in ENGINES for d in DTYPES
+            if any(k[1:] == (e, t, d) for k in by)]
+    notes: list[str] = []
+    lines = ["", "## Copy plan", "",
+             "Tensors of the judged push that went through the engine's copy plan "
+             "(`engine/copy_plan.py`, `ENGINEHOOKS_COPY_PLAN`, default on) / that stayed on "
+             "the engine's loader, on the first worker. Each in-process cell pushes twice: "
+             "the first push records the plan through the loader and checks it on a fresh "
+             "load, the second (the one the oracle above judges) goes through the plan where "
+             "verified. `off [n]`: the plan turned itself off for that model, for reason n "
+             "below; empty: the engine cannot run the family.", "",
+             "| family | " + " | ".join(f"{e} {t} {SHORT[d]}" for e, t, d in cols) + " |",
+             "| --- | " + " | ".join("---" for _ in cols) + " |"]
+    for name in FAMILIES:
+        row = [plan_cell(by.get((name, e, t, d)), notes) for e, t, d in cols]
+        if any(row):
+            lines.append(f"| `{name}` | " + " | ".join(row) + " |")
+    if notes:
+        lines += [""] + [f"{i}. {n}" for i, n in enumerate(notes, 1)]
+    examples: dict[tuple[str, str], dict[str, str]] = {}
+    for r in results:
+        plan = r.get("copy_plan") or {}
+        if plan.get("loader_last") and plan.get("loader_examples"):
+            examples.setdefault((r["engine"], r["family"]), {}).update(plan["loader_examples"])
+    if examples:
+        lines += ["", "Why tensors stay on the loader (the plan's own reasons, up to five "
+                  "per model):", ""]
+        for (engine, family), why in sorted(examples.items()):
+            shown = "; ".join(f"`{n}`: {w}" for n, w in list(why.items())[:5])
+            lines.append(f"- **{engine} / {family}**: {shown}")
+    return lines
 
 
 GEN_MARK = dict(MARK, **{"not built": "transformers cannot build it small"})
