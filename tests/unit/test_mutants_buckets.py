@@ -311,3 +311,64 @@ def test_a_tensor_of_another_dtype_or_shape_is_refused_naming_both() -> None:
     with pytest.raises(ManifestError) as e:
         list(pack(m, [("u", torch.zeros(2, 3))], lambda i: buf))
     assert str(e.value) == "stream yielded 'u' where the manifest expects 'w'"
+
+
+# -- where a direct bucket's payload lands ---------------------------------------------------
+def direct_manifest():
+    """'big' split into two direct buckets, 'whole' filling one direct bucket, and two
+    small tensors packed together."""
+    m = plan([TensorSpec("big", "float32", (32,)), TensorSpec("whole", "float32", (16,)),
+              TensorSpec("s1", "float32", (2,)), TensorSpec("s2", "float32", (3,))],
+             weight_version=1, bucket_bytes=64, direct_min=64)
+    kinds = {t.name: [m.buckets[p.bucket].direct for p in t.pieces] for t in m.tensors}
+    assert kinds == {"big": [True, True], "whole": [True], "s1": [False], "s2": [False]}
+    return m
+
+
+def bucket_of(m, name: str, piece: int = 0) -> int:
+    return next(t for t in m.tensors if t.name == name).pieces[piece].bucket
+
+
+def test_without_destinations_split_tensors_land_in_one_rejoin_tensor_and_the_rest_nowhere(
+        ) -> None:
+    m = direct_manifest()
+    un = Unpacker(m)
+    assert un.landing(bucket_of(m, "s1")) is None  # packed: the transport's buffer
+    assert un.landing(bucket_of(m, "whole")) is None  # nowhere of its own to land
+    first, second = un.landing(bucket_of(m, "big", 0)), un.landing(bucket_of(m, "big", 1))
+    assert first is not None and second is not None
+    assert first.numel() == second.numel() == 64 and first.dtype == torch.uint8
+    # the two halves of one fresh tensor, in order
+    assert second.data_ptr() == first.data_ptr() + 64
+    assert un.landing(bucket_of(m, "big", 0)).data_ptr() == first.data_ptr()
+
+
+def test_with_destinations_direct_buckets_land_in_the_targets_tensors() -> None:
+    m = direct_manifest()
+    dest = {"big": torch.zeros(32), "whole": torch.zeros(16)}
+    un = Unpacker(m, into=dest.get)
+    whole = un.landing(bucket_of(m, "whole"))
+    assert whole is not None and whole.data_ptr() == dest["whole"].data_ptr()
+    assert whole.numel() == 64
+    big1 = un.landing(bucket_of(m, "big", 1))
+    assert big1 is not None and big1.data_ptr() == dest["big"].data_ptr() + 64
+
+
+@pytest.mark.parametrize("bad", [
+    torch.zeros(16, dtype=torch.float16),        # another dtype: the target casts
+    torch.zeros(4, 4),                           # another shape
+    torch.zeros(32)[::2],                        # not contiguous
+])
+def test_a_destination_the_bytes_cannot_land_in_is_not_used(bad: torch.Tensor) -> None:
+    m = direct_manifest()
+    un = Unpacker(m, into=lambda name: bad if name == "whole" else None)
+    assert un.landing(bucket_of(m, "whole")) is None
+
+
+def test_a_destination_on_another_device_is_not_landed_in() -> None:
+    m = direct_manifest()
+    elsewhere = {"big": torch.empty(32, device="meta"), "whole": torch.empty(16, device="meta")}
+    un = Unpacker(m, device="cpu", into=elsewhere.get)
+    assert un.landing(bucket_of(m, "whole")) is None
+    assert un.landing(bucket_of(m, "big", 0)) is None
+    assert un.landing(bucket_of(m, "big", 1)) is None
