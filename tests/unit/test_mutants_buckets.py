@@ -372,3 +372,16 @@ def test_a_destination_on_another_device_is_not_landed_in() -> None:
     assert un.landing(bucket_of(m, "whole")) is None
     assert un.landing(bucket_of(m, "big", 0)) is None
     assert un.landing(bucket_of(m, "big", 1)) is None
+
+
+def test_what_the_unpacker_makes_itself_is_made_on_its_device() -> None:
+    """The meta device stands in for a second device: zero-size tensors and the rejoin
+    tensor of a split direct tensor are made where the receiver asked (`device`)."""
+    m = plan([TensorSpec("big", "float32", (32,)), TensorSpec("none", "float32", (0, 3))],
+             weight_version=1, bucket_bytes=64, direct_min=64)
+    un = Unpacker(m, device="meta")
+    ((name, t),) = list(un.empties())
+    assert name == "none" and t.device.type == "meta" and t.shape == (0, 3)
+    assert t.dtype == torch.float32
+    region = un.landing(0)
+    assert region is not None and region.device.type == "meta" and region.numel() == 64
