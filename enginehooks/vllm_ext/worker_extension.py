@@ -28,6 +28,7 @@ import copy
 import logging
 import time
 from collections.abc import Callable, Iterator, Mapping
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import torch
@@ -144,6 +145,8 @@ class VLLMTarget(Target):
                     weights_iterator=copies() if layers is None else mixed(),
                     is_checkpoint_format=True)
             except BaseException:
+                if layers is not None:  # its thread must not process while vLLM unwinds
+                    layers.unwind()
                 self._unwind_reload()
                 raise
             if layers is not None:
@@ -339,9 +342,20 @@ class PlannedLayers:
     copies land in them, and once every planned tensor of the layer has arrived its
     quant method's `process_weights_after_loading` runs (CPU prepacking, ...) and the
     result is copied into the kernel tensors the engine holds (CUDA graphs keep their
-    references). Layers receiving nothing are not touched at all."""
+    references). Layers receiving nothing are not touched at all.
 
-    def __init__(self, model: torch.nn.Module, routes: Mapping[str, Route]) -> None:
+    The post-load processing of a complete layer (on CPU: oneDNN prepacking, most of a
+    planned update's CPU time) runs on a worker thread while the receiving thread goes
+    on with the next buckets and layers; prepacking releases the GIL, so on a machine
+    with a core to spare the two overlap. At most `ahead` layers wait for it (each
+    holds its loader-layout tensors: no model-sized temporary), and the first error
+    it raises fails the update at the next write or at `finish`."""
+
+    #: complete layers that may wait for the processing thread before writes block
+    ahead = 2
+
+    def __init__(self, model: torch.nn.Module, routes: Mapping[str, Route],
+                 background: bool = True) -> None:
         self.modules = dict(model.named_modules())
         self.routes = routes
         self.pending: dict[str, set[str]] = {}
@@ -350,8 +364,12 @@ class PlannedLayers:
                 self.pending.setdefault(_split(st.dest)[0], set()).add(name)
         self.open: dict[str, Any] = {}
         self.loaded: dict[str, set[str]] = {}
+        self.pool = ThreadPoolExecutor(1, thread_name_prefix="enginehooks-postload") \
+            if background else None
+        self.closing: list[Future[None]] = []
 
     def write(self, name: str, t: torch.Tensor) -> None:
+        self._check_closing()
         route = self.routes[name]
         layers = {_split(st.dest)[0] for st in route.steps}
         for mname in layers:
@@ -365,7 +383,42 @@ class PlannedLayers:
         for mname in layers:
             self.pending[mname].discard(name)
             if not self.pending[mname]:
-                self._close(mname)
+                self._submit(mname)
+
+    def _submit(self, mname: str) -> None:
+        """Process the complete layer `mname`: on the worker thread, or here."""
+        if self.pool is None:
+            self._close(mname)
+            return
+        self.closing.append(self.pool.submit(self._close_in_worker, mname))
+        while len(self.closing) > self.ahead:  # bounded memory: wait for the oldest
+            self.closing.pop(0).result()
+
+    def _close_in_worker(self, mname: str) -> None:
+        with torch.no_grad():  # grad mode is per thread
+            self._close(mname)
+
+    def _check_closing(self) -> None:
+        """Raise the first error of the processing thread (the update fails there)."""
+        while self.closing and self.closing[0].done():
+            self.closing.pop(0).result()
+
+    def _drain(self, raise_first: bool) -> None:
+        """Wait for every submitted layer; raise the first error if asked, else log."""
+        error: BaseException | None = None
+        for fut in self.closing:
+            try:
+                fut.result()
+            except BaseException as e:  # re-raised or logged below
+                error = error or e
+        self.closing.clear()
+        if self.pool is not None:
+            self.pool.shutdown(wait=True)
+            self.pool = None
+        if error is not None:
+            if raise_first:
+                raise error
+            logging.getLogger(__name__).error("post-load processing failed: %s", error)
 
     def _open(self, mname: str) -> None:
         from vllm.model_executor.model_loader.reload.layerwise import get_layerwise_info
@@ -390,7 +443,7 @@ class PlannedLayers:
             _copy_and_restore_kernel_tensors,
         )
 
-        layer, info = self.modules[mname], self.open.pop(mname)
+        layer, info = self.modules[mname], self.open[mname]
         if hasattr(layer, "_already_called_process_weights_after_loading"):
             delattr(layer, "_already_called_process_weights_after_loading")
         qm = getattr(layer, "quant_method", None)
@@ -401,20 +454,25 @@ class PlannedLayers:
         info.loaded_weights = [(a, None) for a in sorted(self.loaded.get(mname, ()))]
         _copy_and_restore_kernel_tensors(layer, info)
         info.reset()  # inside vLLM's reload: this layer is done, its finalize skips it
+        del self.open[mname]  # only now: a layer that failed is put back by `unwind`
 
     def finish(self) -> None:
-        """Every layer the update planned was closed (the stream carried all of it)."""
+        """Every layer the update planned was processed (the stream carried all of it);
+        raises the processing thread's first error."""
+        self._drain(raise_first=True)
         left = sorted(m for m, names in self.pending.items() if names)
         if left:
             raise EngineHooksError(f"the update ended before layers {left[:5]} received all "
                                    "their planned tensors")
 
     def unwind(self) -> None:
-        """After a failure mid-stream: put the kernel tensors (old values) back in every
-        layer still open, so the model is consistent (torn between versions, which
-        `EngineSide` reports) and the next update repairs it."""
+        """After a failure mid-stream: wait for the processing thread, then put the kernel
+        tensors (old values) back in every layer still open, so the model is consistent
+        (torn between versions, which `EngineSide` reports) and the next update repairs
+        it."""
         from vllm.model_executor.model_loader.reload.layerwise import _place_kernel_tensors
 
+        self._drain(raise_first=False)
         for mname, info in list(self.open.items()):
             try:
                 _place_kernel_tensors(self.modules[mname], info)

@@ -6,6 +6,11 @@ writes the planned tensors straight into vLLM's layers and is verified against a
 load (which turns the plan on); the third is planned and unverified. After each, the
 exact oracle: the engine generates what vLLM freshly loaded from `save_pretrained` of
 the pushed weights generates. `info` reports what went through the plan.
+
+A planned layer's post-load processing runs on a thread of its own (`PlannedLayers`):
+an error there fails the update, the layer gets its kernel tensors back, and the next
+update repairs the engine (the error is injected into one layer of the real engine: no
+real loader fails on demand).
 """
 
 from __future__ import annotations
@@ -17,6 +22,7 @@ from pathlib import Path
 import pytest
 
 from enginehooks import WeightSync
+from enginehooks.core.errors import EngineHooksError
 from enginehooks.testing.engines import VLLMInProcess, first_difference, fresh_generate
 from enginehooks.testing.tiny import load_tiny, perturb
 from tests.support import requires_vllm
@@ -73,3 +79,53 @@ def test_planned_pushes_equal_a_fresh_load(engine: VLLMInProcess, model_dirs: di
         assert info["verification"]["verified"] == verified  # policy "first": not again
         diff = first_difference(got, _fresh(third, src, tmp_path / "third"))
         assert diff is None, f"vLLM after an unverified planned push != a fresh load: {diff}"
+
+
+BROKEN = "injected: post-load processing failed"
+
+
+def _break_down_proj(worker: object) -> int:
+    """Make layer 0's `down_proj` processing raise once, on whichever thread runs it;
+    return the id of the kernel tensor the engine holds for its weight."""
+    layer = worker.model_runner.get_model().model.layers[0].mlp.down_proj  # type: ignore[attr-defined]
+    qm = layer.quant_method
+    original = qm.process_weights_after_loading
+
+    def broken(module: object) -> None:
+        if module is layer:
+            del qm.process_weights_after_loading  # once: the next update processes it
+            raise RuntimeError(BROKEN)
+        original(module)
+
+    qm.process_weights_after_loading = broken
+    return id(layer.weight)
+
+
+def _down_proj_weight(worker: object) -> int:
+    return id(worker.model_runner.get_model().model.layers[0].mlp.down_proj.weight)  # type: ignore[attr-defined]
+
+
+def test_a_processing_error_fails_the_update_and_the_next_repairs(
+        engine: VLLMInProcess, model_dirs: dict[str, Path], tmp_path: Path) -> None:
+    handle = engine.handle()
+    src = model_dirs["qwen2"]
+    with WeightSync("gloo", bucket_bytes=64 << 10, timeout_s=120) as sync:
+        sync.add_replica(handle)
+        for seed in (94, 95):  # record and verify the plan, if this test runs alone
+            if handle.info(30)[0]["copy_plan"]["state"] == "on":
+                break
+            sync.push(perturb(load_tiny(src), seed=seed), version=f"setup-{seed}")
+        assert handle.info(30)[0]["copy_plan"]["state"] == "on"
+        kernel = engine.llm.collective_rpc(_break_down_proj)[0]
+        with pytest.raises(EngineHooksError, match="post-load processing failed"):
+            sync.push(perturb(load_tiny(src), seed=96), version="broken")
+        info = handle.info(30)[0]
+        assert info["state"] == "torn", info
+        # the failed layer was put back on the engine's own kernel tensors
+        assert engine.llm.collective_rpc(_down_proj_weight)[0] == kernel
+        last = perturb(load_tiny(src), seed=97)
+        sync.push(last, version="repaired")
+    info = handle.info(30)[0]
+    assert info["state"] == "current" and info["copy_plan"]["state"] == "on", info
+    diff = first_difference(engine.generate(), _fresh(last, src, tmp_path / "repaired"))
+    assert diff is None, f"vLLM after the repairing push != vLLM freshly loaded: {diff}"
