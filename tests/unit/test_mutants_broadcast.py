@@ -1,0 +1,282 @@
+"""The broadcast receiver's protective paths (`BroadcastReceiver.stream` in
+`transports/broadcast.py`), pinned where mutation testing found them loose (issue 26
+item 2; docs/testing.md, third run): what it refuses before applying (a bucket of
+another update, another signer, torn bytes, packed or direct), the sender's abort
+notice, the state it leaves after a failure, and the transfer deadline.
+
+Real gloo groups of one sender and one receiver on this host; the only fault injection
+is in what the sender is given (another manifest, another secret, a byte flipped after
+its digest was taken, a stream that breaks), never a stand-in for either side.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any
+
+import pytest
+import torch
+
+from enginehooks.core.auth import SECRET_ENV, AuthError
+from enginehooks.core.errors import ChecksumError, SenderAborted, TransportError
+from enginehooks.core.manifest import Manifest, TensorSpec, plan
+from enginehooks.transports import broadcast
+from enginehooks.transports.base import Abort, Target
+from enginehooks.transports.collectives import GlooTransport
+
+KEY = "broadcast-mutants-secret"
+
+
+def weights(seed: int) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return {"big": torch.randn(64, generator=g),      # 256 B: two direct buckets of 128
+            "whole": torch.randn(32, generator=g),    # 128 B: one direct bucket
+            "s1": torch.randn(5, generator=g),        # packed together
+            "s2": torch.randn(7, generator=g)}
+
+
+def manifest_of(ws: dict[str, torch.Tensor], version: int = 1, direct: bool = True,
+                checksum: str | None = "crc32") -> Manifest:
+    m = plan([TensorSpec(n, "float32", tuple(t.shape)) for n, t in ws.items()],
+             weight_version=version, bucket_bytes=128, checksum=checksum,
+             direct_min=128 if direct else None)
+    return Manifest.from_json(m.to_json())
+
+
+class Pair:
+    """A gloo sender and one receiver (rank 1) joined in one group."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch, *, sender_secret: bytes | None = None,
+                 receiver_secret: str | None = None, timeout_s: float = 10.0) -> None:
+        gloo = GlooTransport()
+        self.sender = gloo.sender(timeout_s=timeout_s, secret=sender_secret)
+        ep = dict(self.sender.endpoint(), world_size=2)
+        with monkeypatch.context() as mp:
+            if receiver_secret:
+                mp.setenv(SECRET_ENV, receiver_secret)
+            else:
+                mp.delenv(SECRET_ENV, raising=False)
+            self.receiver = gloo.receiver(ep, 1, torch.device("cpu"))
+        joined = threading.Thread(target=self.receiver.connect, daemon=True)
+        joined.start()
+        self.sender.connect(2)
+        joined.join(30)
+        assert not joined.is_alive()
+
+    def push(self, sent: Manifest, received: Manifest, stream: Iterable[tuple[str, torch.Tensor]],
+             into: Callable[[str], torch.Tensor | None] | None = None
+             ) -> tuple[dict[str, torch.Tensor], BaseException | None, BaseException | None]:
+        """Send `sent` while the receiver expects `received`: (what it yielded, its error,
+        the sender's error)."""
+        got: dict[str, torch.Tensor] = {}
+        out: dict[str, BaseException] = {}
+
+        def rx() -> None:
+            try:
+                for name, t in self.receiver.stream(received, into):
+                    got[name] = t.clone()
+            except BaseException as e:  # reported to the test
+                out["rx"] = e
+
+        t = threading.Thread(target=rx, daemon=True)
+        t.start()
+        try:
+            self.sender.send(sent, stream, Abort())
+        except BaseException as e:  # reported to the test
+            out["tx"] = e
+        t.join(30)
+        assert not t.is_alive(), "the receiver did not end"
+        return got, out.get("rx"), out.get("tx")
+
+    def close(self) -> None:
+        self.sender.close()
+        self.receiver.close()
+
+
+@pytest.fixture
+def pair(monkeypatch: pytest.MonkeyPatch) -> Iterator[Pair]:
+    p = Pair(monkeypatch)
+    yield p
+    p.close()
+
+
+def same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return torch.equal(a.view(torch.uint8), b.reshape(a.shape).view(torch.uint8))
+
+
+@pytest.mark.parametrize("direct", [True, False])
+@pytest.mark.parametrize("into", [False, True])
+def test_every_tensor_arrives_bit_exact(pair: Pair, direct: bool, into: bool) -> None:
+    ws = weights(1)
+    m = manifest_of(ws, direct=direct)
+    assert any(b.direct for b in m.buckets) == direct
+    dest = {n: torch.zeros_like(t) for n, t in ws.items()}
+    got, rx, tx = pair.push(m, m, ws.items(), dest.get if into else None)
+    assert rx is None and tx is None
+    assert list(got) == list(ws) and all(same(got[n], t) for n, t in ws.items())
+    if into and direct:  # landed in the destinations themselves
+        assert same(dest["big"], ws["big"]) and same(dest["whole"], ws["whole"])
+    assert not pair.receiver.broken
+
+
+@pytest.mark.parametrize("direct", [True, False])
+def test_a_bucket_of_another_update_is_refused_and_the_receiver_leaves(
+        pair: Pair, direct: bool) -> None:
+    ws = weights(2)
+    sent, expected = manifest_of(ws, 1, direct), manifest_of(ws, 2, direct)
+    got, rx, _tx = pair.push(sent, expected, ws.items())
+    assert isinstance(rx, TransportError) and "belongs to another update" in str(rx)
+    assert got == {} and pair.receiver.broken and pair.receiver.pg is None
+
+
+@pytest.mark.parametrize("direct", [True, False])
+def test_a_bucket_from_a_sender_without_the_secret_is_refused(
+        monkeypatch: pytest.MonkeyPatch, direct: bool) -> None:
+    p = Pair(monkeypatch, sender_secret=b"another-secret", receiver_secret=KEY)
+    try:
+        ws = weights(3)
+        m = manifest_of(ws, direct=direct)
+        got, rx, _tx = p.push(m, m, ws.items())
+        assert isinstance(rx, AuthError) and "bucket 0 is not signed" in str(rx)
+        assert got == {} and p.receiver.broken
+    finally:
+        p.close()
+
+
+def test_a_signed_push_arrives(monkeypatch: pytest.MonkeyPatch) -> None:
+    p = Pair(monkeypatch, sender_secret=KEY.encode(), receiver_secret=KEY)
+    try:
+        ws = weights(4)
+        m = manifest_of(ws)
+        got, rx, tx = p.push(m, m, ws.items())
+        assert rx is None and tx is None and all(same(got[n], t) for n, t in ws.items())
+    finally:
+        p.close()
+
+
+def flipping(bucket: int) -> Callable[..., Iterator[tuple[int, torch.Tensor]]]:
+    """`core.buckets.pack`, then one payload byte of `bucket` flipped after its digest
+    and trailer were computed (the wire tearing it): fault injection into the real
+    sender."""
+    real = broadcast.pack
+
+    def pack(manifest: Manifest, stream: Iterable[tuple[str, torch.Tensor]],
+             next_buffer: Callable[[int], torch.Tensor], secret: bytes | None = None
+             ) -> Iterator[tuple[int, torch.Tensor]]:
+        for index, buf in real(manifest, stream, next_buffer, secret):
+            if index == bucket:
+                buf[1] ^= 0x20
+            yield index, buf
+
+    return pack
+
+
+@pytest.mark.parametrize("name", ["big", "whole", "s1"])
+@pytest.mark.parametrize("into", [False, True])
+def test_a_torn_bucket_is_refused_landed_or_not(pair: Pair, monkeypatch: pytest.MonkeyPatch,
+                                                name: str, into: bool) -> None:
+    ws = weights(5)
+    m = manifest_of(ws)
+    bucket = next(t for t in m.tensors if t.name == name).pieces[-1].bucket
+    monkeypatch.setattr(broadcast, "pack", flipping(bucket))
+    dest = {n: torch.zeros_like(t) for n, t in ws.items()}
+    got, rx, _tx = pair.push(m, m, {n: t.clone() for n, t in ws.items()}.items(),
+                             dest.get if into else None)
+    assert isinstance(rx, ChecksumError) and f"bucket {bucket}: crc32" in str(rx)
+    assert name not in got and pair.receiver.broken
+
+
+class Breaks:
+    """A trainer stream that fails when it reaches `at`."""
+
+    def __init__(self, ws: dict[str, torch.Tensor], at: str) -> None:
+        self.ws, self.at = ws, at
+
+    def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
+        for name, t in self.ws.items():
+            if name == self.at:
+                raise RuntimeError(f"trainer lost {name}")
+            yield name, t
+
+
+@pytest.mark.parametrize("at", ["whole", "s1"])  # before a direct bucket, before a packed one
+def test_the_senders_abort_reaches_the_receiver_with_its_reason(pair: Pair, at: str) -> None:
+    ws = weights(6)
+    m = manifest_of(ws)
+    got, rx, tx = pair.push(m, m, Breaks(ws, at))
+    assert isinstance(tx, RuntimeError)
+    assert isinstance(rx, SenderAborted)
+    assert str(rx) == f"the sender aborted the update: RuntimeError: trainer lost {at}"
+    assert at not in got and pair.receiver.broken
+
+
+def test_a_receive_before_the_group_formed_is_refused() -> None:
+    gloo = GlooTransport()
+    sender = gloo.sender(timeout_s=5)
+    try:
+        receiver = gloo.receiver(dict(sender.endpoint(), world_size=2), 1, torch.device("cpu"))
+        assert receiver.broken
+        with pytest.raises(TransportError) as e:
+            next(receiver.stream(manifest_of(weights(0))))
+        assert str(e.value) == "receive before connect(): the group has not formed"
+    finally:
+        sender.close()
+
+
+def test_an_update_without_buckets_moves_nothing(pair: Pair) -> None:
+    m = Manifest.from_json(plan([], weight_version=1, bucket_bytes=128).to_json())
+    assert m.buckets == ()
+    assert list(pair.receiver.stream(m)) == []
+    assert not pair.receiver.broken
+    # the group is still usable: nothing was posted that the sender did not send
+    ws = weights(9)
+    m2 = manifest_of(ws)
+    got, rx, tx = pair.push(m2, m2, ws.items())
+    assert rx is None and tx is None and all(same(got[n], t) for n, t in ws.items())
+
+
+class Keep(Target):
+    device = torch.device("cpu")
+
+    def __init__(self) -> None:
+        self.got: dict[str, torch.Tensor] = {}
+
+    def apply(self, tensors: Iterator[tuple[str, torch.Tensor]]) -> None:
+        self.got = {n: t.clone() for n, t in tensors}
+
+
+def test_deliver_applies_the_update_and_reports_its_bytes(pair: Pair) -> None:
+    ws = weights(7)
+    m = manifest_of(ws)
+    target = Keep()
+    out: dict[str, Any] = {}
+    t = threading.Thread(target=lambda: out.update(pair.receiver.deliver(m, target)),
+                         daemon=True)
+    t.start()
+    pair.sender.send(m, ws.items(), Abort())
+    t.join(30)
+    assert out["bytes"] == m.total_bytes and out["seconds"] >= 0
+    assert all(same(target.got[n], w) for n, w in ws.items())
+
+
+def test_a_stalled_sender_ends_the_receive_at_timeout_s_with_the_reason(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The sender joins and then sends nothing: the receive ends at its deadline, not
+    gloo's, and says timeout_s bounds the whole transfer."""
+    p = Pair(monkeypatch, timeout_s=1.5)
+    try:
+        ws = weights(8)
+        m = manifest_of(ws)
+        t0 = time.monotonic()
+        with pytest.raises(TransportError) as e:
+            next(p.receiver.stream(m))
+        took = time.monotonic() - t0
+        assert str(e.value).startswith("receive of bucket 0")
+        assert str(e.value).endswith(": the update did not arrive within 1.5s (timeout_s "
+                                     "bounds the whole transfer; raise it for slower links)")
+        assert 1.0 <= took < 5.0
+        assert p.receiver.broken
+    finally:
+        p.close()
