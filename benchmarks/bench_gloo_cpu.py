@@ -211,8 +211,10 @@ def run_rows(rows: list[str], args: argparse.Namespace, model_dir: Path) -> dict
                     reports.setdefault(name, []).append(
                         {"phases": report.phases,
                          "replica_stats": [r.stats for r in report.replicas]})
+            load = os.getloadavg()[0]  # the shared machine's load, next to each round
+            out.setdefault("load_avg_1min_per_rep", []).append(load)
             print(f"  rep {rep}{' (warm-up)' if rep < args.warmup else ''}, ms: "
-                  + ", ".join(line), flush=True)
+                  + ", ".join(line) + f" (load {load:.1f})", flush=True)
         for name in engines:
             out.setdefault("engine_info", {})[name] = handles[name].info(60)
     for row, replica in replicas.items():
@@ -315,7 +317,10 @@ def main() -> int:
             result["rows"][key] = sub["rows"][key]
             result["rows"][f"raw[{key}]"] = sub["rows"]["raw"]
             table.append((key, sub["rows"][key], sub["rows"]["raw"]["median_s"]))
+    result["machine"]["load_avg_at_end"] = os.getloadavg()
     nbytes = main_run["bytes"]
+    print(f"load average at start {result['machine']['load_avg_at_start']}, at end "
+          f"{result['machine']['load_avg_at_end']}")
     print(f"\n{args.preset}: {nbytes / 1e6:.1f} MB ({args.dtype}, {main_run['tensors']} "
           f"tensors), buckets of {args.bucket_mb} MiB, checksum={args.checksum}, "
           f"median of {args.reps}")

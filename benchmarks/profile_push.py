@@ -50,7 +50,15 @@ PHASES: list[tuple[str, str, tuple[str, ...]]] = [
     ("byte tracer", "enginehooks/engine/trace.py", ()),
     ("post-load processing", "", ("process_weights_after_loading",
                                   "_process_weights_after_loading", "finalize_layerwise_reload",
-                                  "process_weights_after_loading_")),
+                                  "process_weights_after_loading_",
+                                  "_copy_and_restore_kernel_tensors", "_place_kernel_tensors")),
+    # the vLLM copy plan's own layer handling (`PlannedLayers`): materialising a layer
+    # and the plan's copies are the replay; processing a complete layer, waiting for the
+    # thread that does it, and the repairs after a reload are post-load processing
+    ("copy plan replay", "enginehooks/vllm_ext/worker_extension.py", ("write", "_open")),
+    ("post-load processing", "enginehooks/vllm_ext/worker_extension.py",
+     ("_close", "_close_in_worker", "_submit", "finish", "_drain", "_check_closing",
+      "_repair_after_reload")),
     ("engine loader", "", ("load_weights", "weight_loader", "weight_loader_v2",
                            "default_weight_loader", "reload_weights", "load_weights_and_postprocess",
                            "_load_weights", "layerwise_reload")),
