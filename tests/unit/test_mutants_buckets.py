@@ -385,3 +385,31 @@ def test_what_the_unpacker_makes_itself_is_made_on_its_device() -> None:
     assert t.dtype == torch.float32
     region = un.landing(0)
     assert region is not None and region.device.type == "meta" and region.numel() == 64
+
+
+def test_a_torn_bucket_of_many_tensors_names_its_first_four() -> None:
+    names = [f"t{i}" for i in range(6)]
+    m = plan([TensorSpec(n, "float32", (2,)) for n in names], weight_version=1,
+             bucket_bytes=4096, checksum="crc32")
+    assert len(m.buckets) == 1
+    buf = torch.zeros(message_bytes(m.buckets[0].nbytes), dtype=torch.uint8)
+    ((_, sealed_buf),) = pack(m, [(n, torch.ones(2)) for n in names], lambda i: buf)
+    sealed_buf[0] ^= 1
+    with pytest.raises(ChecksumError) as e:
+        Unpacker(m).verify(0, sealed_buf)
+    assert str(e.value).endswith("; tensors ['t0', 't1', 't2', 't3']...")
+
+
+def test_zero_size_tensors_come_out_once_with_bucket_0() -> None:
+    m = plan([TensorSpec("a", "float32", (40,)), TensorSpec("e", "float32", (0,)),
+              TensorSpec("b", "float32", (30,))], weight_version=1, bucket_bytes=128,
+             checksum="crc32")
+    ws = {"a": torch.ones(40), "e": torch.ones(0), "b": torch.ones(30)}
+    un = Unpacker(m)
+    per_bucket = [[n for n, _ in un.unpack(i, buf)]
+                  for i, buf in pack(m, ws.items(),
+                                     lambda i: torch.zeros(message_bytes(m.buckets[i].nbytes),
+                                                           dtype=torch.uint8))]
+    assert len(per_bucket) >= 3
+    assert per_bucket[0][0] == "e"
+    assert sum(names.count("e") for names in per_bucket) == 1
