@@ -84,11 +84,12 @@ class VLLMTarget(Target):
         self.requested = False  # the trainer asked this update to be verified
         self.routes: dict[str, Route] = {}  # this update's planned tensors
         self.loader_too = False  # ...and some go through the loader
+        self.layers: PlannedLayers | None = None  # during `apply`: where planned bytes land
         self.device = torch.device(worker.device) if hasattr(worker, "device") else torch.device("cpu")
 
     def prepare(self, manifest: Manifest) -> None:
         self.requested = bool(manifest.meta.get("verify"))
-        self.routes, self.loader_too = {}, False
+        self.routes, self.loader_too, self.layers = {}, False, None
         if self.plan.usable and self.plan.plan is not None:
             try:
                 self.routes = plannable(self.worker.model_runner.get_model(), self.plan.plan,
@@ -108,7 +109,7 @@ class VLLMTarget(Target):
         kept: list[tuple[str, torch.Tensor]] = []
         rest: list[tuple[str, torch.Tensor]] = []
         model = self.worker.model_runner.get_model()
-        layers = PlannedLayers(model, routes) if routes else None
+        layers = self.layers = PlannedLayers(model, routes) if routes else None
 
         def keep(name: str, t: torch.Tensor, c: torch.Tensor | None = None) -> None:
             if verify or recording:  # on the host: the shadow never costs the engine memory
@@ -176,13 +177,15 @@ class VLLMTarget(Target):
                     raise
                 rest.clear()
             self.plan.applied += 1
+        self.layers = None
         landed = self.landed(fed)
         _repair_after_reload(model, landed)
         # wall and this thread's CPU seconds (the latter is what the apply costs when
         # other processes share the cores)
         self.plan.last = {"seconds": round(time.perf_counter() - t0, 4),
                           "cpu_seconds": round(time.thread_time() - c0, 4),
-                          "planned_last": len(routes), "loader_last": len(fed) - len(routes)}
+                          "planned_last": len(routes), "loader_last": len(fed) - len(routes),
+                          "in_place_last": layers.in_place if layers is not None else 0}
         plan: CopyPlan | None = None
         if recording and fed:
             try:
@@ -255,10 +258,14 @@ class VLLMTarget(Target):
             logging.getLogger(__name__).exception("could not unwind vLLM's layerwise reload")
 
     def destination(self, name: str) -> torch.Tensor | None:
-        # vLLM keeps a layer's loader layout only while it reloads it (on CPU linear
-        # weights are prepacked), so a planned write lands in a tensor materialised
-        # during `apply`: there is nothing to receive into beforehand.
-        return None
+        """Where a planned plain full copy lands while `apply` rebuilds its layer: vLLM
+        keeps a layer's loader layout only while it reloads it (on CPU linear weights
+        are prepacked), so the layer is materialised now and the bytes are received
+        straight into it (the replay's copy is then skipped). None otherwise."""
+        layers, plan = self.layers, self.plan.plan
+        if layers is None or plan is None:
+            return None
+        return layers.destination(name, plan)
 
     def load_path(self, path: str) -> bool:
         # From disk the update is a complete checkpoint: every parameter is reloaded.
@@ -367,6 +374,7 @@ class PlannedLayers:
         self.pool = ThreadPoolExecutor(1, thread_name_prefix="enginehooks-postload") \
             if background else None
         self.closing: list[Future[None]] = []
+        self.in_place = 0  # tensors offered as destinations to receive straight into
 
     def write(self, name: str, t: torch.Tensor) -> None:
         self._check_closing()
@@ -384,6 +392,24 @@ class PlannedLayers:
             self.pending[mname].discard(name)
             if not self.pending[mname]:
                 self._submit(mname)
+
+    def destination(self, name: str, plan: CopyPlan) -> torch.Tensor | None:
+        """The loader-layout tensor planned `name` is a plain full copy into (its layer
+        is materialised now if it is not yet)."""
+        route, step = self.routes.get(name), plan.full_copy(name)
+        if route is None or step is None:
+            return None
+        mname, attr = _split(step.dest)
+        if name not in self.pending.get(mname, ()):
+            return None  # written already: its layer may be processing
+        if mname not in self.open:
+            self._open(mname)
+        t = getattr(self.modules[mname], attr, None)
+        if not isinstance(t, torch.Tensor):
+            return None
+        # the transport receives into it only where dtype, shape and contiguity match
+        self.in_place += 1
+        return t.data
 
     def _submit(self, mname: str) -> None:
         """Process the complete layer `mname`: on the worker thread, or here."""

@@ -3,7 +3,9 @@
 The first push goes through vLLM's reload and records the plan from vLLM's own loader
 (the meta skeleton under the tracer), checked on the fresh-load shadow; the second push
 writes the planned tensors straight into vLLM's layers and is verified against a fresh
-load (which turns the plan on); the third is planned and unverified. After each, the
+load (which turns the plan on); the third is planned and unverified. The trainer
+sends bf16, the engine's dtype, so full copies are received straight into vLLM's
+layers. After each, the
 exact oracle: the engine generates what vLLM freshly loaded from `save_pretrained` of
 the pushed weights generates. `info` reports what went through the plan.
 
@@ -20,6 +22,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import torch
 
 from enginehooks import WeightSync
 from enginehooks.core.errors import EngineHooksError
@@ -36,6 +39,12 @@ def engine(model_dirs: dict[str, Path]) -> Iterator[VLLMInProcess]:
         yield llm
 
 
+def _trainer(src: Path, seed: int) -> object:
+    """A 'trained' model in the engine's dtype: full copies then arrive in direct
+    buckets of the parameter's own dtype, which land straight in vLLM's layers."""
+    return perturb(load_tiny(src), seed=seed).to(torch.bfloat16)
+
+
 def _fresh(model: object, src: Path, folder: Path) -> list:
     model.save_pretrained(folder)  # type: ignore[attr-defined]
     for f in src.iterdir():
@@ -48,9 +57,10 @@ def test_planned_pushes_equal_a_fresh_load(engine: VLLMInProcess, model_dirs: di
                                            tmp_path: Path) -> None:
     handle = engine.handle()
     src = model_dirs["qwen2"]
-    with WeightSync("gloo", bucket_bytes=64 << 10, timeout_s=120) as sync:
+    # 8 KiB buckets: the tiny model's larger tensors fill buckets of their own (direct)
+    with WeightSync("gloo", bucket_bytes=8 << 10, timeout_s=120) as sync:
         sync.add_replica(handle)
-        first = perturb(load_tiny(src), seed=91)
+        first = _trainer(src, seed=91)
         sync.push(first, version="loader")
         plan = handle.info(30)[0]["copy_plan"]
         assert plan["state"] == "verifying", plan
@@ -58,19 +68,22 @@ def test_planned_pushes_equal_a_fresh_load(engine: VLLMInProcess, model_dirs: di
         assert plan["planned_last"] == 0
         total = plan["planned"] + plan["loader"]
 
-        second = perturb(load_tiny(src), seed=92)
+        second = _trainer(src, seed=92)
         sync.push(second, version="planned")
         got = engine.generate()
         plan = handle.info(30)[0]["copy_plan"]
         assert plan["state"] == "on", plan
         assert plan["applied"] == 1 and plan["planned_last"] > 0, plan
         assert plan["planned_last"] + plan["loader_last"] == total
+        # full copies (o_proj, down_proj, ...) in direct buckets were received into
+        # their layers, without the replay's copy
+        assert plan["in_place_last"] > 0, plan
         verification = handle.info(30)[0]["verification"]
         assert verification["last"]["ok"] is True and verification["last"]["mismatched"] == []
         diff = first_difference(got, _fresh(second, src, tmp_path / "second"))
         assert diff is None, f"vLLM after a planned push != vLLM freshly loaded: {diff}"
 
-        third = perturb(load_tiny(src), seed=93)
+        third = _trainer(src, seed=93)
         verified = verification["verified"]
         sync.push(third, version="planned-unverified")
         got = engine.generate()
@@ -114,16 +127,16 @@ def test_a_processing_error_fails_the_update_and_the_next_repairs(
         for seed in (94, 95):  # record and verify the plan, if this test runs alone
             if handle.info(30)[0]["copy_plan"]["state"] == "on":
                 break
-            sync.push(perturb(load_tiny(src), seed=seed), version=f"setup-{seed}")
+            sync.push(_trainer(src, seed=seed), version=f"setup-{seed}")
         assert handle.info(30)[0]["copy_plan"]["state"] == "on"
         kernel = engine.llm.collective_rpc(_break_down_proj)[0]
         with pytest.raises(EngineHooksError, match="post-load processing failed"):
-            sync.push(perturb(load_tiny(src), seed=96), version="broken")
+            sync.push(_trainer(src, seed=96), version="broken")
         info = handle.info(30)[0]
         assert info["state"] == "torn", info
         # the failed layer was put back on the engine's own kernel tensors
         assert engine.llm.collective_rpc(_down_proj_weight)[0] == kernel
-        last = perturb(load_tiny(src), seed=97)
+        last = _trainer(src, seed=97)
         sync.push(last, version="repaired")
     info = handle.info(30)[0]
     assert info["state"] == "current" and info["copy_plan"]["state"] == "on", info
