@@ -413,3 +413,23 @@ def test_zero_size_tensors_come_out_once_with_bucket_0() -> None:
     assert len(per_bucket) >= 3
     assert per_bucket[0][0] == "e"
     assert sum(names.count("e") for names in per_bucket) == 1
+
+
+def test_a_split_packed_tensor_is_rejoined_in_the_targets_own_tensor() -> None:
+    m = manifest()
+    assert len(next(t for t in m.tensors if t.name == "a").pieces) > 1
+    dest = {"a": torch.zeros(40), "b": torch.zeros(30)}
+    un = Unpacker(m, into=dest.get)
+    out = {}
+    for i, buf in enumerate(sealed(m)):
+        for name, t in un.unpack(i, buf):
+            out[name] = t
+    assert out["a"].data_ptr() == dest["a"].data_ptr()  # the destination itself
+    assert torch.equal(dest["a"], torch.arange(40, dtype=torch.float32))
+    # a destination of another dtype is left alone: a fresh tensor is yielded instead
+    other = {"a": torch.zeros(40, dtype=torch.float64)}
+    un = Unpacker(m, into=other.get)
+    out = {name: t for i, buf in enumerate(sealed(m)) for name, t in un.unpack(i, buf)}
+    assert out["a"].data_ptr() != other["a"].data_ptr()
+    assert torch.equal(out["a"], torch.arange(40, dtype=torch.float32))
+    assert not other["a"].any()
