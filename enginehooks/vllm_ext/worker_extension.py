@@ -183,7 +183,8 @@ class VLLMTarget(Target):
         # wall and this thread's CPU seconds (the latter is what the apply costs when
         # other processes share the cores)
         self.plan.last = {"seconds": round(time.perf_counter() - t0, 4),
-                          "cpu_seconds": round(time.thread_time() - c0, 4),
+                          "cpu_seconds": round(time.thread_time() - c0 + (
+                              layers.worker_cpu if layers is not None else 0.0), 4),
                           "planned_last": len(routes), "loader_last": len(fed) - len(routes),
                           "in_place_last": layers.in_place if layers is not None else 0}
         plan: CopyPlan | None = None
@@ -375,6 +376,7 @@ class PlannedLayers:
             if background else None
         self.closing: list[Future[None]] = []
         self.in_place = 0  # tensors offered as destinations to receive straight into
+        self.worker_cpu = 0.0  # CPU seconds of the processing thread
 
     def write(self, name: str, t: torch.Tensor) -> None:
         self._check_closing()
@@ -421,8 +423,12 @@ class PlannedLayers:
             self.closing.pop(0).result()
 
     def _close_in_worker(self, mname: str) -> None:
-        with torch.no_grad():  # grad mode is per thread
-            self._close(mname)
+        c0 = time.thread_time()
+        try:
+            with torch.no_grad():  # grad mode is per thread
+                self._close(mname)
+        finally:  # the apply's CPU cost includes this thread's
+            self.worker_cpu += time.thread_time() - c0
 
     def _check_closing(self) -> None:
         """Raise the first error of the processing thread (the update fails there)."""
