@@ -173,6 +173,7 @@ def test_deliver_uses_the_engines_loader_when_it_has_one_and_streams_otherwise(
     stats = receiver.deliver(m, by_path)
     assert by_path.paths == [stats["path"]] and stats["path"].endswith("v8")
     assert by_path.got == {}  # the engine loaded the folder itself: nothing streamed
+    assert stats["bytes"] == m.total_bytes and 0 <= stats["seconds"] < 60
     streamed = Keep(path_loads=False)
     receiver.deliver(m, streamed)
     assert list(streamed.got) == list(ws)
