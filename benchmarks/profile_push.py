@@ -265,7 +265,8 @@ def report(folder: Path, args: Any) -> int:
     procs = [json.loads(p.read_text()) for p in sorted(folder.glob("proc-*.json"))]
     per_push = pushes["wall_s"] / n
     transfer = sum(r["phases"]["transfer"] for r in pushes["reports"]) / n
-    print(f"\n{args.engine}, {args.preset} ({pushes['dtype']}, {pushes['bytes'] / 1e6:.1f} MB), "
+    print(f"\nload average at the end: {os.getloadavg()}")
+    print(f"{args.engine}, {args.preset} ({pushes['dtype']}, {pushes['bytes'] / 1e6:.1f} MB), "
           f"direct buckets {args.direct}: {per_push * 1e3:.1f} ms per push "
           f"(transfer phase {transfer * 1e3:.1f} ms), {n} pushes sampled")
     phases = Counter()
@@ -292,7 +293,8 @@ def report(folder: Path, args: Any) -> int:
              "threads_ms": {t: {k: v / n * 1e3 for k, v in c.items()}
                             for t, c in threads.items()},
              "leaf": {f"pid {p['pid']}": p["leaf"] for p in procs},
-             "info": pushes["info"], "reports": pushes["reports"]}, indent=1, default=str))
+             "info": pushes["info"], "reports": pushes["reports"],
+             "load_avg_at_end": os.getloadavg()}, indent=1, default=str))
         print(f"wrote {args.out}")
     return 0
 
