@@ -109,7 +109,10 @@ class VLLMTarget(Target):
         kept: list[tuple[str, torch.Tensor]] = []
         rest: list[tuple[str, torch.Tensor]] = []
         model = self.worker.model_runner.get_model()
-        layers = self.layers = PlannedLayers(model, routes) if routes else None
+        # post-load processing on a thread of its own on CPU only, where it is oneDNN's
+        # prepacking on the cores; on GPUs it is queued on the receiving thread's stream
+        layers = self.layers = PlannedLayers(
+            model, routes, background=self.device.type == "cpu") if routes else None
 
         def keep(name: str, t: torch.Tensor, c: torch.Tensor | None = None) -> None:
             if verify or recording:  # on the host: the shadow never costs the engine memory
@@ -352,10 +355,12 @@ class PlannedLayers:
     result is copied into the kernel tensors the engine holds (CUDA graphs keep their
     references). Layers receiving nothing are not touched at all.
 
-    The post-load processing of a complete layer (on CPU: oneDNN prepacking, most of a
-    planned update's CPU time) runs on a worker thread while the receiving thread goes
-    on with the next buckets and layers; prepacking releases the GIL, so on a machine
-    with a core to spare the two overlap. At most `ahead` layers wait for it (each
+    With `background` (the target asks for it on CPU), the post-load processing of a
+    complete layer (oneDNN prepacking, most of a planned update's CPU time) runs on a
+    worker thread while the receiving thread goes on with the next buckets and layers;
+    prepacking releases the GIL, so on a machine with a core to spare the two overlap.
+    (On GPUs it stays on the receiving thread: a CUDA stream is per thread, and the
+    layer's copies are queued on the receiver's.) At most `ahead` layers wait for it (each
     holds its loader-layout tensors: no model-sized temporary), and the first error
     it raises fails the update at the next write or at `finish`."""
 
