@@ -79,12 +79,19 @@ FAMILIES: dict[str, Family] = {f.name: f for f in [
            tags=("tied, no output head", "norm offsets")),
     Family("olmo2", "Olmo2Config", dict(LLAMA_LIKE, tie_word_embeddings=False),
            tags=("post-norm", "q/k norm")),
+    # vLLM picks its AMX MLA backend on a CPU with AMX tiles and the reference CPU_MLA
+    # elsewhere; AMX_MLA cannot start in fp32 (its weight packing takes bf16 only) and
+    # vLLM's own in-place reload fails under it in bf16 (`_copy_and_restore_kernel_tensors`:
+    # size 0 vs 512, with or without the copy plan). CPU_MLA, named, keeps the cells the
+    # same on every host.
     Family("deepseek_v2", "DeepseekV2Config", dict(DEEPSEEK, q_lora_rank=None, topk_method="greedy",
                                                    scoring_func="softmax"),
-           tags=("mla", "moe", "shared expert")),
+           tags=("mla", "moe", "shared expert"),
+           engine_args={"vllm": {"attention_backend": "CPU_MLA"}}),
     Family("deepseek_v3", "DeepseekV3Config", dict(DEEPSEEK, q_lora_rank=32, topk_method="noaux_tc",
                                                    scoring_func="sigmoid"),
-           tags=("mla", "moe", "fp32 router bias")),
+           tags=("mla", "moe", "fp32 router bias"),
+           engine_args={"vllm": {"attention_backend": "CPU_MLA"}}),
     Family("gpt2", "GPT2Config", dict(vocab_size=256, n_embd=64, n_layer=2, n_head=2,
                                       n_positions=512, bos_token_id=1, eos_token_id=2,
                                       pad_token_id=0, tie_word_embeddings=True),
