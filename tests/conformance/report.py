@@ -96,7 +96,7 @@ def plan_cell(r: dict[str, Any] | None, notes: list[str]) -> str:
         return ""
     plan = r.get("copy_plan")
     if not plan:
-        return "not recorded"
+        return "cell failed" if r["status"] == "fail" else "not recorded"
     planned, loader = plan.get("planned_last"), plan.get("loader_last")
     counts = f"{planned} / {loader}" if planned is not None else ""
     if plan.get("state") == "on":
@@ -127,7 +127,9 @@ def plan_table(results: list[dict[str, Any]],
              "the first push records the plan through the loader and checks it on a fresh "
              "load, the second (the one the oracle above judges) goes through the plan where "
              "verified. `off [n]`: the plan turned itself off for that model, for reason n "
-             "below; empty: the engine cannot run the family.", "",
+             "below; `not recorded`: a cell without the plan's counts (FSDP2 cells push "
+             "into a server; a row from a run before the plan); empty: the engine cannot "
+             "run the family.", "",
              "| family | " + " | ".join(f"{e} {t} {SHORT[d]}" for e, t, d in cols) + " |",
              "| --- | " + " | ".join("---" for _ in cols) + " |"]
     for name in FAMILIES:
