@@ -142,3 +142,46 @@ def test_a_processing_error_fails_the_update_and_the_next_repairs(
     assert info["state"] == "current" and info["copy_plan"]["state"] == "on", info
     diff = first_difference(engine.generate(), _fresh(last, src, tmp_path / "repaired"))
     assert diff is None, f"vLLM after the repairing push != vLLM freshly loaded: {diff}"
+
+
+def _offer_twice(worker: object, name: str, tensor: torch.Tensor) -> tuple[bool, bool, bool]:
+    """Offer `name`'s destination, write it, and offer it again, on the live model through
+    the engine's own recorded plan (the transport asks once per tensor, before its
+    bytes; a second ask must not reopen a layer that was already rebuilt)."""
+    from vllm.config import set_current_vllm_config
+
+    from enginehooks.vllm_ext.worker_extension import PlannedLayers, plannable
+
+    target = worker._enginehooks_side().binding.target()  # type: ignore[attr-defined]
+    plan = target.plan.plan
+    model = worker.model_runner.get_model()  # type: ignore[attr-defined]
+    routes = plannable(model, plan, [r.spec for r in plan.routes.values()])
+    layers = PlannedLayers(model, routes, background=False)
+    first = layers.destination(name, plan)
+    assert first is not None
+    with set_current_vllm_config(worker.vllm_config), torch.no_grad():  # type: ignore[attr-defined]
+        first.copy_(tensor)
+        layers.write(name, first)
+    closed = name.rpartition(".")[0] not in layers.open
+    again = layers.destination(name, plan)
+    return closed, again is None, not layers.open
+
+
+def test_a_rebuilt_layer_is_never_reopened(engine: VLLMInProcess, model_dirs: dict[str, Path],
+                                           tmp_path: Path) -> None:
+    handle = engine.handle()
+    src = model_dirs["qwen2"]
+    name = "model.layers.0.self_attn.o_proj.weight"  # a plain full copy, alone in its layer
+    with WeightSync("gloo", bucket_bytes=64 << 10, timeout_s=120) as sync:
+        sync.add_replica(handle)
+        for seed in (98, 99):  # record and verify the plan, if this test runs alone
+            if handle.info(30)[0]["copy_plan"]["state"] == "on":
+                break
+            sync.push(_trainer(src, seed=seed), version=f"setup-{seed}")
+        new = _trainer(src, seed=100)
+        closed, refused, none_open = engine.llm.collective_rpc(
+            _offer_twice, args=(name, new.state_dict()[name]))[0]
+        assert closed and refused and none_open
+        sync.push(new, version="after-offers")  # the rest of `new` (o_proj is already in)
+    diff = first_difference(engine.generate(), _fresh(new, src, tmp_path / "after-offers"))
+    assert diff is None, f"vLLM after the offers and a push != vLLM freshly loaded: {diff}"
