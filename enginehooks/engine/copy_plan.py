@@ -185,9 +185,14 @@ class CopyPlan:
         order, into a contiguous whole destination tensor of the same dtype): a
         receiver can then receive the bytes straight into the destination."""
         r = self.routes.get(name)
-        if r is None or not r.planned or len(r.steps) != 1:
+        if r is None or not r.planned:
             return None
-        step = r.steps[0]
+        # a write of no element (vLLM's embedding fills its vocabulary padding, which
+        # is often empty) changes nothing: it does not stand in the way
+        steps = [st for st in r.steps if st.view.numel() > 0]
+        if len(steps) != 1:
+            return None
+        step = steps[0]
         layout = self.layouts.get(step.dest)
         if step.src is None or layout is None or step.pre:
             return None

@@ -45,6 +45,11 @@ def _trainer(src: Path, seed: int) -> object:
     return perturb(load_tiny(src), seed=seed).to(torch.bfloat16)
 
 
+def _embedding_full_copy(worker: object) -> bool:
+    plan = worker._enginehooks_side().binding.target().plan.plan  # type: ignore[attr-defined]
+    return plan.full_copy("model.embed_tokens.weight") is not None
+
+
 def _fresh(model: object, src: Path, folder: Path) -> list:
     model.save_pretrained(folder)  # type: ignore[attr-defined]
     for f in src.iterdir():
@@ -76,8 +81,10 @@ def test_planned_pushes_equal_a_fresh_load(engine: VLLMInProcess, model_dirs: di
         assert plan["applied"] == 1 and plan["planned_last"] > 0, plan
         assert plan["planned_last"] + plan["loader_last"] == total
         # full copies (o_proj, down_proj, ...) in direct buckets were received into
-        # their layers, without the replay's copy
+        # their layers, without the replay's copy; the embedding too (its loader's fill
+        # of an empty vocabulary padding is no second write)
         assert plan["in_place_last"] > 0, plan
+        assert engine.llm.collective_rpc(_embedding_full_copy)[0]
         verification = handle.info(30)[0]["verification"]
         assert verification["last"]["ok"] is True and verification["last"]["mismatched"] == []
         diff = first_difference(got, _fresh(second, src, tmp_path / "second"))
