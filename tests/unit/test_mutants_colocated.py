@@ -170,7 +170,8 @@ def test_a_signed_abort_is_the_senders_reason(rig: Rig) -> None:
     assert str(e.value) == "the sender aborted the update: stream broke"
 
 
-@pytest.mark.parametrize("body", [b"[1, 2]", b"not json", b'"text"', b"7"])
+@pytest.mark.parametrize("body", [b"[1, 2]", b"not json", b'"text"', b"7",
+                                  b"[" + b"1, " * 60 + b"1]"])  # shown cut at 80 bytes
 def test_an_unreadable_ready_message_is_refused(rig: Rig, body: bytes) -> None:
     rig.ready(1, 0, body)
     with pytest.raises(TransportError) as e:
