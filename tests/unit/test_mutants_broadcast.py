@@ -280,3 +280,15 @@ def test_a_stalled_sender_ends_the_receive_at_timeout_s_with_the_reason(
         assert p.receiver.broken
     finally:
         p.close()
+
+
+def test_a_transfer_inside_a_short_timeout_is_not_refused_early(pair: Pair) -> None:
+    """The deadline is `timeout_s` from the start of the receive, to the second: a push
+    that takes milliseconds completes under a 0.95 s bound (the group itself was formed
+    with the fixture's timeout; only the receive's deadline is shortened)."""
+    pair.receiver.timeout_s = 0.95
+    ws = {"s1": torch.ones(5), "s2": torch.ones(7)}
+    m = manifest_of(ws, direct=False)
+    got, rx, tx = pair.push(m, m, ws.items())
+    assert rx is None and tx is None
+    assert all(same(got[n], t) for n, t in ws.items())
