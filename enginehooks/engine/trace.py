@@ -96,11 +96,16 @@ class ByteTracer(TorchDispatchMode):
         super().__init__()
         self.owner: dict[int, str] = {}
         self.sizes: dict[str, int] = {}
+        # The model's storages stay alive while tracing: a loader that assigns
+        # `param.data = w` frees the old one, and a temporary allocated at its address
+        # would be taken for that parameter (never tainted, its copies lost).
+        self._owned: list[Any] = []
         for name, t in _named_tensors(model):
             key = _storage_key(t)
             if key is not None:
                 self.owner.setdefault(key, name)
                 self.sizes[name] = t.numel()
+                self._owned.append(t.untyped_storage())
         self.taint: dict[int, set[str]] = {}
         self._keep: list[torch.Tensor] = []   # no storage address is reused mid-trace
         self._scalar_from: set[str] = set()
