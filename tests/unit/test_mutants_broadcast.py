@@ -11,6 +11,8 @@ its digest was taken, a stream that breaks), never a stand-in for either side.
 
 from __future__ import annotations
 
+import contextlib
+import re
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
@@ -292,3 +294,33 @@ def test_a_transfer_inside_a_short_timeout_is_not_refused_early(pair: Pair) -> N
     got, rx, tx = pair.push(m, m, ws.items())
     assert rx is None and tx is None
     assert all(same(got[n], t) for n, t in ws.items())
+
+
+def test_a_consumer_slower_than_timeout_s_ends_the_receive_naming_the_bucket(pair: Pair) -> None:
+    """The deadline also counts the time the target spends on a bucket: past it, the
+    next receive is refused before it is waited for, naming that bucket."""
+    pair.receiver.timeout_s = 1.0
+    ws = weights(10)
+    m = manifest_of(ws, direct=False)
+    assert len(m.buckets) >= 3
+    out: dict[str, BaseException] = {}
+
+    def rx() -> None:
+        try:
+            for i, _ in enumerate(pair.receiver.stream(m)):
+                if i == 0:
+                    time.sleep(1.3)
+        except TransportError as e:
+            out["rx"] = e
+
+    t = threading.Thread(target=rx, daemon=True)
+    t.start()
+    # the receiver left the group: the sender's part may fail too
+    with contextlib.suppress(TransportError):
+        pair.sender.send(m, ws.items(), Abort())
+    t.join(30)
+    assert not t.is_alive()
+    assert re.fullmatch(r"receive of bucket \d+: the update did not arrive within 1s "
+                        r"\(timeout_s bounds the whole transfer; raise it for slower links\)",
+                        str(out["rx"]))
+    assert pair.receiver.broken
