@@ -351,3 +351,24 @@ def test_the_receive_hook_is_told_the_groups_transport() -> None:
     finally:
         unregister_plugin(spy)
     assert told == ["gloo"]
+
+
+def test_flush_is_authenticated_on_an_engine_with_a_secret(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Third mutation run: `flush` checked its token with the verb's name and the token
+    # given, and no test called it on an engine with a secret: either could change unseen.
+    from enginehooks.core.auth import SECRET_ENV
+    from enginehooks.engine import protocol
+
+    secret = "flush-secret"
+    monkeypatch.setenv(SECRET_ENV, secret)
+    s = engine("guarded").side
+    monkeypatch.delenv(SECRET_ENV)
+    with pytest.raises(AuthError, match="no valid authentication token"):
+        s.flush(None)
+    with pytest.raises(AuthError):  # a token for another verb with the same payload
+        s.flush(protocol.token(secret.encode(), "leave"))
+    assert s.flush(protocol.token(secret.encode(), "flush")) == {"flushed": None}
+    # what the binding answers is what the reply carries (LocalEngine's module has no
+    # cache and answers None; an engine binding that flushes in the worker answers True)
+    monkeypatch.setattr(s.binding, "flush", lambda: True)
+    assert s.flush(protocol.token(secret.encode(), "flush")) == {"flushed": True}
