@@ -372,3 +372,13 @@ def test_flush_is_authenticated_on_an_engine_with_a_secret(monkeypatch: pytest.M
     # cache and answers None; an engine binding that flushes in the worker answers True)
     monkeypatch.setattr(s.binding, "flush", lambda: True)
     assert s.flush(protocol.token(secret.encode(), "flush")) == {"flushed": True}
+
+
+def test_a_join_counting_another_number_of_workers_is_refused_before_anything_changes() -> None:
+    # Third mutation run: join passed `replica_workers` and `expected_workers` on to the
+    # world check, and dropping either one (the check then has nothing to compare) passed.
+    s = engine().side
+    with pytest.raises(ConfigError, match=r"^join refused: the trainer counts 2 worker\(s\) for "
+                       r"this replica, which runs 1: set world_size to 2 for one replica"):
+        s.join({"transport": "gloo", "world_size": 3}, 1, replica_workers=1, expected_workers=2)
+    assert (s.receiver, s.transport, s.group) == (None, None, None)
