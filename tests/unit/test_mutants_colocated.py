@@ -304,3 +304,11 @@ def test_the_coordinators_abort_wins_over_an_ack(rig: Rig) -> None:
         rig.sender._wait_acks(1, 0, abort)
     assert str(e.value).startswith("update aborted: ")
     assert "replica r1 failed" in str(e.value)
+
+
+def test_an_error_ack_that_is_not_utf8_still_reads(rig: Rig) -> None:
+    rig.attacker.set(rig.key("u1/ack/0/1"),
+                     rig.ch.seal("ack", 1, 0, 1, TO_TRAINER, b"error: \xff"))
+    with pytest.raises(TransportError) as e:
+        rig.sender._wait_acks(1, 0, Abort())
+    assert str(e.value) == "shm: receiver rank 1 failed on bucket 0: error: \ufffd"
