@@ -271,6 +271,12 @@ class DiskReceiver(Receiver):
         total = len(manifest.buckets)
         for b in manifest.buckets:
             path = folder / shard_name(b.index, total)
+            # Every shard is there before any loads, digest or not: a shard missing
+            # half-way through the load would leave the engine torn.
+            if not path.is_file():
+                raise TransportError(
+                    f"{path} is missing: version {manifest.weight_version!r} has {total} "
+                    "shards; the folder was changed after the sender wrote it (push again)")
             if manifest.checksum is None:
                 continue
             if b.checksum is None:

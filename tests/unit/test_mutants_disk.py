@@ -232,3 +232,23 @@ def test_is_version_folder_needs_the_name_the_folder_and_the_marker(tmp_path: Pa
     odd.mkdir()
     (odd / MANIFEST_FILE).mkdir()  # the marker must be a file
     assert not is_version_folder(odd)
+
+
+@pytest.mark.parametrize("checksum", ["crc32", None])
+def test_a_missing_shard_is_refused_before_anything_loads(tmp_path: Path,
+                                                          checksum: str | None) -> None:
+    """A shard deleted after the sender wrote the folder is named before any tensor is
+    handed over, with or without digests (before: a bare FileNotFoundError from
+    `file_crc32`, or, without digests, from the loader half-way through the update)."""
+    m, _ = _push(tmp_path, 5, checksum=checksum)
+    total = len(m.buckets)
+    shard = tmp_path / "v5" / shard_name(total - 1, total)
+    shard.unlink()
+    target = Keep()
+    receiver = DiskReceiver({"root": str(tmp_path)}, 1, torch.device("cpu"))
+    with pytest.raises(TransportError) as e:
+        receiver.deliver(m, target)
+    assert type(e.value) is TransportError
+    assert str(e.value) == (f"{shard} is missing: version 5 has {total} shards; the folder "
+                            "was changed after the sender wrote it (push again)")
+    assert target.got == {} and target.paths == []

@@ -382,3 +382,56 @@ def test_a_join_counting_another_number_of_workers_is_refused_before_anything_ch
                        r"this replica, which runs 1: set world_size to 2 for one replica"):
         s.join({"transport": "gloo", "world_size": 3}, 1, replica_workers=1, expected_workers=2)
     assert (s.receiver, s.transport, s.group) == (None, None, None)
+
+
+def test_join_and_leave_ask_the_transport_for_the_right_member() -> None:
+    """What `join` asks the transport plugins for (rank = offset + the worker's own rank,
+    the worker's device, the group named by `group`, else `root`, else nothing) and what
+    the next join's leave closes (the receiver, on the transport it was opened on).
+    Third mutation run: `join`'s rank, device and group name and `_leave`'s transport
+    could all change unseen, since every other test joins rank 0 of a gloo group on the
+    CPU. The transport is a real pluggy plugin answering `update_group` first: a
+    recording stand-in for a transport, so no group has to form."""
+    from enginehooks import hookimpl
+    from enginehooks.plugins import register_plugin, unregister_plugin
+    from enginehooks.transports.base import Receiver
+
+    asked: list[Any] = []
+
+    class Member(Receiver):
+        def connect(self) -> None:  # pragma: no cover - never receives
+            pass
+
+        def deliver(self, manifest: Any, target: Any) -> dict[str, Any]:  # pragma: no cover
+            raise AssertionError("not used")
+
+    class Recorder:
+        @hookimpl(tryfirst=True)
+        def update_group(self, request: Any) -> Any:
+            if request.transport != "recorded":
+                return None
+            asked.append(request)
+            return Member() if request.action == "join" else request.member
+
+    recorder = Recorder()
+    register_plugin(recorder, name="recording-transport")
+    try:
+        s = engine().side
+        s.worker_rank = 1
+        reply = s.join({"transport": "recorded", "root": "/srv/updates", "world_size": 4}, 2)
+        first = s.receiver
+        assert reply == {"rank": 3, "transport": "recorded", "group": "/srv/updates"}
+        (join,) = asked
+        assert (join.action, join.side, join.rank, join.device) == ("join", "receiver", 3, "cpu")
+        assert s.group == "/srv/updates" and s.transport == "recorded"
+        # a named group wins over the root; neither leaves the group name empty
+        s.join({"transport": "recorded", "group": "g7", "root": "/srv", "world_size": 4}, 2)
+        assert s.group == "g7"
+        s.join({"transport": "recorded", "world_size": 2}, 0)
+        assert s.group == ""
+        leaves = [r for r in asked if r.action == "leave"]
+        assert len(leaves) == 2
+        assert (leaves[0].transport, leaves[0].side, leaves[0].member) == (
+            "recorded", "receiver", first)
+    finally:
+        unregister_plugin(recorder)
