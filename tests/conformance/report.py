@@ -81,7 +81,7 @@ def render(results: list[dict[str, Any]], versions: dict[str, str]) -> str:
         for (engine, family), which in seen.items():
             r = next(x for x in notes if (x["engine"], x["family"]) == (engine, family))
             lines.append(f"- **{engine} / {family}** ({', '.join(which)}): {r['status']}: "
-                         f"{essence(r['detail'])}")
+                         f"{essence(r['detail'])}" + (f" ({r['note']})" if r.get("note") else ""))
     lines += plan_table(results, by)
     secs = sum(r.get("seconds", 0.0) for r in results)
     lines += ["", f"{len(results)} cells, {sum(r['status'] == 'pass' for r in results)} pass; "
