@@ -9,6 +9,9 @@ imported, since a trainer process does not load vLLM's plugins.
 
 Select it with `LLM(..., weight_transfer_config={"backend": "enginehooks"})` or
 `--weight-transfer-config '{"backend": "enginehooks"}'`.
+
+Because it runs in every vLLM process, it is also where a process asks for AMX tile
+permission, which vLLM's own CPU kernels need and do not ask for (`cpu_amx`).
 """
 
 from __future__ import annotations
@@ -23,7 +26,11 @@ TRAINER_SIDE = ("enginehooks.vllm_ext.transfer_trainer", "EnginehooksTrainerWeig
 
 
 def register() -> None:
-    """Register both sides of backend "enginehooks" (the entry point's function)."""
+    """Register both sides of backend "enginehooks" (the entry point's function), and
+    let this process use AMX before vLLM's CPU kernels do (`cpu_amx`)."""
+    from enginehooks.vllm_ext.cpu_amx import allow_amx
+
+    allow_amx()
     from vllm.distributed.weight_transfer.factory import (
         WeightTransferEngineFactory,
         WeightTransferTrainerFactory,

@@ -57,6 +57,11 @@ from enginehooks.engine.expectations import (
 from enginehooks.engine.side import EngineSide
 from enginehooks.engine.verify import Verifier, ensure_room
 from enginehooks.transports.base import Target
+from enginehooks.vllm_ext.cpu_amx import allow_amx
+
+# vLLM imports this module in each worker before its first forward: a worker whose
+# general plugins were filtered out still gets AMX permission (cpu_amx).
+allow_amx()
 
 
 def private_config(vllm_config: Any) -> Any:
