@@ -51,6 +51,8 @@ POLICIES = ("refuse", "serve")
 
 #: The most tensor names one `digests` call reads (each costs a crc32 of a weight).
 MAX_DIGEST_NAMES = 4096
+#: how long a join waits for a leave in flight on the same worker (`_exclusive`)
+LEAVE_WAIT_S = 30.0
 
 __all__ = ["EngineSide", "ReplicaBusy", "default_policy", "refusal_of"]
 
@@ -86,6 +88,7 @@ class EngineSide:
         secret = load_secret()
         self.verifier = Verifier(secret, audience=self.instance) if secret else None
         self._busy = threading.Lock()
+        self._doing: str | None = None  # the verb holding `_busy`
         self.binding.state_changed(self.public_state())
 
     def call(self, verb: str, *args: Any) -> Any:
@@ -138,14 +141,33 @@ class EngineSide:
     @contextlib.contextmanager
     def _exclusive(self, what: str) -> Iterator[None]:
         """Run a state-changing verb alone, or refuse it at once (never wait: a second
-        trainer must hear "busy", not block behind the first one's update)."""
+        trainer must hear "busy", not block behind the first one's update).
+
+        One exception: a join waits (up to `LEAVE_WAIT_S`) for a leave in flight. A
+        trainer whose push failed sends its leaves without waiting for them, so its
+        next push's join can reach a worker still closing the old group; that leave is
+        short, and refusing the join would fail a healthy retry."""
         if not self._busy.acquire(blocking=False):
-            raise ReplicaBusy(f"{what} refused: this worker is applying the update to version "
-                              f"{self.updating_to!r} (group {self.group}); one update at a time")
+            doing = self._doing
+            if not (what == "join" and doing == "leave"
+                    and self._busy.acquire(timeout=LEAVE_WAIT_S)):
+                raise ReplicaBusy(self._busy_reason(what, doing))
+        self._doing = what
         try:
             yield
         finally:
+            self._doing = None
             self._busy.release()
+
+    def _busy_reason(self, what: str, doing: str | None) -> str:
+        if doing == "leave":
+            return (f"{what} refused: this worker is still leaving group {self.group} "
+                    f"(waited {LEAVE_WAIT_S:g} s for it); push again")
+        if doing == "join":
+            return (f"{what} refused: this worker is joining a group for another push; "
+                    "one update at a time")
+        return (f"{what} refused: this worker is applying the update to version "
+                f"{self.updating_to!r} (group {self.group}); one update at a time")
 
     # -- the verbs ----------------------------------------------------------------------
     def info(self) -> dict[str, Any]:

@@ -435,3 +435,47 @@ def test_join_and_leave_ask_the_transport_for_the_right_member() -> None:
             "recorded", "receiver", first)
     finally:
         unregister_plugin(recorder)
+
+
+def test_a_join_waits_for_a_leave_in_flight_and_other_verbs_say_what_holds_the_worker(
+        tmp_path: Any) -> None:
+    """A failed push sends its leaves without waiting for them; the next push's join can
+    reach the worker while it still closes the old group. The join waits for that leave
+    (CI caught the retry failing with "busy" before); a receive or leave does not wait,
+    and every refusal says what holds the worker."""
+    s = engine().side
+    s.group = "g1"
+    assert s._busy.acquire(blocking=False)
+    s._doing = "leave"
+    for verb, call in (("receive", lambda: s.receive(manifest(), "g1")),
+                       ("leave", lambda: s.leave(None))):
+        with pytest.raises(ReplicaBusy) as err:
+            call()
+        assert str(err.value) == (f"{verb} refused: this worker is still leaving group g1 "
+                                  f"(waited {side_mod.LEAVE_WAIT_S:g} s for it); push again")
+
+    def finish_leave() -> None:
+        time.sleep(0.5)
+        s._doing = None
+        s._busy.release()
+
+    threading.Thread(target=finish_leave, daemon=True).start()
+    t0 = time.monotonic()
+    reply = s.join({"transport": "disk", "root": str(tmp_path), "world_size": 2}, 1)
+    assert time.monotonic() - t0 >= 0.4  # it waited for the leave, and then joined
+    assert reply == {"rank": 1, "transport": "disk", "group": str(tmp_path)}
+    assert s._doing is None and s._busy.acquire(blocking=False)
+    s._busy.release()
+    # A join held up by another join is refused at once, naming it
+    assert s._busy.acquire(blocking=False)
+    s._doing = "join"
+    try:
+        t0 = time.monotonic()
+        with pytest.raises(ReplicaBusy) as err:
+            s.join({"transport": "disk", "root": str(tmp_path), "world_size": 2}, 1)
+        assert time.monotonic() - t0 < 0.4
+        assert str(err.value) == ("join refused: this worker is joining a group for another "
+                                  "push; one update at a time")
+    finally:
+        s._doing = None
+        s._busy.release()
