@@ -324,3 +324,35 @@ def test_a_consumer_slower_than_timeout_s_ends_the_receive_naming_the_bucket(pai
                         r"\(timeout_s bounds the whole transfer; raise it for slower links\)",
                         str(out["rx"]))
     assert pair.receiver.broken
+
+
+def test_an_abort_notice_with_an_empty_reason_still_aborts(pair: Pair) -> None:
+    """A direct bucket's abort notice carries the length of its reason, which may be 0
+    (`direct_abort` sends no reason message then): the receiver must take it as an abort
+    at once, not as a bucket whose payload never comes. Third mutation run: `reason >= 0`
+    could become `reason > 0` unseen (every abort in the tests had a reason)."""
+    ws = weights(11)
+    m = manifest_of(ws)
+    assert m.buckets[0].direct
+    _got, rx0, tx0 = pair.push(m, m, ws.items())  # a good update first: the sender's buffers
+    assert rx0 is None and tx0 is None
+    out: dict[str, BaseException] = {}
+
+    def rx() -> None:
+        try:
+            for _ in pair.receiver.stream(m, None):
+                pass
+        except BaseException as e:  # reported to the test
+            out["rx"] = e
+
+    t = threading.Thread(target=rx, daemon=True)
+    t.start()
+    t0 = time.monotonic()
+    pair.sender._abort_receivers(m, 0, [None, None], "")  # a sender that gives no reason
+    t.join(30)
+    assert not t.is_alive()
+    assert time.monotonic() - t0 < 8  # the notice, not the 10 s deadline
+    err = out.get("rx")
+    assert type(err) is SenderAborted, err
+    assert str(err) == "the sender aborted the update: "
+    assert pair.receiver.broken
