@@ -161,8 +161,9 @@ class EngineSide:
 
     def _busy_reason(self, what: str, doing: str | None) -> str:
         if doing == "leave":
-            return (f"{what} refused: this worker is still leaving group {self.group} "
-                    f"(waited {LEAVE_WAIT_S:g} s for it); push again")
+            waited = f" (waited {LEAVE_WAIT_S:g} s for it)" if what == "join" else ""
+            return (f"{what} refused: this worker is still leaving group {self.group}"
+                    f"{waited}; push again")
         if doing == "join":
             return (f"{what} refused: this worker is joining a group for another push; "
                     "one update at a time")
