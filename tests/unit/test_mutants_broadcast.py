@@ -27,6 +27,7 @@ from enginehooks.core.manifest import Manifest, TensorSpec, plan
 from enginehooks.transports import broadcast
 from enginehooks.transports.base import Abort, Target
 from enginehooks.transports.collectives import GlooTransport
+from tests.security.test_transport_integrity import corrupting_pack
 
 KEY = "broadcast-mutants-secret"
 
@@ -158,23 +159,6 @@ def test_a_signed_push_arrives(monkeypatch: pytest.MonkeyPatch) -> None:
         p.close()
 
 
-def flipping(bucket: int) -> Callable[..., Iterator[tuple[int, torch.Tensor]]]:
-    """`core.buckets.pack`, then one payload byte of `bucket` flipped after its digest
-    and trailer were computed (the wire tearing it): fault injection into the real
-    sender."""
-    real = broadcast.pack
-
-    def pack(manifest: Manifest, stream: Iterable[tuple[str, torch.Tensor]],
-             next_buffer: Callable[[int], torch.Tensor], secret: bytes | None = None
-             ) -> Iterator[tuple[int, torch.Tensor]]:
-        for index, buf in real(manifest, stream, next_buffer, secret):
-            if index == bucket:
-                buf[1] ^= 0x20
-            yield index, buf
-
-    return pack
-
-
 @pytest.mark.parametrize("name", ["big", "whole", "s1"])
 @pytest.mark.parametrize("into", [False, True])
 def test_a_torn_bucket_is_refused_landed_or_not(pair: Pair, monkeypatch: pytest.MonkeyPatch,
@@ -182,7 +166,7 @@ def test_a_torn_bucket_is_refused_landed_or_not(pair: Pair, monkeypatch: pytest.
     ws = weights(5)
     m = manifest_of(ws)
     bucket = next(t for t in m.tensors if t.name == name).pieces[-1].bucket
-    monkeypatch.setattr(broadcast, "pack", flipping(bucket))
+    monkeypatch.setattr(broadcast, "pack", corrupting_pack(broadcast.pack, bucket))
     dest = {n: torch.zeros_like(t) for n, t in ws.items()}
     got, rx, _tx = pair.push(m, m, {n: t.clone() for n, t in ws.items()}.items(),
                              dest.get if into else None)
