@@ -340,3 +340,79 @@ def test_an_abort_notice_with_an_empty_reason_still_aborts(pair: Pair) -> None:
     assert type(err) is SenderAborted, err
     assert str(err) == "the sender aborted the update: "
     assert pair.receiver.broken
+
+
+def _killed_sender_main() -> None:
+    """A trainer process that dies (SIGKILL) just before its `kill_at`-th broadcast, once
+    every broadcast before it has left the process: `python -c` entry of the test below.
+    argv: kill_at, and the tensor whose turn makes the trainer's stream fail ('' for none)."""
+    import json
+    import os
+    import signal
+    import sys
+
+    kill_at, at = int(sys.argv[1]), sys.argv[2]
+    real, sent = broadcast._bcast, []
+
+    def bcast(pg: Any, buf: torch.Tensor, timeout_s: float) -> Any:
+        if len(sent) + 1 == kill_at:
+            for w in sent:  # what was posted before has reached the receiver's socket
+                w.wait()
+            os.kill(os.getpid(), signal.SIGKILL)
+        sent.append(real(pg, buf, timeout_s))
+        return sent[-1]
+
+    broadcast._bcast = bcast
+    sender = GlooTransport().sender(timeout_s=30)
+    print(json.dumps(sender.endpoint()), flush=True)
+    sender.connect(2)
+    ws = weights(12)
+    sender.send(manifest_of(ws), Breaks(ws, at) if at else ws.items(), Abort())
+
+
+@pytest.mark.parametrize(("kill_at", "at", "wait"), [
+    (3, "", "receive of bucket 1's trailer"),         # bucket 0's trailer and payload went
+    (4, "", "receive of bucket 1"),                   # ... and bucket 1's trailer
+    (6, "whole", "receive of bucket 2's abort reason"),  # the abort notice went, not its reason
+])
+def test_a_trainer_killed_mid_update_ends_the_receive_at_once_naming_the_wait(
+        kill_at: int, at: str, wait: str) -> None:
+    """A trainer process killed mid-update (its connections reset by the kernel) makes
+    gloo fail the receive's collective at once: the receiver ends well before its
+    deadline, and the error names what it was waiting for. Third mutation run: mutants
+    46, 95 and 97 of `BroadcastReceiver.stream` dropped that name (`None failed: ...`)
+    and survived, since no fault in one process made gloo fail early. The trainer is a
+    real process running the real sender, killed by its own hook just before its
+    `kill_at`-th broadcast (bucket 0: trailer 1, payload 2; bucket 1: 3, 4; bucket 2's
+    abort notice 5, its reason 6)."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    m = manifest_of(weights(12))
+    assert [b.direct for b in m.buckets] == [True, True, True, False]
+    child = subprocess.Popen(
+        [sys.executable, "-c",
+         "from tests.unit.test_mutants_broadcast import _killed_sender_main as m; m()",
+         str(kill_at), at],
+        stdout=subprocess.PIPE, text=True, cwd=os.getcwd(),
+        env=dict(os.environ, PYTHONPATH=os.pathsep.join([os.getcwd(), *sys.path])))
+    receiver = None
+    try:
+        assert child.stdout is not None
+        ep = json.loads(child.stdout.readline())
+        receiver = GlooTransport().receiver(dict(ep, world_size=2), 1, torch.device("cpu"))
+        receiver.connect()
+        t0 = time.monotonic()
+        with pytest.raises(TransportError) as e:
+            for _ in receiver.stream(m):
+                pass
+        assert time.monotonic() - t0 < 20  # gloo's error, not the 30 s deadline
+        assert str(e.value).startswith(f"{wait} failed: "), str(e.value)
+        assert child.wait(10) == -9 and receiver.broken
+    finally:
+        child.kill()
+        child.wait(10)
+        if receiver is not None:
+            receiver.close()
