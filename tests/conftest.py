@@ -58,7 +58,8 @@ def plugin() -> Iterator[Callable[..., Any]]:
 # SIGABRT, exit status 134) although every test passed. Until the library closes parked
 # groups safely at exit, the test process ends with pytest's own exit status and skips
 # the interpreter's finalisation. This hides nothing a test asserts: it runs after the
-# last test, the summary and every report are written.
+# last test, the summary and every report are written. Not under mutmut, which runs
+# pytest inside its own (forked) worker and must get control back to report.
 _EXIT_STATUS: list[int] = []
 
 
@@ -68,7 +69,8 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
 
 @pytest.hookimpl(trylast=True)
 def pytest_unconfigure(config: pytest.Config) -> None:
-    if _EXIT_STATUS and os.environ.get("ENGINEHOOKS_TEST_FINALIZE") != "1":
+    if (_EXIT_STATUS and os.environ.get("ENGINEHOOKS_TEST_FINALIZE") != "1"
+            and "MUTANT_UNDER_TEST" not in os.environ):
         import sys
 
         sys.stdout.flush()

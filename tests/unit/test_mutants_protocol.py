@@ -355,3 +355,59 @@ def test_a_deadline_counts_down_and_says_what_was_late() -> None:
         past.check("join of r0")
     assert str(e.value) == "join of r0: no answer within 5s"
     assert p.Deadline(time.monotonic(), 0).expired  # the deadline itself is late
+
+
+# -- what the trainer reads back: exact texts (fourth mutation run) ---------------------------
+def test_replies_name_their_replica_and_keep_the_engines_words_exactly() -> None:
+    """A replica's answer becomes an error that names the replica and carries what the
+    engine said, and nothing it did not say. Fourth mutation run (docs/testing.md): the
+    defaults for an error without a message or a type ("" and "ReplicaError"), the
+    cut of a stranger's answer at 200 characters, `and` for `or` in "is it an error
+    object", the torn refusal's state, and the fallback for an error class with another
+    constructor all survived, since the tests matched parts of the text only."""
+    from enginehooks.trainer_side.lockstep import PushAborted
+
+    # read_reply (Ray actors): an error without a message; text that is not an object
+    with pytest.raises(ReplicaError) as r:
+        p.read_reply({"error": "KeyError"}, "r0", "push")
+    assert str(r.value) == "replica 'r0': push failed in the actor: KeyError: "
+    assert r.value.replica == "r0"
+    with pytest.raises(ReplicaError) as r:
+        p.read_reply("an error", "r1", "info")
+    assert str(r.value) == "replica 'r1': info: the actor answered 'an error'"
+    assert r.value.replica == "r1"
+    # unwrap (envelopes): an error object without type or message; a long stranger
+    with pytest.raises(ReplicaError) as r:
+        p.unwrap({"enginehooks": 1, "call": "c", "error": {}}, "c", "r2")
+    assert str(r.value) == "replica 'r2': " and r.value.replica == "r2"
+    with pytest.raises(ReplicaError) as r:
+        p.unwrap({"enginehooks": 1, "call": "c", "error": {"type": "OSError"}}, "c", "r2")
+    assert str(r.value) == "replica 'r2': OSError: "
+    stranger = {"x": "y" * 300}
+    with pytest.raises(p.StaleReply) as s:
+        p.unwrap(stranger, "c", "r2")
+    assert str(s.value) == f"r2: an answer without a call id ({str(stranger)[:200]})"
+    # restore_error: a torn refusal says torn; a class the protocol cannot rebuild from
+    # its message alone becomes a ReplicaError that keeps the class name and the message
+    t = p.restore_error("EngineTorn", "half applied", "r3")
+    assert t.refusal == {"error": "half applied", "state": "torn"}  # type: ignore[attr-defined]
+    with pytest.raises(TypeError):
+        PushAborted("m")  # type: ignore[call-arg]
+    a = p.restore_error("PushAborted", "the trainer left", "r3")
+    assert type(a) is ReplicaError and a.replica == "r3"
+    assert str(a) == "replica 'r3': PushAborted: the trainer left"
+
+
+def test_check_infos_refusals_say_the_fix_exactly() -> None:
+    """The two refusals of `check_infos` end with the fix, word for word (fourth
+    mutation run: their last sentences could change case unseen)."""
+    with pytest.raises(ConfigError) as e:
+        p.check_infos([{"rank": 0}], "r0", secret=False)
+    assert str(e.value).endswith("): run the same enginehooks version on the trainer and "
+                                 "the engines")
+    with pytest.raises(AuthError) as a:
+        p.check_infos([{"authenticated": False}], "r0", secret=True)
+    assert str(a.value) == (
+        "replica 'r0' runs without the shared secret and would accept anyone's push: set "
+        "ENGINEHOOKS_SECRET or ENGINEHOOKS_SECRET_FILE in its environment too "
+        "(docs/security.md)")
