@@ -416,3 +416,41 @@ def test_a_trainer_killed_mid_update_ends_the_receive_at_once_naming_the_wait(
         child.wait(10)
         if receiver is not None:
             receiver.close()
+
+
+def test_a_torn_bucket_is_reported_at_once_while_the_next_receive_waits(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A packed bucket that fails its digest is reported while the receive of the next
+    bucket is already posted and its bytes never come (the trainer's stream stalls):
+    the receiver parks that pending receive with the group, so the error reaches the
+    caller at once instead of when the receive times out."""
+    p = Pair(monkeypatch, timeout_s=20)
+    release = threading.Event()
+    try:
+        g = torch.Generator().manual_seed(13)
+        ws = {n: torch.randn(32, generator=g) for n in "abc"}  # a bucket each
+        m = manifest_of(ws, direct=False)
+        assert [b.direct for b in m.buckets] == [False, False, False]
+        monkeypatch.setattr(broadcast, "pack", corrupting_pack(broadcast.pack, 0))
+
+        def stalls() -> Iterator[tuple[str, torch.Tensor]]:
+            yield "a", ws["a"].clone()
+            yield "b", ws["b"].clone()  # taking it sends bucket 0
+            release.wait(30)  # so bucket 1 never comes while the receiver reports
+            yield "c", ws["c"].clone()
+
+        def send() -> None:
+            with contextlib.suppress(Exception):  # the receiver leaves: the sender fails
+                p.sender.send(m, stalls(), Abort())
+
+        tx = threading.Thread(target=send, daemon=True)
+        tx.start()
+        t0 = time.monotonic()
+        with pytest.raises(ChecksumError) as e:
+            for _ in p.receiver.stream(m):
+                pass
+        assert time.monotonic() - t0 < 10, "the error waited for the pending receive"
+        assert "bucket 0: crc32" in str(e.value) and p.receiver.broken
+    finally:
+        release.set()
+        p.close()
