@@ -28,6 +28,11 @@ from enginehooks.core.errors import ManifestError
 from enginehooks.core.manifest import DTYPE_SIZES, TensorSpec
 from enginehooks.engine.copy_plan import CopyPlan, record_plan
 from enginehooks.engine.trace import ByteTracer, MetaScalars
+from enginehooks.engine.transplant import (
+    needs_fresh_load,
+    partial_update_problem,
+    removed_parameters,
+)
 
 log = logging.getLogger("enginehooks.expectations")
 
@@ -185,6 +190,10 @@ class LoaderExpectations(Expectations):
         checkpoint: name -> spec of the checkpoint the engine started from (the
             baseline: what a complete update covers, and the shapes it had).
         engine: the engine's name, for messages.
+        live: the live model, where the engine lets it be read: a loader that removed
+            parameters from it after the first load (`engine.transplant`) cannot take
+            updates of them in place; such updates are applied by a fresh load, so they
+            must carry the whole model.
 
     Problems it reports, each naming the tensor: the loader raises on it (unknown
     name, wrong shape); the loader writes it into no parameter or buffer (it would be
@@ -197,11 +206,14 @@ class LoaderExpectations(Expectations):
 
     def __init__(self, skeleton: Callable[[], torch.nn.Module],
                  load: Callable[[torch.nn.Module, Iterator[tuple[str, torch.Tensor]]], Any],
-                 checkpoint: Mapping[str, TensorSpec], *, engine: str) -> None:
+                 checkpoint: Mapping[str, TensorSpec], *, engine: str,
+                 live: Callable[[], torch.nn.Module] | None = None) -> None:
         self._skeleton_fn, self._load = skeleton, load
+        self._live = live
         self.checkpoint = dict(checkpoint)
         self.engine = engine
         self._model: torch.nn.Module | None = None
+        self._built: list[str] = []  # the skeleton's parameters as built
         self._cache: dict[tuple[str, str, tuple[int, ...]], Landing] = {}
         self._baseline: dict[str, Landing] | None = None
 
@@ -212,6 +224,8 @@ class LoaderExpectations(Expectations):
     def _ready(self) -> torch.nn.Module:
         if self._model is None:
             self._model = self._skeleton_fn()
+            # as built: a dry run of a loader that removes parameters removes them here too
+            self._built = [n for n, _ in self._model.named_parameters(remove_duplicate=False)]
         return self._model
 
     def landings(self, specs: Sequence[TensorSpec]) -> dict[str, Landing]:
@@ -322,7 +336,21 @@ class LoaderExpectations(Expectations):
                 if not floating and ck is not None and ck.dtype != s.dtype:
                     problems.append(f"tensor {s.name!r}: dtype {s.dtype} but the engine's "
                                     f"checkpoint has {ck.dtype}")
-        return problems + self._missing(specs, base, landed)
+        problems += self._missing(specs, base, landed)
+        if not problems:
+            whole = partial_update_problem((s.name for s in specs), self.checkpoint,
+                                           self.fresh_load_needed(specs), self.engine)
+            problems += [whole] if whole else []
+        return problems
+
+    def fresh_load_needed(self, specs: Sequence[TensorSpec]) -> list[str]:
+        """The parameters this update's tensors land in (by the dry run) that the live
+        model no longer has: non-empty when only a fresh load can apply it."""
+        if self._live is None:
+            return []
+        landed = {p for landing in self.landings(specs).values() for p in landing.params}
+        self._ready()
+        return needs_fresh_load(landed, removed_parameters(self._live(), self._built))
 
     def _missing(self, specs: Sequence[TensorSpec], base: Mapping[str, Landing],
                  landed: Mapping[str, Landing] | None = None) -> list[str]:

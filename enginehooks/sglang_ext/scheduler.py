@@ -52,6 +52,7 @@ from enginehooks.engine.expectations import (
     skeleton_on_meta,
 )
 from enginehooks.engine.side import EngineSide
+from enginehooks.engine.transplant import transplant
 from enginehooks.engine.verify import Verifier, ensure_room
 from enginehooks.transports.base import Target
 
@@ -111,7 +112,8 @@ class SGLangTarget(Target):
     through `load_weights`."""
 
     def __init__(self, sched: Any, landed: Callable[[list[TensorSpec]], set[str]],
-                 record: Callable[[list[TensorSpec]], CopyPlan] | None = None) -> None:
+                 record: Callable[[list[TensorSpec]], CopyPlan] | None = None,
+                 fresh_needed: Callable[[list[TensorSpec]], list[str]] | None = None) -> None:
         self.sched = sched
         self.device = _device(sched)
         self.flushed: bool | None = None
@@ -122,10 +124,17 @@ class SGLangTarget(Target):
         self.requested = False  # the trainer asked this update to be verified
         self.routes: dict[str, Route] = {}
         self._live: dict[str, torch.Tensor] | None = None  # during apply: name -> tensor
+        self.fresh_needed = fresh_needed
+        self.by_fresh_load: list[str] = []  # this update: parameters only a fresh load fills
 
     def prepare(self, manifest: Manifest) -> None:
         self.requested = bool(manifest.meta.get("verify"))
         self.routes = {}
+        self.by_fresh_load = self.fresh_needed(manifest.specs()) if self.fresh_needed else []
+        if self.by_fresh_load:
+            self.plan.disable(f"the loader removed {self.by_fresh_load[:3]} from the live "
+                              "model after its first load; updates go through a fresh load")
+            return
         plan = self.plan.plan
         if self.plan.usable and plan is not None:
             for spec in manifest.specs():
@@ -148,6 +157,9 @@ class SGLangTarget(Target):
         return t.data
 
     def apply(self, tensors: Iterator[tuple[str, torch.Tensor]]) -> None:
+        if self.by_fresh_load:
+            self._apply_by_fresh_load(tensors)
+            return
         mr = _model_runner(self.sched)
         updater = mr.weight_updater
         model = mr.model
@@ -218,6 +230,25 @@ class SGLangTarget(Target):
             dests = {st.dest for r in routes.values() for st in r.steps}
             self._verify(model, kept, landed, checking and planned > 0, dests)
 
+    def _apply_by_fresh_load(self, tensors: Iterator[tuple[str, torch.Tensor]]) -> None:
+        """The update through SGLang's fresh-load path, copied into the live model's
+        storage (`engine.transplant`): for a model whose loader removed parameters it
+        needs from the live model. Nothing is written until the fresh model is built and
+        matches the live one tensor for tensor."""
+        model = _model_runner(self.sched).model
+        t0, c0 = time.perf_counter(), time.thread_time()
+        kept = [(name, t.to("cpu", copy=True)) for name, t in tensors]
+        fresh = self.fresh_load(kept)
+        nbytes = transplant(fresh, model)
+        del fresh
+        self.plan.last = {"seconds": round(time.perf_counter() - t0, 4),
+                          "cpu_seconds": round(time.thread_time() - c0, 4),
+                          "planned_last": 0, "loader_last": len(kept),
+                          "fresh_load": {"removed": self.by_fresh_load[:8], "bytes": nbytes}}
+        fed = [TensorSpec(n, dtype_name(t.dtype), tuple(t.shape)) for n, t in kept]
+        if self.verifier.wanted(self.requested):
+            self._verify(model, kept, self.landed(fed) - set(self.by_fresh_load), False, set())
+
     def _verify(self, model: torch.nn.Module, kept: list[tuple[str, torch.Tensor]],
                 landed: set[str], checking: bool, planned: set[str]) -> None:
         """Verify after apply; the first update applied through the plan is always
@@ -266,7 +297,8 @@ class SGLangBinding(EngineBinding):
     def __init__(self, sched: Any) -> None:
         self.sched = sched
         self.worker_rank = _tp(sched)[0]
-        self._target = SGLangTarget(sched, self._landed, self._record_plan)
+        self._target = SGLangTarget(sched, self._landed, self._record_plan,
+                                    lambda specs: self._loader_expectations().fresh_load_needed(specs))
         self._expectations: LoaderExpectations | None = None
         # The state, readable on the host without an RPC (which would queue behind
         # the update this scheduler is applying).
@@ -290,7 +322,8 @@ class SGLangBinding(EngineBinding):
                 mr.model_config.model_path
             self._expectations = LoaderExpectations(
                 self._skeleton, lambda model, weights: model.load_weights(weights),
-                checkpoint_specs(resolve_model_dir(path)), engine="SGLang")
+                checkpoint_specs(resolve_model_dir(path)), engine="SGLang",
+                live=lambda: _model_runner(self.sched).model)
         return self._expectations
 
     def _landed(self, fed: list[TensorSpec]) -> set[str]:
