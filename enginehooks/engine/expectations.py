@@ -28,11 +28,7 @@ from enginehooks.core.errors import ManifestError
 from enginehooks.core.manifest import DTYPE_SIZES, TensorSpec
 from enginehooks.engine.copy_plan import CopyPlan, record_plan
 from enginehooks.engine.trace import ByteTracer, MetaScalars
-from enginehooks.engine.transplant import (
-    needs_fresh_load,
-    partial_update_problem,
-    removed_parameters,
-)
+from enginehooks.engine.transplant import needs_fresh_load, removed_parameters
 
 log = logging.getLogger("enginehooks.expectations")
 
@@ -192,8 +188,8 @@ class LoaderExpectations(Expectations):
         engine: the engine's name, for messages.
         live: the live model, where the engine lets it be read: a loader that removed
             parameters from it after the first load (`engine.transplant`) cannot take
-            updates of them in place; such updates are applied by a fresh load, so they
-            must carry the whole model.
+            updates of them in place: `fresh_load_needed` says when an update must be
+            applied by a fresh load instead (updates are whole: see `_missing`).
 
     Problems it reports, each naming the tensor: the loader raises on it (unknown
     name, wrong shape); the loader writes it into no parameter or buffer (it would be
@@ -336,12 +332,7 @@ class LoaderExpectations(Expectations):
                 if not floating and ck is not None and ck.dtype != s.dtype:
                     problems.append(f"tensor {s.name!r}: dtype {s.dtype} but the engine's "
                                     f"checkpoint has {ck.dtype}")
-        problems += self._missing(specs, base, landed)
-        if not problems:
-            whole = partial_update_problem((s.name for s in specs), self.checkpoint,
-                                           self.fresh_load_needed(specs), self.engine)
-            problems += [whole] if whole else []
-        return problems
+        return problems + self._missing(specs, base, landed)
 
     def fresh_load_needed(self, specs: Sequence[TensorSpec]) -> list[str]:
         """The parameters this update's tensors land in (by the dry run) that the live

@@ -14,13 +14,14 @@ the live model's forward reads (parameters, buffers and plain tensor attributes 
 as `w_kc`) from it, after checking that every one has a counterpart of the same shape
 and dtype: nothing is written unless all of it can be.
 
-A fresh load needs the whole model: such an update must carry every checkpoint tensor
-(`partial_update_problem`), which the check phase enforces before any byte moves.
+A fresh load needs the whole model: `LoaderExpectations` already refuses, before any
+byte moves, an update that covers any engine parameter less than the engine's own
+checkpoint did (engines reload whole layers), so every update it lets through is whole.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable
 
 import torch
 
@@ -57,22 +58,6 @@ def needs_fresh_load(landed: Iterable[str], removed: set[str]) -> list[str]:
     """The removed parameters the loader would write this update into (sorted): the
     loader cannot run on the live model for them."""
     return sorted(set(landed) & removed)
-
-
-def partial_update_problem(
-    sent: Iterable[str], checkpoint: Mapping[str, object], needed: Sequence[str], engine: str
-) -> str | None:
-    """The refusal of an update that does not carry the whole model, when only a fresh
-    load can apply it (see the module docstring); None when it is whole."""
-    absent = sorted(set(checkpoint) - set(sent))
-    if not absent or not needed:
-        return None
-    return (
-        f"the {engine} loader removed {needed[:3]} from the live model after its first "
-        "load, so this model's updates are applied by a fresh load of the whole model, "
-        f"and this update lacks {len(absent)} of its tensors (first: {absent[:3]}): "
-        "send the complete state dict"
-    )
 
 
 def transplant(fresh: torch.nn.Module, live: torch.nn.Module) -> int:
