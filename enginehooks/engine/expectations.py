@@ -49,6 +49,13 @@ class Expectations(ABC):
         """Checkpoint name -> the dtype the engine wants it in, where known."""
         return {}
 
+    def unloaded(self) -> list[str]:
+        """Engine parameters no tensor of its checkpoint loads, where known: they hold
+        what the model's constructor left (uninitialised memory, in most engines), in a
+        fresh load as after any update, so no update can make them what the trainer
+        holds."""
+        return []
+
 
 class CheckpointExpectations(Expectations):
     """Expectations read from the checkpoint the engine was loaded from: names and
@@ -210,6 +217,7 @@ class LoaderExpectations(Expectations):
         self.engine = engine
         self._model: torch.nn.Module | None = None
         self._built: list[str] = []  # the skeleton's parameters as built
+        self._built_ids: dict[str, int] = {}  # ... and which are one (tied)
         self._cache: dict[tuple[str, str, tuple[int, ...]], Landing] = {}
         self._baseline: dict[str, Landing] | None = None
 
@@ -221,7 +229,9 @@ class LoaderExpectations(Expectations):
         if self._model is None:
             self._model = self._skeleton_fn()
             # as built: a dry run of a loader that removes parameters removes them here too
-            self._built = [n for n, _ in self._model.named_parameters(remove_duplicate=False)]
+            built = dict(self._model.named_parameters(remove_duplicate=False))
+            self._built = list(built)
+            self._built_ids = {n: id(p) for n, p in built.items()}
         return self._model
 
     def landings(self, specs: Sequence[TensorSpec]) -> dict[str, Landing]:
@@ -271,6 +281,15 @@ class LoaderExpectations(Expectations):
         if self._baseline is None:
             self._baseline = self.landings(list(self.checkpoint.values()))
         return self._baseline
+
+    def unloaded(self) -> list[str]:
+        try:
+            base = self.baseline()
+        except Exception:  # `info` must answer: the refusal comes with `check`
+            return []
+        ids = self._built_ids
+        landed = {ids[p] for landing in base.values() for p in landing.params if p in ids}
+        return sorted(n for n, i in ids.items() if i not in landed)
 
     def wire_dtypes(self) -> dict[str, str]:
         """Checkpoint name -> the dtype of the parameter it lands in, for floating

@@ -192,6 +192,8 @@ class EngineSide:
             "wire_dtypes": {n: d for n, d in self.expectations().wire_dtypes().items()
                             if d != dtype},
             "engine": self.binding.engine,
+            # parameters no checkpoint tensor loads: a fresh load leaves them as built
+            "unloaded": self.expectations().unloaded()[:20],
             **self.binding.info(),
         }
 

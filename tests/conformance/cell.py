@@ -6,7 +6,10 @@ run a family may take its process down (SGLang SIGQUITs its parent when a child 
 
 What a cell checks:
 1. The engine starts from the family's tiny checkpoint (else: "engine cannot run", with
-   the engine's own error).
+   the engine's own error). An engine that loads no checkpoint tensor into some of its
+   parameters (`info()["unloaded"]`: vLLM's GPT-OSS ignores `tie_word_embeddings`, so a
+   tied checkpoint leaves its output head uninitialised) cannot run that checkpoint
+   either, when the push was verified and still differs (`undefined_by_the_checkpoint`).
 2. A trainer (plain HF model; PEFT LoRA merged; FSDP2 with 2 ranks on gloo) pushes new
    weights over gloo. The exact oracle: the engine's greedy tokens and their logprobs
    equal those of the same engine freshly started from `save_pretrained` of the pushed
@@ -176,10 +179,15 @@ def run_in_process(req: dict[str, Any], work: Path) -> dict[str, Any]:
             report = sync.push(pushed, version=1)
             after = replica.generate()
             plan = copy_plan(replica.handle())
+            info = replica.handle().info(60)[0]
             oracle = fresh_generate(engine, save_reference(reference, d0, work / "d1"),
                                     dtype=dtype, engine_args=engine_args)
             bad = check_bad_updates(sync, replica, reference, 1)
-    return dict(verdict(before, after, oracle, bad, report), copy_plan=plan)
+    result = dict(verdict(before, after, oracle, bad, report), copy_plan=plan)
+    result["unloaded"] = info.get("unloaded")
+    from tests.conformance.matrix import undefined_by_the_checkpoint
+
+    return undefined_by_the_checkpoint(result, info)
 
 
 def copy_plan(handle: Any) -> dict[str, Any] | None:

@@ -87,3 +87,21 @@ def run(cell: Cell, root: Path, workdir: Path, timeout_s: float = 1500.0) -> dic
     tail = [ln for ln in (out.stderr or "").splitlines() if ln.strip()][-12:]
     return dict(asdict(cell), status="cannot run",
                 detail=f"the engine process died (exit {out.returncode}): " + " | ".join(tail))
+
+
+def undefined_by_the_checkpoint(result: dict[str, Any], info: dict[str, Any]) -> dict[str, Any]:
+    """A push that differs from the fresh load although the engine verified it (what the
+    update lands in equals a fresh load of it, bit for bit), in an engine with parameters
+    no checkpoint tensor loads: the difference lies in what neither the checkpoint nor
+    the push defines (each load leaves those parameters as the constructor did, e.g.
+    uninitialised), so the engine cannot run this checkpoint; the push is not at fault."""
+    ver = info.get("verification") or {}
+    last = ver.get("last") or {}
+    if (result["status"] == "fail" and "after the push != " in result["detail"]
+            and info.get("unloaded") and ver.get("verified", 0) >= 2 and last.get("ok")):
+        return dict(result, status="cannot run",
+                    detail=f"the engine loads no checkpoint tensor into {info['unloaded'][:5]}: "
+                           "a fresh load leaves them as its constructor made them, so no "
+                           "push can equal it (the push itself was verified equal to a fresh "
+                           f"load of every tensor it carries). {result['detail']}")
+    return result

@@ -245,3 +245,29 @@ def test_a_model_the_dry_run_cannot_build_refuses_updates_and_info_still_answers
     problems = exp.problems([spec("a")])
     assert len(problems) == 1 and "cannot build this model" in problems[0]
     assert "keeps serving" in problems[0]
+
+
+def test_parameters_no_checkpoint_tensor_loads_are_reported_tied_ones_are_not() -> None:
+    """`info()["unloaded"]`: a parameter no checkpoint tensor lands in holds what the
+    constructor left, in a fresh load too (vLLM's GPT-OSS with a tied checkpoint: its
+    untied `lm_head`). A parameter tied to a loaded one is loaded."""
+
+    class Tied(Loaders):
+        def __init__(self) -> None:
+            super().__init__()
+            self.head = nn.Module()
+            self.head.weight = self.a  # tied: the same parameter under another name
+            self.orphan = nn.Parameter(torch.zeros(3))
+
+    def meta_tied() -> Tied:
+        with torch.device("meta"):
+            return Tied()
+
+    names = ("a", "b", "c", "d", "up", "gate")
+    exp = LoaderExpectations(meta_tied, lambda m, w: m.load_weights(w),
+                             {n: spec(n) for n in names}, engine="toy")
+    assert exp.unloaded() == ["orphan"]
+    assert expectations({n: spec(n) for n in names}).unloaded() == []
+    without_c = LoaderExpectations(meta_model, lambda m, w: m.load_weights(w),
+                                   {n: spec(n) for n in names if n != "c"}, engine="toy")
+    assert without_c.unloaded() == ["c"]
