@@ -112,7 +112,8 @@ class MultiSenderSync(WeightSync):
                 adapter = adapter_for(model, dtype=default, dtypes=exceptions)
             self.ranks.broadcast({
                 "op": "plan", "dtype": dtype_name(adapter.dtype) if adapter.dtype else None,
-                "dtypes": {n: dtype_name(d) for n, d in adapter.dtypes.items()}})
+                "dtypes": {n: dtype_name(d) if d is not None else None
+                           for n, d in adapter.dtypes.items()}})
             mine = adapter.specs()
             answers = self.ranks.gather({"ok": True, "specs": _encode(mine)})
             bad = [f"trainer rank {j}: {a.get('error')}" for j, a in enumerate(answers)
@@ -192,7 +193,8 @@ class MultiSenderSync(WeightSync):
 
     def _plan(self, model: Any, cmd: dict[str, Any]) -> list[TensorSpec]:
         dtype = torch_dtype(cmd["dtype"]) if cmd.get("dtype") else None
-        dtypes = {n: torch_dtype(d) for n, d in (cmd.get("dtypes") or {}).items()}
+        dtypes = {n: torch_dtype(d) if d is not None else None
+                  for n, d in (cmd.get("dtypes") or {}).items()}
         if isinstance(model, TrainerAdapter):
             adapter = model
             if adapter.dtype is None and not adapter.dtypes:

@@ -305,10 +305,12 @@ class WeightSync:
         gathering."""
         return self.wire_dtypes()[0]
 
-    def wire_dtypes(self) -> tuple[torch.dtype | None, dict[str, torch.dtype]]:
+    def wire_dtypes(self) -> tuple[torch.dtype | None, dict[str, torch.dtype | None]]:
         """(default, exceptions by checkpoint name): the dtype the replicas run and the
         tensors their loaders put in parameters of another dtype (derived by each
-        engine from its own loader). `WeightSync(dtype=...)` overrides the default."""
+        engine from its own loader), or (None) that their loaders compute on before
+        they land, which travel in the trainer's own dtype. `WeightSync(dtype=...)`
+        overrides the default."""
         scratch = PushReport(version="", transport=self.transport_name)
         infos = [i for per_replica in self._all(scratch, "info", lambda r: r.info(self.timeout_s))
                  for i in per_replica]
@@ -319,12 +321,15 @@ class WeightSync:
                 raise ConfigError(
                     f"replicas run different dtypes {sorted(dtypes)}: pass WeightSync(dtype=...)")
             default = torch_dtype(dtypes.pop()) if dtypes else None
-        exceptions: dict[str, torch.dtype] = {}
+        exceptions: dict[str, torch.dtype | None] = {}
         for info in infos:
             for name, dt in (info.get("wire_dtypes") or {}).items():
                 if name in exceptions and exceptions[name] != torch_dtype(dt):
                     raise ConfigError(f"replicas want tensor {name!r} in different dtypes")
                 exceptions[name] = torch_dtype(dt)
+        for info in infos:  # a loader that computes on a tensor gets it uncast, whatever
+            for name in info.get("uncast") or []:  # another replica would cast it to
+                exceptions[name] = None
         return default, exceptions
 
     # -- concurrency helpers ------------------------------------------------------------

@@ -49,6 +49,12 @@ class Expectations(ABC):
         """Checkpoint name -> the dtype the engine wants it in, where known."""
         return {}
 
+    def uncast(self) -> list[str]:
+        """Checkpoint tensors the trainer must send in its own dtype, where known: the
+        engine's loader computes on them before they land (in the dtype it receives),
+        so only the dtype a fresh load reads gives what a fresh load gives."""
+        return []
+
     def unloaded(self) -> list[str]:
         """Engine parameters no tensor of its checkpoint loads, where known: they hold
         what the model's constructor left (uninitialised memory, in most engines), in a
@@ -218,6 +224,7 @@ class LoaderExpectations(Expectations):
         self._model: torch.nn.Module | None = None
         self._built: list[str] = []  # the skeleton's parameters as built
         self._built_ids: dict[str, int] = {}  # ... and which are one (tied)
+        self._copies: set[str] | None = None  # checkpoint tensors the loader only copies
         self._cache: dict[tuple[str, str, tuple[int, ...]], Landing] = {}
         self._baseline: dict[str, Landing] | None = None
 
@@ -293,7 +300,13 @@ class LoaderExpectations(Expectations):
 
     def wire_dtypes(self) -> dict[str, str]:
         """Checkpoint name -> the dtype of the parameter it lands in, for floating
-        tensors (what the trainer should send each one as)."""
+        tensors the loader only copies (what the trainer should send each one as).
+
+        Only pure copies (views plus one `copy_`, as the copy plan records them): a
+        copy casts exactly as the trainer's `.to(dtype)` does, but a loader that computes
+        on the tensor before it lands (SGLang's Gemma adds 1.0 to its norms in place)
+        computes in the dtype it receives, and a fresh load receives the checkpoint's.
+        Those tensors travel in the trainer's own dtype."""
         out: dict[str, str] = {}
         try:
             base = self.baseline()
@@ -301,12 +314,36 @@ class LoaderExpectations(Expectations):
             log.warning("%s: no loader dry run here (%s); wire dtypes unknown", self.engine,
                         _first_line(e))
             return out
+        copies = self._pure_copies()
         for name, landing in base.items():
             dts = {d for d in landing.params.values() if d}
             spec = self.checkpoint[name]
-            if len(dts) == 1 and torch_dtype(spec.dtype).is_floating_point:
+            if (len(dts) == 1 and torch_dtype(spec.dtype).is_floating_point
+                    and name in copies):
                 out[name] = dts.pop()
         return out
+
+    def uncast(self) -> list[str]:
+        try:
+            base = self.baseline()
+        except Exception:  # `info` must answer: the refusal comes with `check`
+            return []
+        copies = self._pure_copies()
+        return sorted(n for n, landing in base.items()
+                      if landing.params and n not in copies
+                      and torch_dtype(self.checkpoint[n].dtype).is_floating_point)
+
+    def _pure_copies(self) -> set[str]:
+        """Checkpoint tensors whose path through the loader is views plus one copy."""
+        if self._copies is None:
+            try:
+                plan = self.record_plan(list(self.checkpoint.values()))
+                self._copies = {n for n, r in plan.routes.items() if r.planned}
+            except Exception as e:  # no casts announced: the loader gets the trainer's dtype
+                log.warning("%s: could not record the loader's copies (%s); the trainer "
+                            "sends its own dtypes", self.engine, _first_line(e))
+                self._copies = set()
+        return self._copies
 
     # -- the verdict ------------------------------------------------------------------------
     def problems(self, specs: Sequence[TensorSpec]) -> list[str]:

@@ -191,6 +191,9 @@ class EngineSide:
             # tensors the engine's loader puts in parameters of another dtype
             "wire_dtypes": {n: d for n, d in self.expectations().wire_dtypes().items()
                             if d != dtype},
+            # tensors its loader computes on before they land: sent uncast, in the
+            # trainer's own dtype, as a fresh load of the trainer's checkpoint reads them
+            "uncast": self.expectations().uncast(),
             "engine": self.binding.engine,
             # parameters no checkpoint tensor loads: a fresh load leaves them as built
             "unloaded": self.expectations().unloaded()[:20],

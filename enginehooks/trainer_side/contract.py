@@ -59,16 +59,17 @@ class TrainerAdapter(ABC):
     Args of every built-in adapter: `model`; `dtype`: the dtype floating tensors travel
     in (the engine's; `WeightSync` passes it); `dtypes`: per checkpoint name, the
     exceptions the engine reports (a parameter it keeps in float32 while it runs
-    bfloat16). Integer and bool tensors travel as they are.
+    bfloat16; None: the tensor's own dtype, for a loader that computes on it before it
+    lands). Integer and bool tensors travel as they are.
     """
 
     name: ClassVar[str] = "adapter"
 
     def __init__(self, model: Any, *, dtype: torch.dtype | None = None,
-                 dtypes: Mapping[str, torch.dtype] | None = None) -> None:
+                 dtypes: Mapping[str, torch.dtype | None] | None = None) -> None:
         self.model = model
         self.dtype = dtype
-        self.dtypes: dict[str, torch.dtype] = dict(dtypes or {})
+        self.dtypes: dict[str, torch.dtype | None] = dict(dtypes or {})
 
     @classmethod
     @abstractmethod
@@ -89,12 +90,12 @@ class TrainerAdapter(ABC):
 
     # -- the wire cast, the only place it is decided -----------------------------------
     def wire_dtype(self, dtype: torch.dtype, name: str | None = None) -> torch.dtype:
-        """The dtype a floating tensor travels in: the engine's exception for `name`,
-        else `self.dtype`; other tensors keep `dtype`."""
+        """The dtype a floating tensor travels in: the engine's exception for `name`
+        (None: its own), else `self.dtype`; other tensors keep `dtype`."""
         if not dtype.is_floating_point:
             return dtype
         if name is not None and name in self.dtypes:
-            return self.dtypes[name]
+            return self.dtypes[name] or dtype
         return self.dtype if self.dtype is not None else dtype
 
     def wire_spec(self, name: str, dtype: torch.dtype, shape: tuple[int, ...]) -> TensorSpec:

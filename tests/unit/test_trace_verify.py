@@ -271,3 +271,27 @@ def test_parameters_no_checkpoint_tensor_loads_are_reported_tied_ones_are_not() 
     without_c = LoaderExpectations(meta_model, lambda m, w: m.load_weights(w),
                                    {n: spec(n) for n in names if n != "c"}, engine="toy")
     assert without_c.unloaded() == ["c"]
+
+
+def test_tensors_the_loader_computes_on_travel_uncast() -> None:
+    """A loader that computes on a tensor before it lands (SGLang's Gemma adds 1.0 to its
+    norms in place) computes in the dtype it receives; a fresh load receives the
+    checkpoint's. Such tensors are announced `uncast` (the trainer sends its own dtype)
+    and get no wire dtype; pure copies (views plus one copy_) are cast on the trainer,
+    which rounds as the copy would. Found by the generated SGLang Gemma bf16 cell: the
+    push differed from a fresh load in the last bits of a logprob."""
+    names = ("a", "b", "c", "d", "up", "gate")
+    exp = expectations({n: spec(n) for n in names})
+    assert exp.uncast() == ["c", "d", "gate", "up"]   # fill_(item), .data =, w * 1.0
+    assert exp.wire_dtypes() == {"a": "float32", "b": "float32"}  # narrow/t + copy_, copy_
+
+
+def test_an_uncast_exception_keeps_the_trainers_dtype() -> None:
+    from enginehooks.trainer_side.contract import adapter_for
+
+    a = adapter_for(nn.Linear(2, 2), dtype=torch.bfloat16,
+                    dtypes={"weight": None, "bias": torch.float16})
+    assert a.wire_dtype(torch.float32, "weight") == torch.float32
+    assert a.wire_dtype(torch.float32, "bias") == torch.float16
+    assert a.wire_dtype(torch.float32, "other") == torch.bfloat16
+    assert a.wire_dtype(torch.int64, "weight") == torch.int64
