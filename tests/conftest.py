@@ -51,15 +51,18 @@ def plugin() -> Iterator[Callable[..., Any]]:
 
 
 # -- leaving the test process without tearing down gloo's threads --------------------
-# Known issue (closing note of 2026-11-25, session 3): process groups parked after a
-# failed collective (`transports.broadcast._GRAVEYARD`) still own gloo I/O threads; when
-# the interpreter finalises after the last test, a peer of one of them may close first
-# and gloo's thread throws `gloo::IoException` out of C++ (`terminate called ...`,
-# SIGABRT, exit status 134) although every test passed. Until the library closes parked
-# groups safely at exit, the test process ends with pytest's own exit status and skips
-# the interpreter's finalisation. This hides nothing a test asserts: it runs after the
-# last test, the summary and every report are written. Not under mutmut, which runs
-# pytest inside its own (forked) worker and must get control back to report.
+# Process groups parked after a failed collective (`transports.broadcast._GRAVEYARD`)
+# used to abort the interpreter's finalisation after the last test (gloo's I/O thread
+# throwing `gloo::IoException` out of C++: SIGABRT, exit status 134, every test passed).
+# The library now releases them at exit (`broadcast._release_parked`; tested by
+# `test_a_process_with_parked_groups_exits_with_its_own_status`), and tests/unit with
+# the security files finalise cleanly (ENGINEHOOKS_TEST_FINALIZE=1: exit 0). The engine
+# suites run vLLM and gloo groups of the engines' own in this interpreter and have not
+# been run that way yet, so the test process still ends with pytest's own exit status,
+# skipping finalisation, unless ENGINEHOOKS_TEST_FINALIZE=1. This hides nothing a test
+# asserts: it runs after the last test, the summary and every report are written. Not
+# under mutmut, which runs pytest inside its own (forked) worker and must get control
+# back to report.
 _EXIT_STATUS: list[int] = []
 
 

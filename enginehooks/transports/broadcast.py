@@ -35,8 +35,10 @@ receive, straight into the destination where the target offers one
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import datetime as _dt
+import gc
 import threading
 import time
 import uuid
@@ -107,6 +109,18 @@ _GRAVEYARD: list[Any] = []
 def _bury(*items: Any) -> None:
     _GRAVEYARD.extend(x for x in items if x is not None)
     del _GRAVEYARD[:-64]  # the oldest have long timed out
+
+
+@atexit.register
+def _release_parked() -> None:
+    """Release what failed updates parked while the interpreter is still whole. Left to
+    the interpreter's finalisation, a parked group's gloo I/O thread outlives the objects
+    around it, and a peer that closes its end first makes gloo throw out of that thread
+    (`terminate called ... gloo::IoException`, SIGABRT, exit status 134) after the
+    program itself ended well. The groups were aborted when they were parked, so this
+    does not wait for their collectives."""
+    _GRAVEYARD.clear()
+    gc.collect()
 
 
 def _bcast(pg: Any, buf: torch.Tensor, timeout_s: float) -> Any:

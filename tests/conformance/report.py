@@ -166,16 +166,19 @@ def render_generated(results: list[dict[str, Any]], versions: dict[str, str]) ->
         "",
         f"Rendered on {today} from `benchmarks/results/conformance/generated-*.json` "
         f"({', '.join(f'{k} {v}' for k, v in versions.items())}) by "
-        "`python -m tests.conformance.report --generated FILES`. Rows: every text architecture "
-        "the engine registers that transformers has a class for, built from transformers' "
-        "default config shrunk by one generic rule (`tests/conformance/generated.py`), pushed "
-        "from an fp32 trainer; each cell checks the exact oracle (push == fresh load, tokens "
-        "and logprobs) and that three bad updates are refused. `engine cannot run`: a plain "
-        "load of the same checkpoint fails, the engine's error quoted below. A row "
-        "`Arch+tied`/`Arch+untied` flips the default `tie_word_embeddings` (`--ties`); a "
-        "`peft` column pushes a LoRA model merged on the fly (`--trainer peft`). The sweep "
-        "runs in parts (`python -m tests.conformance.sweep`); empty cells were not reached "
-        "yet.",
+        "`python -m tests.conformance.report --generated FILES`. Rows: every text "
+        "architecture the engine registers that transformers has a class for, built from "
+        "transformers' default config shrunk by one generic rule "
+        "(`tests/conformance/generated.py`), pushed from an fp32 trainer into an fp32 or "
+        "bf16 engine; each cell checks the exact oracle (push == fresh load, tokens and "
+        "logprobs) and that three bad updates are refused. `engine cannot run`: a plain "
+        "load of the same checkpoint fails, the engine's error quoted below, or the engine "
+        "loads no checkpoint tensor into some of its parameters (`info()[\"unloaded\"]`, "
+        "with the push verified equal to a fresh load of every tensor it carries), so a "
+        "fresh load leaves them as its constructor made them. A row `Arch+tied` / "
+        "`Arch+untied` flips the default `tie_word_embeddings` (`--ties`); a `peft` column "
+        "pushes a LoRA model merged on the fly (`--trainer peft`). The sweep runs in parts "
+        "(`python -m tests.conformance.sweep`); empty cells were not reached yet.",
         "",
         "| architecture | " + " | ".join(f"{e} {SHORT[d]}" + ("" if t == "plain" else f" {t}")
                                          for e, d, t in cols) + " |",
