@@ -233,13 +233,20 @@ class LoaderExpectations(Expectations):
 
     # -- the dry run ----------------------------------------------------------------------
     def _ready(self) -> torch.nn.Module:
-        if self._model is None:
+        if self._model is None or self._changed():
+            # A loader that removes parameters (engine.transplant) removed them from the
+            # skeleton in an earlier dry run too: the next one needs it whole again.
             self._model = self._skeleton_fn()
             # as built: a dry run of a loader that removes parameters removes them here too
             built = dict(self._model.named_parameters(remove_duplicate=False))
             self._built = list(built)
             self._built_ids = {n: id(p) for n, p in built.items()}
         return self._model
+
+    def _changed(self) -> bool:
+        assert self._model is not None
+        now = [n for n, _ in self._model.named_parameters(remove_duplicate=False)]
+        return now != self._built
 
     def landings(self, specs: Sequence[TensorSpec]) -> dict[str, Landing]:
         """Where each tensor of `specs` lands (cached per name, dtype and shape): the

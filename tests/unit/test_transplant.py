@@ -100,6 +100,19 @@ def test_the_dry_run_sees_the_removal_from_the_skeleton_as_built() -> None:
     assert no_live.fresh_load_needed(specs(ws)) == []
 
 
+def test_a_later_dry_run_gets_the_skeleton_whole_again() -> None:
+    """The dry run of the checkpoint removed kv_b_proj from the skeleton too; a dry run
+    of other wire dtypes (an fp32 checkpoint, a bf16 push) must not then find it gone
+    (the generated SGLang MiniCPM3 bf16 cell was refused with the loader's KeyError)."""
+    exp = expectations(loaded(0))
+    ws = checkpoint(1)
+    assert exp.problems(specs(ws)) == []
+    bf16 = [TensorSpec(n, "bfloat16", tuple(t.shape)) for n, t in ws.items()]
+    assert exp.problems(bf16) == []
+    assert exp.fresh_load_needed(bf16) == ["layers.0.kv_b_proj.weight",
+                                           "layers.1.kv_b_proj.weight"]
+
+
 def test_an_update_that_needs_a_fresh_load_is_whole() -> None:
     """A fresh load needs every tensor: the dry run already refuses an update that
     leaves any parameter on old values, so a partial one never reaches the fresh load."""
