@@ -39,6 +39,9 @@ os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 SEED = 1234
 BUCKET = 64 << 10
 
+# Where the cell is, for `matrix.run` when this process dies without a result.
+from tests.conformance.matrix import phase  # noqa: E402
+
 
 def _processor_files(src: Path, dst: Path) -> None:
     """What the engine loads beside the weights (tokenizer, image processor), which the
@@ -154,6 +157,7 @@ def run_in_process(req: dict[str, Any], work: Path) -> dict[str, Any]:
 
     family, engine, dtype = req["family"], req["engine"], req["dtype"]
     engine_args = family_named(family).engine_args.get(engine, {})
+    phase(work, "build")
     d0 = checkpoint(family, engine, Path(req["root"]))
     # The trainer's model first: vLLM may decorate transformers' classes in place when it
     # loads a model through its Transformers backend (Olmo2Model then needs a vLLM
@@ -162,6 +166,7 @@ def run_in_process(req: dict[str, Any], work: Path) -> dict[str, Any]:
     # The first push records the engine's copy plan (engine/copy_plan.py) through its
     # loader; the push the oracle judges is the second, through the plan where verified.
     warm = perturb(trained(family, d0), seed=SEED + 2)
+    phase(work, "start")
     try:
         replica = start_engine(engine, d0, dtype=dtype, engine_args=engine_args)
     except EngineUnavailable as e:
@@ -172,6 +177,7 @@ def run_in_process(req: dict[str, Any], work: Path) -> dict[str, Any]:
         except Exception as e:  # a plain load of the checkpoint cannot serve either
             return {"status": "cannot run",
                     "detail": f"the engine starts but cannot generate: {type(e).__name__}: {e}"}
+        phase(work, "push")
         pushed, reference = (model, model) if req["trainer"] == "plain" else with_lora(model)
         with WeightSync("gloo", bucket_bytes=BUCKET, timeout_s=120) as sync:
             sync.add_replica(replica.handle())
@@ -180,8 +186,10 @@ def run_in_process(req: dict[str, Any], work: Path) -> dict[str, Any]:
             after = replica.generate()
             plan = copy_plan(replica.handle())
             info = replica.handle().info(60)[0]
+            phase(work, "oracle")
             oracle = fresh_generate(engine, save_reference(reference, d0, work / "d1"),
                                     dtype=dtype, engine_args=engine_args)
+            phase(work, "refusals")
             bad = check_bad_updates(sync, replica, reference, 1)
     result = dict(verdict(before, after, oracle, bad, report), copy_plan=plan)
     result["unloaded"] = info.get("unloaded")
@@ -224,10 +232,13 @@ def run_fsdp2(req: dict[str, Any], work: Path) -> dict[str, Any]:
     family, engine, dtype = req["family"], req["engine"], req["dtype"]
     if family_named(family).engine_args.get(engine):
         return {"status": "fail", "detail": "engine arguments are not passed to servers"}
+    phase(work, "build")
     d0 = checkpoint(family, engine, Path(req["root"]))
     server_cls = SERVERS[engine]
+    phase(work, "start")
     with server_cls(d0, work / "server-a.log", dtype=dtype) as a:
         before = a.generations()
+        phase(work, "push")
         port = free_port()
         procs = [subprocess.Popen(
             [sys.executable, "-m", "tests.conformance.cell", "--fsdp2-rank", str(rank)],
@@ -252,6 +263,7 @@ def run_fsdp2(req: dict[str, Any], work: Path) -> dict[str, Any]:
             return {"status": "fail", "detail": "trainer ranks failed: " + " | ".join(
                 o[-1500:] for o, p in zip(outs, procs) if p.returncode)}
         after = a.generations()
+    phase(work, "oracle")
     with server_cls(work / "d1", work / "server-b.log", dtype=dtype) as b:
         oracle = b.generations()
     problems = []

@@ -5,6 +5,7 @@ engine cannot run (with the engine's reason), and how a cell is run (a child pro
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from dataclasses import asdict, dataclass
@@ -69,10 +70,25 @@ CANNOT_RUN: dict[tuple[str, str], str] = {
 }
 
 
+#: The phases of a cell, in order, as `phase` records them. An engine that takes the
+#: child down in "start" (starting from the untouched checkpoint, or its first
+#: generation) cannot run the family; in any later phase the push, the oracle's fresh
+#: load or a refused update did, and the cell fails.
+PHASES = ("build", "start", "push", "oracle", "refusals")
+
+
+def phase(work: Path, name: str) -> None:
+    """Record where the cell is, for `matrix.run` when this process dies without a
+    result (SGLang SIGQUITs its parent when one of its processes dies)."""
+    assert name in PHASES, name
+    (work / "phase").write_text(name)
+
+
 def run(cell: Cell, root: Path, workdir: Path, timeout_s: float = 1500.0) -> dict[str, Any]:
     """Run one cell in a child process; its result as a dict (status pass / fail /
     cannot run, detail, seconds)."""
     req = json.dumps(dict(asdict(cell), root=str(root), workdir=str(workdir)))
+    (workdir / "phase").unlink(missing_ok=True)
     try:
         out = subprocess.run([sys.executable, "-m", "tests.conformance.cell"], input=req,
                              capture_output=True, text=True, timeout=timeout_s,
@@ -82,11 +98,37 @@ def run(cell: Cell, root: Path, workdir: Path, timeout_s: float = 1500.0) -> dic
     lines = [ln for ln in out.stdout.splitlines() if ln.startswith("{")]
     if lines:
         return json.loads(lines[-1])
-    # The child died without a word: an engine took it down (SGLang SIGQUITs its parent
-    # when one of its processes dies). Its own log says why.
-    tail = [ln for ln in (out.stderr or "").splitlines() if ln.strip()][-12:]
-    return dict(asdict(cell), status="cannot run",
-                detail=f"the engine process died (exit {out.returncode}): " + " | ".join(tail))
+    return died(cell, workdir, out.returncode, out.stderr or "")
+
+
+def died(cell: Cell, workdir: Path, returncode: int, stderr: str) -> dict[str, Any]:
+    """The result of a cell whose process died without a word (an engine took it down:
+    SGLang SIGQUITs its parent when one of its processes dies). Only a death while the
+    engine starts from the untouched checkpoint (or serves its first generation) means
+    the engine cannot run the family; anywhere else it is a failure, named by phase."""
+    try:
+        where = (workdir / "phase").read_text().strip()
+    except OSError:
+        where = "before the cell began"
+    error = engine_error(stderr)
+    if where == "start":
+        return dict(asdict(cell), status="cannot run",
+                    detail=f"the engine process died starting from the checkpoint, before "
+                           f"any push (exit {returncode}): {error}")
+    return dict(asdict(cell), status="fail",
+                detail=f"the process died in phase {where!r} (exit {returncode}): {error}")
+
+
+_EXCEPTION = re.compile(r"^(?:[A-Za-z_][\w.]*\.)?[A-Z]\w*(?:Error|Exception|Exit)\b:?")
+
+
+def engine_error(stderr: str, limit: int = 600) -> str:
+    """The engine's own words from a dead process's stderr: the last exception line (the
+    one its traceback ends with), then the last lines of the log."""
+    lines = [ln.strip() for ln in stderr.splitlines() if ln.strip()]
+    errors = [ln for ln in lines if _EXCEPTION.match(ln)]
+    picked = [errors[-1][:limit]] if errors else []
+    return " | ".join(picked + [ln[:200] for ln in lines[-3:] if ln not in picked])
 
 
 def undefined_by_the_checkpoint(result: dict[str, Any], info: dict[str, Any]) -> dict[str, Any]:
