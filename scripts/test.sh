@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The whole test suite: what `make test` and CI run. Each engine pins its own torch, so
 # each has its own environment; tests run in the environment of the engine they start.
-# pytest's exit code 5 ("no tests ran") counts as a failure.
+# pytest's exit code 5 ("no tests ran") counts as a failure. Each run lists its 25 slowest
+# tests: CI must stay under 60 minutes, and that list says where its time goes.
 set -uo pipefail
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$here"
@@ -29,9 +30,9 @@ export ENGINEHOOKS_SGLANG_PYTHON ENGINEHOOKS_VLLM_PYTHON ENGINEHOOKS_MEGATRON_PY
 # tests across hosts (network namespaces: they need root, and skip with the reason without),
 # and the Megatron ranks pushing into vLLM and SGLang servers.
 run_pytest vllm tests/unit tests/security tests/contract tests/conformance tests/vllm tests/gpu \
-  tests/multihost tests/megatron -q -rs || status=1
+  tests/multihost tests/megatron -q -rs --durations=25 || status=1
 # The SGLang environment: the replica contract and conformance slice on SGLang, the
 # SGLang suites, and the attacks on SGLang servers (tests/security).
 run_pytest sglang tests/contract tests/conformance tests/sglang \
-  tests/security/test_server_sglang.py -k "sglang or not contract" -q -rs || status=1
+  tests/security/test_server_sglang.py -k "sglang or not contract" -q -rs --durations=25 || status=1
 exit "$status"
