@@ -124,10 +124,16 @@ _EXCEPTION = re.compile(r"^(?:[A-Za-z_][\w.]*\.)?[A-Z]\w*(?:Error|Exception|Exit
 
 def engine_error(stderr: str, limit: int = 600) -> str:
     """The engine's own words from a dead process's stderr: the last exception line (the
-    one its traceback ends with), then the last lines of the log."""
-    lines = [ln.strip() for ln in stderr.splitlines() if ln.strip()]
-    errors = [ln for ln in lines if _EXCEPTION.match(ln)]
-    picked = [errors[-1][:limit]] if errors else []
+    one its traceback ends with; a bare one, such as an `assert` without a message, with
+    the source line it came from), then the last lines of the log."""
+    lines = [ln.strip() for ln in stderr.splitlines()
+             if ln.strip() and ln.strip().strip("^~ ")]  # no caret underlines
+    at = [i for i, ln in enumerate(lines) if _EXCEPTION.match(ln)]
+    picked = []
+    if at:
+        i = at[-1]
+        bare = ":" not in lines[i]
+        picked = [(f"{lines[i]} at `{lines[i - 1]}`" if bare and i else lines[i])[:limit]]
     return " | ".join(picked + [ln[:200] for ln in lines[-3:] if ln not in picked])
 
 

@@ -73,6 +73,19 @@ def test_the_engines_exception_line_is_quoted_first() -> None:
     assert engine_error("") == ""
 
 
+def test_a_bare_exception_is_quoted_with_its_source_line() -> None:
+    stderr = """Traceback (most recent call last):
+  File "sglang/srt/layers/attention/torch_native_backend.py", line 90, in forward_extend
+    assert layer.qk_head_dim == layer.v_head_dim
+           ^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^
+AssertionError
+[2026-11-26 01:01:03] Received sigquit from a child process. It usually means the child failed.
+"""
+    got = engine_error(stderr)
+    assert got.startswith("AssertionError at `assert layer.qk_head_dim == layer.v_head_dim` | ")
+    assert "^^^" not in got
+
+
 def test_a_process_that_died_while_the_engine_started_cannot_run(tmp_path: Path) -> None:
     phase(tmp_path, "start")
     got = died(CELL, tmp_path, -9, STDERR)
