@@ -218,7 +218,7 @@ def verdict(before: Any, after: Any, oracle: Any, bad: list[str], report: Any) -
     if first_difference(after, before) is None:
         problems.insert(0, "the push did not change the outputs")
     return {"status": "fail" if problems else "pass", "detail": "; ".join(problems),
-            "tensors": report.tensors, "bytes": report.bytes}
+            "problems": problems, "tensors": report.tensors, "bytes": report.bytes}
 
 
 # -- FSDP2: two trainer ranks, the engine as a server -------------------------------------

@@ -137,15 +137,26 @@ def engine_error(stderr: str, limit: int = 600) -> str:
     return " | ".join(picked + [ln[:200] for ln in lines[-3:] if ln not in picked])
 
 
+#: The oracle's two findings (`cell.verdict`); any other problem (a bad update accepted,
+#: a refusal that moved data) is the push's own and always fails the cell.
+ORACLE_PROBLEMS = ("the push did not change the outputs", "after the push != ")
+
+
 def undefined_by_the_checkpoint(result: dict[str, Any], info: dict[str, Any]) -> dict[str, Any]:
-    """A push that differs from the fresh load although the engine verified it (what the
-    update lands in equals a fresh load of it, bit for bit), in an engine with parameters
-    no checkpoint tensor loads: the difference lies in what neither the checkpoint nor
-    the push defines (each load leaves those parameters as the constructor did, e.g.
-    uninitialised), so the engine cannot run this checkpoint; the push is not at fault."""
+    """A push the oracle faults although the engine verified it (what the update lands in
+    equals a fresh load of it, bit for bit), in an engine with parameters no checkpoint
+    tensor loads: the outputs then depend on what neither the checkpoint nor the push
+    defines (each load leaves those parameters as the constructor did, e.g. an
+    uninitialised output head, which may even make every output the same token, so that
+    the push changes nothing), so the engine cannot run this checkpoint; the push is not
+    at fault. Only when every problem is one of the oracle's (`ORACLE_PROBLEMS`)."""
     ver = info.get("verification") or {}
     last = ver.get("last") or {}
-    if (result["status"] == "fail" and "after the push != " in result["detail"]
+    problems = result.get("problems")
+    if problems is None:
+        problems = result.get("detail", "").split("; ") if result.get("detail") else []
+    only_oracle = bool(problems) and all(p.startswith(ORACLE_PROBLEMS) for p in problems)
+    if (result["status"] == "fail" and only_oracle
             and info.get("unloaded") and ver.get("verified", 0) >= 2 and last.get("ok")):
         return dict(result, status="cannot run",
                     detail=f"the engine loads no checkpoint tensor into {info['unloaded'][:5]}: "

@@ -41,12 +41,27 @@ def test_a_verified_push_into_an_engine_with_unloaded_parameters_cannot_run() ->
     assert FAILED["detail"] in got["detail"]
 
 
+def test_a_push_that_changes_nothing_through_an_unloaded_head_cannot_run() -> None:
+    # An uninitialised head that makes every output the same token: the push, verified
+    # equal to a fresh load, cannot change the outputs (SGLang GLM-4-MoE, tied, bf16).
+    same = {"status": "fail", "detail": "the push did not change the outputs",
+            "problems": ["the push did not change the outputs"]}
+    got = undefined_by_the_checkpoint(same, info(["lm_head.weight"], 2, True))
+    assert got["status"] == "cannot run"
+    assert got["detail"].endswith("the push did not change the outputs")
+
+
 def test_anything_less_stays_a_failure() -> None:
     for i in (info([], 2, True),                    # every parameter is loaded
               info(["lm_head.weight"], 1, True),    # the judged push was not verified
               info(["lm_head.weight"], 2, False),   # verification found a mismatch
               info(["lm_head.weight"], 2, None)):   # it could not verify
         assert undefined_by_the_checkpoint(FAILED, i) == FAILED
+    # an oracle finding beside a problem of the push's own (a bad update accepted)
+    mixed = {"status": "fail", "problems": [FAILED["detail"].split("; ")[1],
+                                            "extra: the update was accepted"],
+             "detail": FAILED["detail"].split("; ")[1] + "; extra: the update was accepted"}
+    assert undefined_by_the_checkpoint(mixed, info(["lm_head.weight"], 2, True)) == mixed
     other = {"status": "fail", "detail": "extra tensor accepted"}
     assert undefined_by_the_checkpoint(other, info(["x"], 2, True)) == other
     passed = {"status": "pass", "detail": ""}
