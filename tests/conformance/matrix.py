@@ -152,9 +152,7 @@ def undefined_by_the_checkpoint(result: dict[str, Any], info: dict[str, Any]) ->
     at fault. Only when every problem is one of the oracle's (`ORACLE_PROBLEMS`)."""
     ver = info.get("verification") or {}
     last = ver.get("last") or {}
-    problems = result.get("problems")
-    if problems is None:
-        problems = result.get("detail", "").split("; ") if result.get("detail") else []
+    problems = result.get("problems") or []  # cell.verdict's list
     only_oracle = bool(problems) and all(p.startswith(ORACLE_PROBLEMS) for p in problems)
     if (result["status"] == "fail" and only_oracle
             and info.get("unloaded") and ver.get("verified", 0) >= 2 and last.get("ok")):
