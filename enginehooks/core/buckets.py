@@ -434,6 +434,99 @@ class Unpacker:
             return None
         return whole[piece.start : piece.start + piece.nbytes]
 
+    def land(self, index: int, buf: torch.Tensor) -> dict[int, torch.Tensor] | None:
+        """Fused verify-and-copy of packed bucket `index`, received in `buf` (CUDA,
+        `sum64`): every piece whose destination the target offers (`into`, as for a
+        rejoined tensor: same dtype, shape, contiguous, on this device) is copied from
+        `buf` straight into it, and the bucket's digest is computed in the same pass
+        (`core/fused_copy.py`); the payload bytes no destination takes (pieces the
+        target casts or relays, padding) are read once for the digest. The digest is
+        then checked against the trailer, which `verify(..., check_digest=False)` has
+        vouched for.
+
+        This saves the receiver one read of every bucket: the separate digest pass
+        before the target's copies. A bad digest therefore raises after bytes landed in
+        the destinations, as for a direct bucket: the update fails and the engine side
+        marks the replica torn, as it does for any failure once data moved.
+
+        Returns the positions (in the bucket's `(tensor, piece)` list) now in place,
+        with the flat bytes of the tensor each landed in, for `unpack(placed=...)`; None
+        where the fused path does not apply (no destinations, another checksum, no
+        Triton, `ENGINEHOOKS_FUSED_UNPACK=0`, or two destinations that overlap, such as
+        tied aliases, whose order of writes must stay the stream's): the caller then
+        verifies and unpacks as before."""
+        m = self.manifest
+        if (self.into is None or m.checksum != "sum64" or buf.device.type != "cuda"
+                or m.buckets[index].direct or buf.data_ptr() % 4
+                or os.environ.get("ENGINEHOOKS_FUSED_UNPACK", "1") == "0"):
+            return None
+        from enginehooks.core import fused_copy
+
+        if not fused_copy.available(buf.device):
+            return None
+        base, nbytes = buf.data_ptr(), m.buckets[index].nbytes
+        placed: dict[int, torch.Tensor] = {}
+        copies: list[tuple[int, int, int, int]] = []  # src, dst, nbytes, word
+        spans: list[tuple[int, int, bool]] = []  # every destination's bytes; placed or not
+        for pos, (entry, piece) in enumerate(self._per_bucket[index]):
+            dt = torch_dtype(entry.dtype)
+            if len(entry.pieces) > 1:
+                whole = self._partial.get(entry.name)
+                if whole is None:
+                    whole = self._destination(entry, dt)
+            else:
+                dest = self.into(entry.name)
+                whole = _lands_in(dest, entry, dt)
+                if whole is None:  # the target casts or relays it: where it writes counts
+                    if dest is not None and dest.device == buf.device and dest.numel():
+                        start = dest.data_ptr()
+                        spans.append((start, start + dest.numel() * dest.element_size(), False))
+                    continue
+            dst = whole.data_ptr() + piece.start
+            if (whole.device != buf.device or dst % 4 or piece.nbytes % 4
+                    or not piece.nbytes):
+                if whole.device == buf.device:
+                    spans.append((dst, dst + piece.nbytes, False))
+                continue
+            placed[pos] = whole
+            copies.append((base + piece.offset, dst, piece.nbytes, piece.offset // 4))
+            spans.append((dst, dst + piece.nbytes, True))
+        if not placed or _overlap(spans):
+            return None
+        # the digest-only runs: every payload byte no copy run reads
+        reads: list[tuple[int, int, int]] = []
+        end = 0
+        for src, _dst, n, _word in [*sorted(copies), (base + nbytes, 0, 0, 0)]:
+            if src - base > end:
+                reads.append((base + end, src - base - end, end // 4))
+            end = max(end, src - base + n)
+        import numpy as np
+
+        digests = torch.zeros(1, dtype=torch.int64, device=buf.device)
+        with torch.cuda.device(buf.device):
+            a = np.asarray(copies, dtype=np.int64)
+            fused_copy.launch(fused_copy.build(a[:, 0], a[:, 1], a[:, 2], a[:, 3],
+                                               np.zeros(len(a), dtype=np.int64), buf.device),
+                              digests, copy=True)
+            if reads:
+                r = np.asarray(reads, dtype=np.int64)
+                z = np.zeros(len(r), dtype=np.int64)
+                fused_copy.launch(fused_copy.build(r[:, 0], z, r[:, 1], r[:, 2], z, buf.device),
+                                  digests, copy=False)
+        for pos, whole in placed.items():
+            entry, _piece = self._per_bucket[index][pos]
+            if len(entry.pieces) > 1:
+                self._partial[entry.name] = whole
+        mine = ((int(digests.item()) & _MASK64) ^ (nbytes << 40)) & _MASK64
+        dig = read_trailer(buf[: message_bytes(nbytes)])[4]
+        if mine != dig:
+            raise ChecksumError(
+                f"bucket {index}: sum64 {mine:#x} != sender's {dig:#x} (checked while "
+                f"copying into the destinations, which now hold the bad bytes); tensors "
+                f"{[e.name for e, _ in self._per_bucket[index]][:4]}..."
+            )
+        return placed
+
     def _check_digest(self, index: int, buf: torch.Tensor, nbytes: int, dig: int) -> None:
         if self.manifest.checksum is None:
             return
@@ -445,18 +538,29 @@ class Unpacker:
             )
 
     def unpack(
-        self, index: int, buf: torch.Tensor, verified: bool = False, landed: bool = False
+        self, index: int, buf: torch.Tensor, verified: bool = False, landed: bool = False,
+        placed: dict[int, torch.Tensor] | None = None,
     ) -> Iterator[tuple[str, torch.Tensor]]:
         """Bucket `index`'s tensors; `landed`: its payload was received where
-        `landing(index)` said (verified by the caller), so nothing is copied."""
+        `landing(index)` said (verified by the caller), so nothing is copied; `placed`:
+        what `land(index, buf)` copied into its destinations already."""
         if not verified:
             if landed:
                 raise TransportError("a landed direct bucket must be verified by its receiver")
+            if placed:
+                raise TransportError("a bucket placed by land() must be verified by it")
             self.verify(index, buf)
         if index == 0:
             yield from self.empties()
-        for entry, piece in self._per_bucket[index]:
+        for pos, (entry, piece) in enumerate(self._per_bucket[index]):
             dt = torch_dtype(entry.dtype)
+            if placed is not None and pos in placed:
+                if len(entry.pieces) == 1:
+                    yield entry.name, placed[pos].view(dt).view(entry.shape)
+                elif piece is entry.pieces[-1]:
+                    whole = self._partial.pop(entry.name)
+                    yield entry.name, whole.view(dt).view(entry.shape)
+                continue
             if landed:
                 if piece is entry.pieces[-1]:
                     whole = self._partial.pop(entry.name)
@@ -489,12 +593,30 @@ class Unpacker:
         a cast or a relayout is the target's job)."""
         if self.into is None:
             return None
-        dest = self.into(entry.name)
-        if (
-            dest is not None
-            and dest.dtype == dt
-            and tuple(dest.shape) == entry.shape
-            and dest.is_contiguous()
-        ):
-            return as_bytes(dest)
-        return None
+        return _lands_in(self.into(entry.name), entry, dt)
+
+
+def _lands_in(dest: torch.Tensor | None, entry: TensorEntry, dt: torch.dtype
+              ) -> torch.Tensor | None:
+    """`dest` as flat bytes where the wire's bytes can land in it as they are."""
+    if (
+        dest is not None
+        and dest.dtype == dt
+        and tuple(dest.shape) == entry.shape
+        and dest.is_contiguous()
+    ):
+        return as_bytes(dest)
+    return None
+
+
+def _overlap(spans: list[tuple[int, int, bool]]) -> bool:
+    """Whether a placed destination span (start, end, placed) overlaps any other span:
+    then the fused copies could reorder writes the stream makes in order."""
+    reach = reach_placed = -1  # the furthest end of any span / any placed span so far
+    for start, end, placed in sorted(spans):
+        if start < (reach if placed else reach_placed):
+            return True
+        reach = max(reach, end)
+        if placed:
+            reach_placed = max(reach_placed, end)
+    return False

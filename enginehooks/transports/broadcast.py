@@ -490,8 +490,12 @@ class BroadcastReceiver(Receiver):
                     unpacker.verify_digest(index, payloads[slot], heads[slot])
                     yield from unpacker.unpack(index, buf, verified=True, landed=True)
                     continue
-                unpacker.verify_digest(index, buf, heads[slot] if direct else None)
-                yield from unpacker.unpack(index, buf, verified=True)
+                # a packed bucket on a GPU: copied into the target's destinations while
+                # its digest is computed (`Unpacker.land`), where the target offers them
+                placed = None if direct else unpacker.land(index, buf)
+                if placed is None:
+                    unpacker.verify_digest(index, buf, heads[slot] if direct else None)
+                yield from unpacker.unpack(index, buf, verified=True, placed=placed)
         except BaseException:
             # A torn update leaves the group in an unknown state: leave it.
             _bury(work, bufs, *payloads)

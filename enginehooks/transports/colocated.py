@@ -545,7 +545,13 @@ class ColocatedReceiver(Receiver):
             for index in range(n):
                 slot = self._slot(seq, index, mid)
                 buf = self.bufs[slot][: message_bytes(manifest.buckets[index].nbytes)]
-                yield from unpacker.unpack(index, buf)
+                unpacker.verify(index, buf, check_digest=False)
+                # on a GPU: copied into the target's destinations while the digest is
+                # computed (`Unpacker.land`), where the target offers them
+                placed = unpacker.land(index, buf)
+                if placed is None:
+                    unpacker.verify_digest(index, buf)
+                yield from unpacker.unpack(index, buf, verified=True, placed=placed)
                 _sync(self.device)  # the target's copies out of the slot are done
                 self.store.set(self._key(f"u{seq}", "ack", index, self.rank),
                                self.channel.seal("ack", seq, index, self.rank, TO_TRAINER, OK))
