@@ -518,7 +518,7 @@ class Unpacker:
             if len(entry.pieces) > 1:
                 self._partial[entry.name] = whole
         mine = ((int(digests.item()) & _MASK64) ^ (nbytes << 40)) & _MASK64
-        dig = read_trailer(buf[: message_bytes(nbytes)])[4]
+        dig = read_trailer(buf)[4]
         if mine != dig:
             raise ChecksumError(
                 f"bucket {index}: sum64 {mine:#x} != sender's {dig:#x} (checked while "
