@@ -605,7 +605,7 @@ class Driver:
                 b = buckets[0]
                 tag = f"{b // MiB}MiB,r3" if not self.smoke else "smoke,r3"
                 self.raw_broadcast(three, b, tag)
-                self.enginehooks(self.backend, three, b, checks[:1], tag)
+                self.enginehooks(self.backend, three, b, checks, tag)
             else:
                 self.results["not_run"]["fanout"] = (
                     f"fan-out to 3 receivers needs 4 GPUs; this machine has {self.n_gpus}")
@@ -638,7 +638,8 @@ def machine() -> dict[str, Any]:
             info["topology"] = topo[:2000]
         except Exception as e:
             info["driver"] = f"unknown ({e})"
-    for k in ("NCCL_NVLS_ENABLE", "TORCH_SYMM_MEM_DISABLE_MULTICAST"):
+    for k in ("NCCL_NVLS_ENABLE", "TORCH_SYMM_MEM_DISABLE_MULTICAST", "ENGINEHOOKS_FUSED_PACK",
+              "ENGINEHOOKS_FUSED_UNPACK"):
         if k in os.environ:
             info[k] = os.environ[k]
     return info
@@ -672,8 +673,7 @@ def summarize(res: dict[str, Any]) -> dict[str, Any]:
     pt = items.get("per_tensor_broadcast[r1]")
     if pt:
         for key, v in items.items():
-            if (key.startswith(("nccl[", "gloo[")) and key.endswith("checksum=none]")
-                    and "r1" in key):
+            if key.startswith(("nccl[", "gloo[")) and ",r1," in key:
                 out[f"{key} speedup over per_tensor"] = pt["seconds_median"] / v["seconds_median"]
     r3 = [k for k in items if k.startswith(("nccl[", "gloo[")) and ",r3," in k]
     for k3 in r3:
