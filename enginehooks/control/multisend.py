@@ -21,12 +21,19 @@ Use: build the same `MultiSenderSync(ranks, ...)` on every rank, each with its o
 `push(model, version)` and `close()` on every rank at the same point of the loop. The
 control group must be a group of its own (`dist.new_group(backend="gloo")`), not the
 one a sharded adapter gathers on. After a rank died, rebuild the process group.
+
+Over `nccl` every rank's sender uses its own GPU: `device` where given (each rank passes
+its own), else the rank's current CUDA device (`torch.cuda.set_device` before the first
+push); each engine worker receives every part on a CUDA stream of its own
+(`transports/multisender.py`).
 """
 
 from __future__ import annotations
 
 import contextlib
 from typing import Any
+
+import torch
 
 from enginehooks.control.handles import EngineHandle
 from enginehooks.control.ranks import RanksBroken, TrainerRanks
@@ -42,7 +49,7 @@ from enginehooks.transports.base import Abort, SendStats
 from enginehooks.transports.broadcast import BroadcastSender
 from enginehooks.transports.multisender import only
 
-TRANSPORTS = ("gloo",)
+TRANSPORTS = ("gloo", "nccl")
 
 
 def _encode(specs: list[TensorSpec]) -> list[list[Any]]:
@@ -66,7 +73,7 @@ class MultiSenderSync(WeightSync):
                               "(docs/scale.md)")
         super().__init__(transport, **kwargs)
         self.ranks = ranks
-        # GlooTransport.sender builds the coordinator's `SenderSet` from this.
+        # the transport's sender() builds the coordinator's `SenderSet` from this
         self.transport_options["trainer_ranks"] = ranks
         self._sender_here: BroadcastSender | None = None  # followers: this rank's sender
         self._adapter: TrainerAdapter | None = None
@@ -86,6 +93,10 @@ class MultiSenderSync(WeightSync):
     def push(self, model: Any, version: int | str) -> PushReport:
         """Push on every rank. Rank 0 returns the report; the other ranks return a report
         of their own part (bytes, seconds), and raise when the push failed anywhere."""
+        if self.device is None and self.transport_name == "nccl":
+            # each rank's sender on its own GPU (the current device of the rank's
+            # process), not on the coordinator's
+            self.device = torch.device("cuda", torch.cuda.current_device())
         if not self.ranks.coordinator:
             return self._follow(model, version)
         try:

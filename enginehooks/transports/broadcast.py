@@ -236,6 +236,10 @@ class BroadcastSender(Sender):
         self.timeout_s = timeout_s
         self.connect_timeout_s = connect_timeout(timeout_s, connect_timeout_s)
         self.device = torch.device(device or ("cuda" if backend == "nccl" else "cpu"))
+        if self.device.type == "cuda" and self.device.index is None:
+            # this rank's own GPU: `connect()` sets it as the current device, which an
+            # index-less "cuda" cannot be
+            self.device = torch.device("cuda", torch.cuda.current_device())
         self.store = master_store(host, port, timeout_s, self.connect_timeout_s)
         self.group_id = uuid.uuid4().hex[:12]
         self.pg: Any = None

@@ -43,7 +43,12 @@ class NcclTransport(Transport):
     default_checksum = "sum64"
 
     def sender(self, **options: Any) -> Sender:
+        if options.get("trainer_ranks") is not None:  # several trainer ranks send (issue 23)
+            return SenderSet("nccl", **options)
+        options.pop("trainer_ranks", None)
         return BroadcastSender("nccl", **options)
 
     def receiver(self, endpoint: dict[str, Any], rank: int, device: torch.device) -> Receiver:
+        if "senders" in endpoint:  # one group per sender rank, one stream per group
+            return MultiReceiver(endpoint, rank, device)
         return BroadcastReceiver(endpoint, rank, device)

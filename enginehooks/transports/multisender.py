@@ -8,6 +8,14 @@ ordinary single-sender receiver on a thread of its own, and applies the tensors 
 the order they arrive; a failure of any part ends the whole update on this worker,
 closing every group, and the error names the sender rank it came from.
 
+Over NCCL (GPU buffers) each part's thread runs its receiver on a CUDA stream of its
+own. On one shared stream, `Work.wait()` of one part's pending receive would make that
+stream, and so every later collective of the other parts (NCCL orders its stream after
+the current one at launch), wait for that part's sender: with senders that gather in
+lockstep (FSDP) that is a cycle. Items cross to the consumer with CUDA events: the
+consumer's stream waits for the part's stream before it reads an item, and the part's
+stream waits for the consumer's before the part reuses the buffer the item lives in.
+
 `SenderSet` is the coordinator's (trainer rank 0's) sender: its own broadcast sender,
 plus the other ranks' senders, which it drives through `TrainerRanks` (the followers'
 loop is `control/multisend.py`).
@@ -29,7 +37,12 @@ from enginehooks.control.senders import parts
 from enginehooks.core.errors import EngineHooksError, TransportError
 from enginehooks.core.manifest import Manifest
 from enginehooks.transports.base import Abort, Receiver, Sender, SendStats, Stream, Target
-from enginehooks.transports.broadcast import BroadcastReceiver, BroadcastSender, _bury
+from enginehooks.transports.broadcast import (
+    BroadcastReceiver,
+    BroadcastSender,
+    _bury,
+    _host_wait,
+)
 
 #: How long the coordinator waits for the other ranks' answer to a `close`.
 CLOSE_WAIT_S = 5.0
@@ -160,6 +173,26 @@ class SenderSet(Sender):
                     self.command({"op": "close"}, timeout_s=CLOSE_WAIT_S)
 
 
+class _Handoff:
+    """One item crossing from a part's thread to the consumer: `taken` is set when the
+    consumer asks for its next item; on CUDA, `ready` is recorded on the part's stream
+    once the item is ready and `done` on the consumer's stream when it is done with it."""
+
+    __slots__ = ("done", "ready", "taken")
+
+    def __init__(self) -> None:
+        self.taken = threading.Event()
+        self.ready: Any = None
+        self.done: Any = None
+
+
+def _used_on(t: torch.Tensor, stream: Any) -> None:
+    """Tell the caching allocator that `stream` reads `t` (made on a part's stream): its
+    memory is not handed out again before what `stream` queued on it has run."""
+    if t.device == stream.device and t.untyped_storage().nbytes():
+        t.record_stream(stream)
+
+
 class MultiReceiver(Receiver):
     """One engine worker's receiver of an update from several senders (module
     docstring): one `BroadcastReceiver` per sender's group."""
@@ -173,8 +206,15 @@ class MultiReceiver(Receiver):
         self.timeout_s = float(endpoint.get("timeout_s") or 120.0)
         self.who = [f"sender rank {j} ({ep.get('host')}:{ep.get('port')})" if isinstance(
             ep, dict) else f"sender rank {j}" for j, ep in enumerate(senders)]
+        self.device = device
         self.parts = [BroadcastReceiver({**ep, "world_size": self.world_size}, rank, device)
                       for ep in senders]
+        # one CUDA stream per part (module docstring), made on first use
+        self._streams: list[Any] = [None] * len(self.parts)
+
+    @property
+    def cuda(self) -> bool:
+        return self.device.type == "cuda"
 
     def connect(self) -> None:
         errors: list[tuple[int, BaseException]] = []
@@ -185,15 +225,30 @@ class MultiReceiver(Receiver):
             except BaseException as e:
                 errors.append((j, e))
 
-        threads = [threading.Thread(target=join, args=(j,), daemon=True,
-                                    name=f"enginehooks-join-sender-{j}")
-                   for j in range(len(self.parts))]
+        def join_in_turn() -> None:
+            # NCCL: one group at a time, in the senders' order on every worker. Two
+            # communicators forming at once on one GPU can wait on each other (a
+            # device-wide sync in one's setup behind the other's first collective,
+            # itself waiting for a peer that is busy forming the first one).
+            for j in range(len(self.parts)):
+                if errors:
+                    return
+                join(j)
+
+        threads = ([threading.Thread(target=join_in_turn, daemon=True,
+                                     name="enginehooks-join-senders")]
+                   if self.cuda else
+                   [threading.Thread(target=join, args=(j,), daemon=True,
+                                     name=f"enginehooks-join-sender-{j}")
+                    for j in range(len(self.parts))])
         for t in threads:
             t.start()
         deadline = time.monotonic() + self.timeout_s + 5.0
         for t in threads:
             t.join(max(0.0, deadline - time.monotonic()))
-        late = [j for j, t in enumerate(threads) if t.is_alive()]
+        late = ([j for j, p in enumerate(self.parts) if p.broken]
+                if self.cuda and threads[0].is_alive() else
+                [j for j, t in enumerate(threads) if t.is_alive()])
         if errors or late:
             self.close()
             if errors:
@@ -220,19 +275,36 @@ class MultiReceiver(Receiver):
                 ) -> Iterator[tuple[str, torch.Tensor]]:
         """Every part's tensors as they arrive. Each part's views stay valid until the
         consumer asks for the next item (the part's thread waits for that before it
-        moves on), as `BroadcastReceiver.stream` promises one consumer."""
-        q: queue.Queue[tuple[int, Any, threading.Event | None]] = queue.Queue()
+        moves on), as `BroadcastReceiver.stream` promises one consumer.
+
+        On CUDA (module docstring) each part runs on its own stream; an item is handed
+        over with an event recorded on that stream once the item is ready, which the
+        consumer's current stream waits for before the item is yielded; when the
+        consumer asks for the next item, an event recorded on its stream is what the
+        part's stream waits for before the part goes on (and may post a receive into
+        the buffer the item lived in). Every part's stream also starts after what the
+        consumer's stream had queued (reads of the destinations the update overwrites),
+        and the update ends only once the consumer's stream has done its copies."""
+        q: queue.Queue[tuple[int, Any, _Handoff | None]] = queue.Queue()
         stop = threading.Event()
-        handed: list[threading.Event] = []  # released all at once when the update ends
+        handed: list[_Handoff] = []  # released all at once when the update ends
+        cuda, device = self.cuda, self.device
+        start: Any = None
+        if cuda:
+            start = torch.cuda.Event()
+            start.record(torch.cuda.current_stream(device))
 
         def pump(j: int) -> None:
             try:
+                if cuda:
+                    self._pump_cuda(j, mine[j], into, q, stop, handed, start)
+                    return
                 for item in self.parts[j].stream(mine[j], into):
-                    taken = threading.Event()
-                    handed.append(taken)
-                    q.put((j, item, taken))
+                    h = _Handoff()
+                    handed.append(h)
+                    q.put((j, item, h))
                     # bounded: each bucket's own wait is; `stop` releases it at once
-                    taken.wait(self.timeout_s + 10.0)
+                    h.taken.wait(self.timeout_s + 10.0)
                     if stop.is_set():
                         return
             except BaseException as e:
@@ -249,7 +321,10 @@ class MultiReceiver(Receiver):
         try:
             while left:
                 if taken is not None:
-                    taken.set()
+                    if cuda:  # the part may reuse the item's buffer once our reads are done
+                        taken.done = torch.cuda.Event()
+                        taken.done.record(torch.cuda.current_stream(device))
+                    taken.taken.set()
                     taken = None
                 try:
                     # each part's own waits are bounded by timeout_s per bucket
@@ -262,19 +337,58 @@ class MultiReceiver(Receiver):
                 if item is None:
                     left -= 1
                     continue
+                if cuda and taken is not None:
+                    here = torch.cuda.current_stream(device)
+                    here.wait_event(taken.ready)
+                    _used_on(item[1], here)
                 yield item
+            if cuda:
+                # the consumer's copies out of the parts' buffers are done before the
+                # update is reported done (and before a buffer can be freed)
+                ev = torch.cuda.Event()
+                ev.record(torch.cuda.current_stream(device))
+                _host_wait(ev, None, self.timeout_s, "the copies of the update's last tensors")
         except BaseException:
             # One part failed (or the consumer did): the update is torn; leave every
             # group so that the other senders fail now instead of at their timeout.
             stop.set()
-            for ev in handed:
-                ev.set()
+            for h in handed:
+                h.taken.set()
             self.close()
             raise
         finally:
             stop.set()
-            for ev in handed:
-                ev.set()
+            for h in handed:
+                h.taken.set()
+
+    def _pump_cuda(self, j: int, part: Manifest, into: Callable[[str], torch.Tensor | None],
+                   q: queue.Queue[tuple[int, Any, _Handoff | None]], stop: threading.Event,
+                   handed: list[_Handoff], start: Any) -> None:
+        """Part `j`'s thread on CUDA: its receiver runs on the part's own stream (the
+        receiver's waits, its digests, `Unpacker.land`'s copies and every collective it
+        posts are ordered on that stream); see `_merged`."""
+        device = self.device
+        torch.cuda.set_device(device)
+        s = self._streams[j]
+        if s is None:
+            s = self._streams[j] = torch.cuda.Stream(device=device)
+        with torch.cuda.stream(s):
+            s.wait_event(start)
+            for item in self.parts[j].stream(part, into):
+                h = _Handoff()
+                h.ready = torch.cuda.Event()
+                h.ready.record(s)
+                handed.append(h)
+                q.put((j, item, h))
+                # bounded: each bucket's own wait is; `stop` releases it at once
+                if not h.taken.wait(self.timeout_s + 10.0) and not stop.is_set():
+                    raise TransportError(f"the engine did not take a tensor of this part "
+                                         f"within {self.timeout_s + 10.0}s")
+                if stop.is_set():
+                    return
+                if h.done is not None:
+                    s.wait_event(h.done)
+        q.put((j, None, None))
 
     def close(self) -> None:
         for p in self.parts:

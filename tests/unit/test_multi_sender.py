@@ -209,16 +209,56 @@ def test_floor_is_the_busiest_link() -> None:
     assert floor_seconds(ts, egress_bps=1e6, ingress_bps=1000.0) == 4.0
 
 
-def test_several_senders_run_over_gloo_only_and_a_receiver_needs_its_senders() -> None:
+def test_several_senders_run_over_gloo_and_nccl_and_a_receiver_needs_its_senders() -> None:
     from enginehooks.control.multisend import MultiSenderSync
     from enginehooks.core.errors import ConfigError
+    from enginehooks.plugins import get_transport
+    from enginehooks.transports.broadcast import BroadcastReceiver
     from enginehooks.transports.multisender import MultiReceiver
 
-    with pytest.raises(ConfigError, match="several senders run over"):
-        MultiSenderSync(None, "nccl")  # type: ignore[arg-type]
+    # the collective transports are built; the others (one copy per replica, or files)
+    # have no groups to split an update over
+    for transport in ("cuda_ipc", "disk", "shm"):
+        with pytest.raises(ConfigError, match="several senders run over"):
+            MultiSenderSync(None, transport)  # type: ignore[arg-type]
+    sync = MultiSenderSync(None, "nccl")  # type: ignore[arg-type]
+    assert sync.transport_options["trainer_ranks"] is None and sync.transport_name == "nccl"
     for bad in ("x", [], None):
         with pytest.raises(TransportError, match="lists its senders"):
             MultiReceiver({"senders": bad, "world_size": 2}, 1, torch.device("cpu"))
+    # an nccl worker gets one receiver per sender's group, on its own device (CPU here:
+    # no CUDA call is made before connect()); a single sender's endpoint, one receiver
+    ep = {"transport": "nccl", "host": "127.0.0.1", "port": 1, "group": "g", "timeout_s": 5.0}
+    multi = get_transport("nccl").receiver(
+        {**ep, "world_size": 3, "senders": [ep, {**ep, "port": 2, "group": "h"}]}, 1,
+        torch.device("cpu"))
+    assert isinstance(multi, MultiReceiver) and len(multi.parts) == 2
+    assert [p.port for p in multi.parts] == [1, 2] and not multi.cuda
+    single = get_transport("nccl").receiver({**ep, "world_size": 3}, 1, torch.device("cpu"))
+    assert type(single) is BroadcastReceiver
+
+
+def test_an_nccl_sender_without_a_gpu_index_takes_the_current_device(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """`BroadcastSender(device=None / "cuda")` over nccl must name a GPU: `connect()`
+    sets it as the current device, which an index-less "cuda" cannot be. No GPU here:
+    the monkeypatched `torch.cuda.current_device` STANDS IN FOR A GPU (this process's
+    current device being cuda:1); nothing touches CUDA before `connect()`."""
+    from enginehooks.transports.broadcast import BroadcastSender
+
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 1)
+    for device in (None, "cuda", torch.device("cuda")):
+        s = BroadcastSender("nccl", host="127.0.0.1", port=0, timeout_s=5.0, device=device)
+        try:
+            assert s.device == torch.device("cuda", 1)
+        finally:
+            s.close()
+    s = BroadcastSender("nccl", host="127.0.0.1", port=0, timeout_s=5.0, device="cuda:3")
+    assert s.device == torch.device("cuda", 3)
+    s.close()
+    s = BroadcastSender("gloo", host="127.0.0.1", port=0, timeout_s=5.0)
+    assert s.device == torch.device("cpu")
+    s.close()
 
 
 def test_a_parts_error_names_its_sender_and_keeps_its_class() -> None:
