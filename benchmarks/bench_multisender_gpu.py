@@ -168,12 +168,15 @@ class Bench:
             if not c["bit_exact"]:
                 say(f"  {key}: push {i} NOT bit-exact: {c['mismatched']} {c['unexpected']}")
         self.p.call(self.p.trainers, {"op": "close", "mode": mode})
+        seen = sorted({w.get("senders", 1) for r in out.get("replica_stats") or []
+                       for w in (r or {}).get("workers") or []})
         w = self.args.warmup
         self.row(key, times, transfer_seconds_all=transfer,
                  transfer_seconds_median=statistics.median(transfer[w:]),
                  bit_exact=all(c["bit_exact"] for c in checks), checks=checks,
                  tensors=checks[0]["tensors"], bytes_pushed=out.get("bytes"),
-                 buckets=out.get("buckets"), phases_last=out.get("phases"))
+                 buckets=out.get("buckets"), phases_last=out.get("phases"),
+                 senders_seen_by_replicas=seen)
 
     def run(self) -> None:
         say(f"rows ({self.backend}; {self.total / GB:.3f} GB; bucket {self.bucket / MiB:g} MiB):")

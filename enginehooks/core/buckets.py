@@ -191,17 +191,21 @@ def pack(
     for entry in manifest.tensors:
         name, t = _next(it, entry)
         check_tensor(entry, name, t)
-        data = as_bytes(t.contiguous())
+        t = t.contiguous()
+        data: torch.Tensor | None = None  # its flat bytes, made only where needed: a
+        # view costs microseconds, and a MoE update streams thousands of tensors
         for piece in entry.pieces:
             while piece.bucket > index:
                 yield seal(index)
                 index += 1
             if manifest.buckets[index].direct:
+                data = as_bytes(t) if data is None else data
                 yield direct(index, data, piece.start, piece.nbytes)
                 index += 1
                 continue
             b = buf if buf is not None else open_bucket(index)
-            if fused is None or not fused.add(data, piece.start, piece.offset, piece.nbytes):
+            if fused is None or not fused.add(t, piece.start, piece.offset, piece.nbytes):
+                data = as_bytes(t) if data is None else data
                 b[piece.offset : piece.offset + piece.nbytes].copy_(
                     data[piece.start : piece.start + piece.nbytes]
                 )
@@ -244,6 +248,8 @@ class _FusedPack:
         return cls(buf) if fused_copy.available(buf.device) else None
 
     def add(self, data: torch.Tensor, start: int, offset: int, nbytes: int) -> bool:
+        """Queue bytes `start:start + nbytes` of contiguous `data` (any dtype) for the
+        bucket's launch at `offset`; False where the kernel cannot take them."""
         src = data.data_ptr() + start
         if data.device != self.buf.device or src % 4:
             return False
@@ -450,7 +456,8 @@ class Unpacker:
         marks the replica torn, as it does for any failure once data moved.
 
         Returns the positions (in the bucket's `(tensor, piece)` list) now in place,
-        with the flat bytes of the tensor each landed in, for `unpack(placed=...)`; None
+        with the tensor each landed in (the target's own tensor for a whole one, the
+        flat bytes it is rejoined in for a split one), for `unpack(placed=...)`; None
         where the fused path does not apply (no destinations, another checksum, no
         Triton, `ENGINEHOOKS_FUSED_UNPACK=0`, or two destinations that overlap, such as
         tied aliases, whose order of writes must stay the stream's): the caller then
@@ -474,11 +481,15 @@ class Unpacker:
                 whole = self._partial.get(entry.name)
                 if whole is None:
                     whole = self._destination(entry, dt)
-            else:
-                dest = self.into(entry.name)
-                whole = _lands_in(dest, entry, dt)
-                if whole is None:  # the target casts or relays it: where it writes counts
-                    if dest is not None and dest.device == buf.device and dest.numel():
+            else:  # the tensor itself, not a byte view of it: views cost microseconds,
+                # and a MoE bucket holds thousands of tensors
+                whole = dest = self.into(entry.name)
+                if dest is None:
+                    continue
+                if (dest.dtype != dt or tuple(dest.shape) != entry.shape
+                        or not dest.is_contiguous()):
+                    # the target casts or relays it: where it writes counts for overlaps
+                    if dest.device == buf.device and dest.numel():
                         start = dest.data_ptr()
                         spans.append((start, start + dest.numel() * dest.element_size(), False))
                     continue
@@ -556,7 +567,7 @@ class Unpacker:
             dt = torch_dtype(entry.dtype)
             if placed is not None and pos in placed:
                 if len(entry.pieces) == 1:
-                    yield entry.name, placed[pos].view(dt).view(entry.shape)
+                    yield entry.name, placed[pos]
                 elif piece is entry.pieces[-1]:
                     whole = self._partial.pop(entry.name)
                     yield entry.name, whole.view(dt).view(entry.shape)
