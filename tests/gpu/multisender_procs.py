@@ -155,6 +155,9 @@ def trainer_main(spec: dict[str, Any]) -> None:
         torch.cuda.set_device(device)
     dist.init_process_group(backend, init_method=f"tcp://{spec['master']}", rank=rank,
                             world_size=2, timeout=_dt.timedelta(seconds=timeout_s * 4))
+    # the world's communicator now, not lazily inside the first push's lockstep gathers
+    dist.all_reduce(torch.zeros(1, device=device))
+    _sync(device)
     control = dist.new_group(backend="gloo")  # MultiSenderSync's own control channel
     mesh = init_device_mesh(device.type, (2,))
     model = build_model(spec["specs"], device, seed=int(spec.get("seed", 1234)))
