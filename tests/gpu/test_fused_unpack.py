@@ -87,6 +87,7 @@ def test_fused_unpack_lands_every_tensor_bit_exact(monkeypatch, fused_pack: str)
     the plain way; with the plain packer (`ENGINEHOOKS_FUSED_PACK=0`) the padding holds
     stale bytes, which the digest counts as the sender did: no false mismatch."""
     monkeypatch.setenv("ENGINEHOOKS_FUSED_PACK", fused_pack)
+    monkeypatch.setenv("ENGINEHOOKS_FUSED_UNPACK", "1")  # these buckets hold few pieces
     src = _model(1)
     m = _manifest(src)
     assert len(m.buckets) >= 3
@@ -106,9 +107,10 @@ def test_fused_unpack_lands_every_tensor_bit_exact(monkeypatch, fused_pack: str)
 
 @needs_gpu
 @pytest.mark.parametrize("where", ["placed", "read"])
-def test_fused_unpack_refuses_a_corrupt_bucket(where: str) -> None:
+def test_fused_unpack_refuses_a_corrupt_bucket(monkeypatch, where: str) -> None:
     """A byte changed on the way, in a piece that is copied or in one only read for the
     digest (the tensor the target casts), fails the bucket with ChecksumError."""
+    monkeypatch.setenv("ENGINEHOOKS_FUSED_UNPACK", "1")
     src = _model(2)
     m = _manifest(src)
     buckets = list(_packed(m, src, poison=False))
@@ -127,6 +129,7 @@ def test_fused_unpack_steps_aside_for_overlapping_destinations(monkeypatch) -> N
     """Two names with one tensor (tied aliases): the fused copies could reorder their
     writes, so the bucket goes the plain way and the stream's last write wins; and
     `ENGINEHOOKS_FUSED_UNPACK=0` turns the path off."""
+    monkeypatch.setenv("ENGINEHOOKS_FUSED_UNPACK", "1")
     g = torch.Generator().manual_seed(3)
     src = {"embed": torch.randn(64, 32, generator=g), "head": torch.randn(64, 32, generator=g)}
     m = _manifest(src)
@@ -142,3 +145,27 @@ def test_fused_unpack_steps_aside_for_overlapping_destinations(monkeypatch) -> N
     dest, target = _target()
     assert _receive(m, list(_packed(m, src, poison=False)), target) == [None] * len(m.buckets)
     assert torch.equal(dest["w"].cpu(), src["w"])
+
+
+@needs_gpu
+def test_fused_unpack_by_default_only_for_buckets_of_many_pieces(monkeypatch) -> None:
+    """`auto` (the default): a bucket of a few large tensors goes the plain way; one of
+    `FUSED_UNPACK_MIN_PIECES` tensors or more (MoE experts) is landed fused, bit-exact."""
+    from enginehooks.core.buckets import FUSED_UNPACK_MIN_PIECES
+
+    monkeypatch.delenv("ENGINEHOOKS_FUSED_UNPACK", raising=False)
+    src = _model(5)
+    m = _manifest(src)
+    dest, target = _target()
+    assert _receive(m, list(_packed(m, src, poison=False)), target) == [None] * len(m.buckets)
+    g = torch.Generator().manual_seed(6)
+    experts = {f"e{i}": torch.randn(8, 16, generator=g).to(torch.bfloat16)
+               for i in range(FUSED_UNPACK_MIN_PIECES)}
+    m = _manifest(experts)
+    assert len(m.buckets) == 1
+    dest = {n: torch.zeros_like(t, device=DEV) for n, t in experts.items()}
+    target = ModuleTarget(dest)
+    (placed,) = _receive(m, list(_packed(m, experts, poison=False)), target)
+    assert placed is not None and len(placed) == FUSED_UNPACK_MIN_PIECES
+    for n, t in experts.items():
+        assert torch.equal(dest[n].cpu(), t), n
