@@ -14,7 +14,13 @@ manifest and one update id (`control/senders.py`):
 - every engine worker joins every sender's group and accepts each part with the
   ordinary receiver: same validation, digests, signatures and timeouts; a failure of
   any part ends the update on every worker (which closes every group) and the error
-  names the sender rank.
+  names the sender rank;
+- ranks that gather in lockstep send their buckets in an order fixed by the stream
+  (`send_order`: each bucket at the position of the tensor that seals it); the
+  coordinator writes it into the manifest (`meta["order"]`) and NCCL workers receive
+  the buckets of all parts in exactly that order, which is what makes the update free
+  of a cycle between the lockstep, the senders' two buffers and the workers' pending
+  receives (the argument is in `transports/multisender.py`).
 
 Use: build the same `MultiSenderSync(ranks, ...)` on every rank, each with its own
 `host` (the address its group listens on); register the replicas on rank 0; call
@@ -24,7 +30,7 @@ one a sharded adapter gathers on. After a rank died, rebuild the process group.
 
 Over `nccl` every rank's sender uses its own GPU: `device` where given (each rank passes
 its own), else the rank's current CUDA device (`torch.cuda.set_device` before the first
-push); each engine worker receives every part on a CUDA stream of its own
+push); each engine worker receives the parts in the send order on one stream
 (`transports/multisender.py`).
 """
 
@@ -47,7 +53,7 @@ from enginehooks.trainer_side.contract import TrainerAdapter, adapter_for
 from enginehooks.trainer_side.lockstep import PushAborted
 from enginehooks.transports.base import Abort, SendStats
 from enginehooks.transports.broadcast import BroadcastSender
-from enginehooks.transports.multisender import only
+from enginehooks.transports.multisender import ORDER_KEY, only, send_order
 
 TRANSPORTS = ("gloo", "nccl")
 
@@ -137,6 +143,14 @@ class MultiSenderSync(WeightSync):
                 checksum=self.checksum, split=self.transport.split,
                 meta={"transport": self.transport_name, "verify": self.verify},
                 direct_min=getattr(self.transport, "direct_min", None))
+            if all(list(p) == list(mine) for p in per_rank[1:]):
+                # lockstep ranks: the order they send in, which receivers follow
+                # (`transports/multisender.py`: what keeps NCCL free of a cycle)
+                order = send_order(manifest, [s.name for s in mine])
+                if order is not None:
+                    d = manifest.to_dict()
+                    d["meta"] = {**d["meta"], ORDER_KEY: order}
+                    manifest = Manifest.from_dict(d)
             return adapter, manifest
 
         adapter, manifest = self._phase("plan", report, make_plan)

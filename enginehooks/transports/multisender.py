@@ -1,20 +1,58 @@
 """Broadcast from several trainer ranks: one broadcast group per sender, one manifest.
 
 Sender j's group holds sender j (its rank 0) and every engine worker (the same ranks
-as in a single-sender group), so the senders run concurrently, each at its own link's
-rate, and no sender receives another's bytes. The engine worker joins every group
-(`MultiReceiver`), receives each sender's part (`control/senders.parts`) with the
-ordinary single-sender receiver on a thread of its own, and applies the tensors in
-the order they arrive; a failure of any part ends the whole update on this worker,
-closing every group, and the error names the sender rank it came from.
+as in a single-sender group), so no sender receives another's bytes. The engine worker
+joins every group (`MultiReceiver`), receives each sender's part (`control/senders.parts`)
+with the ordinary single-sender checks, and a failure of any part ends the whole update
+on this worker, closing every group; the error names the sender rank it came from.
 
-Over NCCL (GPU buffers) each part's thread runs its receiver on a CUDA stream of its
-own. On one shared stream, `Work.wait()` of one part's pending receive would make that
-stream, and so every later collective of the other parts (NCCL orders its stream after
-the current one at launch), wait for that part's sender: with senders that gather in
-lockstep (FSDP) that is a cycle. Items cross to the consumer with CUDA events: the
-consumer's stream waits for the part's stream before it reads an item, and the part's
-stream waits for the consumer's before the part reuses the buffer the item lives in.
+Two ways to receive the parts:
+
+- **In the send order** (`meta["order"]`, the default on CUDA): every bucket of every
+  part, one after the other, on one thread and the current CUDA stream, in the order
+  the trainer ranks send them, with the next bucket's receive posted before the
+  current one is consumed (as one sender's receiver does). The coordinator writes the
+  order into the (signed) manifest when the ranks stream the same tensors in lockstep
+  (FSDP): `send_order` replays `core/buckets.pack`'s rule for when each rank sends each
+  bucket (at the stream position of the tensor that seals it; the last ones once the
+  stream ended).
+- **Concurrently** (gloo, or a manifest without an order: ranks that each own their
+  part and stream it on their own): each part on a thread of its own (over NCCL on a
+  CUDA stream of its own, items crossing to the consumer with CUDA events), tensors
+  applied in the order they arrive.
+
+Why the order (NCCL, issue 23): a broadcast completes only when every member's kernel
+runs, and CUDA does not promise that a kernel launched on one stream runs while an
+earlier one of another stream spins waiting for its peers (NCCL: "using multiple
+communicators concurrently ... can deadlock"; a device synchronisation, an implicitly
+synchronising call such as a page-locked or device allocation or a module load, or two
+streams sharing a hardware queue serialise them). Received concurrently, a worker posts
+part 1's bucket 0 at once; under FSDP lockstep rank 1 sends it only after rank 0 has
+packed everything before rank 1's first tensor (the embedding: rank 0's buckets 0..n),
+and rank 0 reuses a buffer only once its bucket k-2 arrived. So: rank 0 waits (drain)
+for the workers' receive of its bucket k-2 (or later) -> that receive, on the worker's
+GPU, is behind part 1's pending receive -> which waits for rank 1 to send -> rank 1
+waits in the lockstep gather for rank 0. Seen on 4x H200: 256 KiB buckets and 256 MiB
+buckets of a 7B model (the embedding spans several buckets) hung; one bucket per
+sender did not (no rank waits for a receive before the lockstep ends).
+
+Why the send order cannot deadlock, for any bucket size and any assignment of tensors
+to ranks: let T be the order in which the collectives happen along the lockstep: for
+each stream position i, the trainer ranks' lockstep collectives for tensor i (flag,
+gathers), then the buckets sealed while tensor i is packed (one owner per tensor), and
+after the last position the ranks' last buckets, part by part. Every process issues its
+collectives in an order consistent with T: a trainer rank by construction (`pack`
+seals a bucket while packing a tensor, before the next tensor's collectives), a worker
+because it posts receives exactly in `meta["order"]`, which is T restricted to the
+buckets. Every host wait is for a collective the process already issued (a drain waits
+for bucket k-2, a worker for the bucket it posted, lockstep for the flag or gather it
+entered). Take the first collective C of T that has not completed: every collective
+before it completed, so a member that has not issued C yet waits only on completed
+work and issues it; once all have, everything each member launched before C depends
+only on collectives before C, so C runs on every GPU even if the GPU ran kernels
+strictly in launch order and every CUDA call synchronised the device. By induction
+every collective completes. (Concurrent reception is kept where no sender's progress
+waits on another's: each part then progresses on its own sender alone.)
 
 `SenderSet` is the coordinator's (trainer rank 0's) sender: its own broadcast sender,
 plus the other ranks' senders, which it drives through `TrainerRanks` (the followers'
@@ -24,28 +62,91 @@ loop is `control/multisend.py`).
 from __future__ import annotations
 
 import contextlib
+import os
 import queue
 import threading
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
 import torch
 
 from enginehooks.control.ranks import RanksBroken, ShortGather, TrainerRanks
-from enginehooks.control.senders import parts
-from enginehooks.core.errors import EngineHooksError, TransportError
+from enginehooks.control.senders import parts, sender_ranges
+from enginehooks.core.buckets import TRAILER_BYTES, Unpacker, buffer_bytes, message_bytes
+from enginehooks.core.errors import EngineHooksError, ManifestError, TransportError
 from enginehooks.core.manifest import Manifest
 from enginehooks.transports.base import Abort, Receiver, Sender, SendStats, Stream, Target
 from enginehooks.transports.broadcast import (
     BroadcastReceiver,
     BroadcastSender,
+    _bcast,
     _bury,
     _host_wait,
+    _wait,
 )
 
 #: How long the coordinator waits for the other ranks' answer to a `close`.
 CLOSE_WAIT_S = 5.0
+
+#: The manifest's `meta` key listing its buckets (global indices) in the send order.
+ORDER_KEY = "order"
+
+
+def send_order(manifest: Manifest, stream: Sequence[str]) -> list[int] | None:
+    """The order in which the trainer ranks send `manifest`'s buckets when every rank
+    iterates the same `stream` (tensor names in stream order) in lockstep and sends its
+    part with `BroadcastSender.send` (module docstring): `core/buckets.pack` sends a
+    bucket while it packs the first tensor with a piece in a later bucket (a direct
+    bucket while it packs its tensor), and the rest once the stream has ended. None
+    where a tensor of the manifest is not in `stream`."""
+    where = {name: i for i, name in enumerate(stream)}
+    end = len(stream)
+    keyed: list[tuple[int, int, int]] = []  # (stream position, sender, global index)
+    for j, (part, (first, _nb, _ft, _nt)) in enumerate(zip(parts(manifest),
+                                                             sender_ranges(manifest))):
+        index = 0
+        for entry in part.tensors:
+            if entry.name not in where:
+                return None
+            at = where[entry.name]
+            for piece in entry.pieces:
+                while piece.bucket > index:
+                    keyed.append((at, j, first + index))
+                    index += 1
+                if part.buckets[index].direct:
+                    keyed.append((at, j, first + index))
+                    index += 1
+        while index < len(part.buckets):
+            keyed.append((end, j, first + index))
+            index += 1
+    return [g for _at, _j, g in sorted(keyed)]
+
+
+def order_of(manifest: Manifest) -> list[tuple[int, int]] | None:
+    """`meta["order"]` as (sender, bucket of its part) pairs, checked: every bucket once,
+    each sender's buckets in their own order. None where the manifest has no order."""
+    raw = manifest.meta.get(ORDER_KEY)
+    if raw is None:
+        return None
+    n = len(manifest.buckets)
+    if (not isinstance(raw, list) or len(raw) != n
+            or not all(isinstance(g, int) and not isinstance(g, bool) for g in raw)
+            or sorted(raw) != list(range(n))):
+        raise ManifestError(f"meta.{ORDER_KEY} must list each of the {n} buckets once, got "
+                            f"{str(raw)[:200]}")
+    owner: dict[int, tuple[int, int]] = {}
+    for j, (first, count, _ft, _nt) in enumerate(sender_ranges(manifest)):
+        for k in range(count):
+            owner[first + k] = (j, k)
+    out = [owner[g] for g in raw]
+    last: dict[int, int] = {}
+    for j, k in out:
+        if k != last.get(j, -1) + 1:
+            raise ManifestError(f"meta.{ORDER_KEY} sends bucket {k} of sender {j} out of "
+                                "that sender's order")
+        last[j] = k
+    return out
 
 
 def only(stream: Iterable[tuple[str, torch.Tensor]], names: set[str]
@@ -195,7 +296,8 @@ def _used_on(t: torch.Tensor, stream: Any) -> None:
 
 class MultiReceiver(Receiver):
     """One engine worker's receiver of an update from several senders (module
-    docstring): one `BroadcastReceiver` per sender's group."""
+    docstring): one `BroadcastReceiver` per sender's group, received in the send order
+    (`_ordered`) or concurrently (`_merged`)."""
 
     def __init__(self, endpoint: dict[str, Any], rank: int, device: torch.device) -> None:
         senders = endpoint.get("senders")
@@ -267,9 +369,126 @@ class MultiReceiver(Receiver):
         if len(mine) != len(self.parts):
             raise TransportError(f"the manifest has {len(mine)} senders; this worker joined "
                                  f"the groups of {len(self.parts)}")
-        target.apply(self._merged(mine, target.destination))
+        order = order_of(manifest)
+        if order is not None and self.in_order():
+            target.apply(self._ordered(mine, order, target.destination))
+        else:
+            target.apply(self._merged(mine, target.destination))
         return {"bytes": manifest.total_bytes, "seconds": time.perf_counter() - t0,
-                "senders": len(self.parts)}
+                "senders": len(self.parts), "in_order": order is not None and self.in_order()}
+
+    def in_order(self) -> bool:
+        """Whether a manifest with a send order is received in it (module docstring):
+        `ENGINEHOOKS_MULTI_ORDER` = `auto` (default: on CUDA), `1` (always), `0` (never:
+        the parts concurrently, the NCCL hazard the order avoids included)."""
+        mode = os.environ.get("ENGINEHOOKS_MULTI_ORDER", "auto")
+        return mode == "1" or (mode != "0" and self.cuda)
+
+    def _ordered(self, mine: list[Manifest], order: list[tuple[int, int]],
+                 into: Callable[[str], torch.Tensor | None]) -> Iterator[tuple[str, torch.Tensor]]:
+        """Every part's buckets in the send order `order` (module docstring), on this
+        thread and the current stream: `BroadcastReceiver.stream`'s loop over the
+        buckets of several groups. Bucket g+1's receive (whichever group) is posted
+        before bucket g is consumed; views of bucket g stay valid until the consumer
+        asks for the first tensor of bucket g+1, and the consumer works on the current
+        stream, after which NCCL orders the receive that next reuses the buffer."""
+        device = self.device
+        pgs = [p.pg for p in self.parts]
+        if any(pg is None for pg in pgs):
+            raise TransportError("receive before connect(): a sender's group has not formed")
+        unpackers = [Unpacker(m, device, into, p.secret) for m, p in zip(mine, self.parts)]
+        for m, u in zip(mine, unpackers):
+            if not m.buckets:
+                yield from u.empties()
+        n = len(order)
+        if not n:
+            return
+        bufs = [p._buffers.get(buffer_bytes(m)) if m.buckets else []
+                for p, m in zip(self.parts, mine)]
+        sizes = [[message_bytes(b.nbytes) for b in m.buckets] for m in mine]
+        # direct buckets (gloo): their trailers, received first, and where payloads went
+        heads = [[torch.empty(TRAILER_BYTES, dtype=torch.uint8, device=device)
+                  for _ in range(2)] if any(b.direct for b in m.buckets) else []
+                 for m in mine]
+        payloads: list[list[torch.Tensor | None]] = [[None, None] for _ in mine]
+        landed = [[False, False] for _ in mine]
+        deadline = time.monotonic() + self.timeout_s  # the whole transfer, as one sender's
+
+        def late(what: str) -> TransportError:
+            return TransportError(f"{what}: the update did not arrive within "
+                                  f"{self.timeout_s:g}s (timeout_s bounds the whole "
+                                  f"transfer; raise it for slower links)")
+
+        def left(what: str) -> float:
+            seconds = deadline - time.monotonic()
+            if seconds <= 0:
+                raise late(what)
+            return seconds
+
+        def waited(work: Any, what: str) -> None:
+            try:
+                _wait(work, None, left(what), what, device)
+            except TransportError as e:
+                if time.monotonic() >= deadline - 0.05:
+                    raise late(what) from e
+                raise
+
+        j = order[0][0]
+
+        def post(g: int) -> Any:
+            nonlocal j
+            j, k = order[g]
+            m, u, slot = mine[j], unpackers[j], k % 2
+            if not m.buckets[k].direct:
+                return _bcast(pgs[j], bufs[j][slot][: sizes[j][k]], left(f"receive of bucket {k}"))
+            what = f"receive of bucket {k}'s trailer"
+            waited(_bcast(pgs[j], heads[j][slot], left(what)), what)
+            reason = u.check_header(k, heads[j][slot])
+            if reason >= 0:
+                text = torch.empty(reason, dtype=torch.uint8, device=device)
+                if reason:
+                    what = f"receive of bucket {k}'s abort reason"
+                    waited(_bcast(pgs[j], text, left(what)), what)
+                u.aborted(text)
+            region = u.landing(k)
+            landed[j][slot] = region is not None
+            payloads[j][slot] = region if region is not None else bufs[j][slot][: m.buckets[k].nbytes]
+            return _bcast(pgs[j], payloads[j][slot], left(f"receive of bucket {k}"))
+
+        work: Any = None
+        try:
+            work = post(0)
+            for g in range(n):
+                j, k = order[g]
+                m, u, slot = mine[j], unpackers[j], k % 2
+                buf = bufs[j][slot][: sizes[j][k]]
+                waited(work, f"receive of bucket {k}")
+                work = None
+                direct = m.buckets[k].direct
+                if not direct:  # the trailer before the next receive (see stream())
+                    u.verify(k, buf, check_digest=False)
+                if g + 1 < n:
+                    work = post(g + 1)
+                    j = order[g][0]  # errors below are this bucket's
+                if direct and landed[j][slot]:
+                    u.verify_digest(k, payloads[j][slot], heads[j][slot])
+                    yield from u.unpack(k, buf, verified=True, landed=True)
+                    continue
+                placed = None if direct else u.land(k, buf)
+                if placed is None:
+                    u.verify_digest(k, buf, heads[j][slot] if direct else None)
+                yield from u.unpack(k, buf, verified=True, placed=placed)
+        except GeneratorExit:
+            _bury(work, *bufs, *payloads)
+            self.close()
+            raise
+        except BaseException as e:
+            # a torn update: leave every group, so that every sender fails now
+            _bury(work, *bufs, *payloads)
+            self.close()
+            if isinstance(e, Exception):
+                raise named(e, self.who[j]) from e
+            raise
 
     def _merged(self, mine: list[Manifest], into: Callable[[str], torch.Tensor | None]
                 ) -> Iterator[tuple[str, torch.Tensor]]:

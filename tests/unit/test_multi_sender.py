@@ -273,3 +273,186 @@ def test_a_parts_error_names_its_sender_and_keeps_its_class() -> None:
     out = named(RuntimeError("Connection closed by peer"), "sender rank 2")
     assert isinstance(out, TransportError)
     assert str(out) == "sender rank 2: RuntimeError: Connection closed by peer"
+
+
+# -- the send order (issue 23: NCCL lockstep deadlock) ----------------------------------------
+def lockstep_specs(vocab: int = 64, layers: int = 3) -> list[TensorSpec]:
+    """An embedding first and a head last, each larger than the small buckets, layers
+    between (the shape of the 4-GPU test that hung)."""
+    out = [TensorSpec("embed", "float32", (vocab, 8))]
+    for i in range(layers):
+        out += [TensorSpec(f"l{i}.a", "float32", (8,)), TensorSpec(f"l{i}.b", "float32", (8, 8)),
+                TensorSpec(f"l{i}.c", "float32", (24, 8)), TensorSpec(f"l{i}.d", "float32", (3,))]
+    return [*out, TensorSpec("head", "float32", (vocab, 8))]
+
+
+def lockstep_manifest(s: list[TensorSpec], senders: int, bucket: int,
+                      direct_min: int | None = None) -> Manifest:
+    return plan_senders(decide_parts([s] * senders), weight_version=1, bucket_bytes=bucket,
+                        checksum="sum64", meta={}, direct_min=direct_min)
+
+
+def trainer_programs(m: Manifest, s: list[TensorSpec]) -> list[list[tuple[str, object]]]:
+    """What each lockstep trainer rank does, in order, replayed through the real `pack`
+    with `BroadcastSender.send`'s buffer rule: ("step", i) enter the lockstep collective
+    of stream position i; ("end", n) the stream ended; ("wait", (j, k)) drain bucket k
+    of its own part; ("send", (j, k)) post the broadcast of its bucket k; then it drains
+    the last two."""
+    from enginehooks.transports.multisender import only
+
+    progs: list[list[tuple[str, object]]] = []
+    for j, part in enumerate(parts(m)):
+        prog: list[tuple[str, object]] = []
+
+        def stream(prog: list[tuple[str, object]] = prog):
+            for i, spec in enumerate(s):
+                prog.append(("step", i))
+                yield spec.name, torch.zeros(spec.shape, dtype=torch.float32)
+            prog.append(("end", len(s)))  # the stream ended (no collective)
+
+        def next_buffer(k: int, prog: list[tuple[str, object]] = prog, j: int = j) -> torch.Tensor:
+            if k >= 2:
+                prog.append(("wait", (j, k - 2)))
+            return torch.zeros(1 << 16, dtype=torch.uint8)
+
+        names = {t.name for t in part.tensors}
+        for k, _buf in pack(part, only(stream(), names), next_buffer):
+            prog.append(("send", (j, k)))
+        n = len(part.buckets)
+        prog += [("wait", (j, k)) for k in range(max(0, n - 2), n)]
+        progs.append(prog)
+    return progs
+
+
+def simulate(m: Manifest, s: list[TensorSpec], ordered: bool, in_launch_order: bool) -> bool:
+    """Lockstep trainer ranks and one engine worker; True if every bucket arrives.
+
+    A collective completes once every member posted it and, with `in_launch_order` (the
+    NCCL hazard: CUDA need not run a kernel while an earlier one of another stream waits
+    for its peers), once every collective its members posted before it completed. The
+    worker posts receives in the send order (`ordered`, one thread) or each part on its
+    own thread (its next bucket posted as soon as the last arrived)."""
+    from enginehooks.transports.multisender import order_of, send_order
+
+    senders = len(parts(m))
+    order = send_order(m, [x.name for x in s])
+    assert order is not None
+    m = Manifest.from_dict({**m.to_dict(), "meta": {**m.meta, "order": order}})
+    pairs = order_of(m)
+    assert pairs is not None
+    counts = [len(p.buckets) for p in parts(m)]
+    # threads: (process, program); a program is a list of ("post", c) / ("wait", c)
+    threads: list[tuple[str, list[tuple[str, object]]]] = []
+    for j, prog in enumerate(trainer_programs(m, s)):
+        out: list[tuple[str, object]] = []
+        for op, arg in prog:
+            if op == "step":
+                out += [("post", ("step", arg)), ("wait", ("step", arg))]
+            elif op == "send":
+                out.append(("post", ("b", arg)))
+            elif op == "wait":
+                out.append(("wait", ("b", arg)))
+        threads.append((f"t{j}", out))
+    if ordered:
+        seq = [("b", p) for p in pairs]
+        prog = [("post", seq[0])] if seq else []
+        for g, c in enumerate(seq):
+            prog.append(("wait", c))
+            if g + 1 < len(seq):
+                prog.append(("post", seq[g + 1]))
+        threads.append(("w", prog))
+    else:
+        for j in range(senders):
+            seq = [("b", (j, k)) for k in range(counts[j])]
+            prog = [("post", seq[0])] if seq else []
+            for g, c in enumerate(seq):
+                prog += [("wait", c)] + ([("post", seq[g + 1])] if g + 1 < len(seq) else [])
+            threads.append(("w", prog))
+
+    def members(c: tuple) -> set[str]:
+        return {f"t{j}" for j in range(senders)} if c[0] == "step" else {f"t{c[1][0]}", "w"}
+
+    posted: dict[str, list[tuple]] = {}
+    done: set[tuple] = set()
+    pc = [0] * len(threads)
+    while True:
+        moved = False
+        for c in {c for cs in posted.values() for c in cs} - done:
+            if all(c in posted.get(p, []) for p in members(c)) and (not in_launch_order or all(
+                    set(posted[p][:posted[p].index(c)]) <= done for p in members(c))):
+                done.add(c)
+                moved = True
+        for t, (proc, prog) in enumerate(threads):
+            while pc[t] < len(prog):
+                op, c = prog[pc[t]]
+                if op == "post":
+                    posted.setdefault(proc, []).append(c)
+                elif c not in done:
+                    break
+                pc[t] += 1
+                moved = True
+        if not moved:
+            return all(pc[t] == len(p) for t, (_proc, p) in enumerate(threads))
+
+
+def test_the_send_order_is_when_pack_seals_each_bucket() -> None:
+    s = lockstep_specs()
+    for bucket, direct_min in ((64, None), (256, None), (1000, None), (4096, None),
+                               (1 << 20, None), (256, 512), (1000, 256)):
+        m = lockstep_manifest(s, 2, bucket, direct_min)
+        from enginehooks.transports.multisender import send_order
+
+        order = send_order(m, [x.name for x in s])
+        sent = []
+        firsts = [r[0] for r in sender_ranges(m)]
+        for j, prog in enumerate(trainer_programs(m, s)):
+            at = 0
+            for op, arg in prog:
+                if op in ("step", "end"):
+                    at = arg
+                elif op == "send":
+                    sent.append((at, j, firsts[j] + arg[1]))
+        assert [g for *_x, g in sorted(sent)] == order, bucket
+        assert sorted(order) == list(range(len(m.buckets)))
+
+
+def test_concurrent_parts_deadlock_under_nccl_launch_order_and_the_send_order_does_not() -> None:
+    """The 4-GPU hang, reproduced as a model: with buckets smaller than the embedding,
+    receiving the parts concurrently completes when collectives progress independently
+    (gloo) but not when a GPU may run them only in launch order (NCCL); the send order
+    completes either way, for any bucket size and sender count."""
+    s = lockstep_specs()
+    m = lockstep_manifest(s, 2, 256)
+    assert simulate(m, s, ordered=False, in_launch_order=False)  # gloo: passes
+    assert not simulate(m, s, ordered=False, in_launch_order=True)  # the H200 hang
+    assert simulate(m, s, ordered=True, in_launch_order=True)
+    # one bucket per sender: no rank drains before the lockstep ends (the case that passed)
+    big = lockstep_manifest(s, 2, 1 << 20)
+    assert simulate(big, s, ordered=False, in_launch_order=True)
+    import random
+
+    rng = random.Random(5)
+    for _ in range(60):
+        sizes = [rng.choice([1, 3, 8, 40, 100, 700]) for _ in range(rng.randint(1, 14))]
+        sp = [TensorSpec(f"x{i}", "float32", (n,)) for i, n in enumerate(sizes)]
+        mm = lockstep_manifest(sp, rng.randint(1, 3), rng.choice([64, 200, 1000, 5000]),
+                               direct_min=rng.choice([None, 256]))
+        assert simulate(mm, sp, ordered=True, in_launch_order=True), (sizes, mm.meta)
+
+
+def test_a_send_order_is_checked() -> None:
+    from enginehooks.transports.multisender import order_of
+
+    m = lockstep_manifest(lockstep_specs(), 2, 256)
+    n = len(m.buckets)
+    assert order_of(m) is None
+
+    def with_order(order: object) -> Manifest:
+        return Manifest.from_dict({**m.to_dict(), "meta": {**m.meta, "order": order}})
+
+    first1 = sender_ranges(m)[1][0]
+    ok = order_of(with_order([first1, *[g for g in range(n) if g != first1]]))
+    assert ok is not None and ok[0] == (1, 0) and ok[1] == (0, 0)
+    for bad in ([0] * n, list(range(n - 1)), "x", [1, 0, *range(2, n)], [True, *range(1, n)]):
+        with pytest.raises(ManifestError):
+            order_of(with_order(bad))
