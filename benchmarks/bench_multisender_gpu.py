@@ -176,7 +176,9 @@ class Bench:
                  bit_exact=all(c["bit_exact"] for c in checks), checks=checks,
                  tensors=checks[0]["tensors"], bytes_pushed=out.get("bytes"),
                  buckets=out.get("buckets"), phases_last=out.get("phases"),
-                 senders_seen_by_replicas=seen)
+                 senders_seen_by_replicas=seen,
+                 received_in_send_order=sorted({str(w.get("in_order")) for r in out.get(
+                     "replica_stats") or [] for w in (r or {}).get("workers") or []}))
 
     def run(self) -> None:
         say(f"rows ({self.backend}; {self.total / GB:.3f} GB; bucket {self.bucket / MiB:g} MiB):")

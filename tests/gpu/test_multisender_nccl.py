@@ -9,8 +9,12 @@ after each, both replicas must equal, tensor by tensor (sum64 of the bytes), the
 trainer's full state dict.
 
 The small-bucket case cuts the embedding (and the head) into many buckets: a rank that
-sends it keeps the other rank's lockstep gathers waiting until its buckets drain, which
-is where receivers that share one CUDA stream between the senders' groups deadlock.
+sends it keeps the other rank's lockstep gathers waiting until its buckets drain. A
+worker that receives the parts concurrently has part 1's first receive pending on its
+GPU all that time, and the receives of part 0 behind it may not run: that hung on 4x
+H200 (both the small buckets here and 256 MiB buckets of a 7B model). Workers now
+receive every bucket in the send order the coordinator writes into the manifest
+(`transports/multisender.py` has the cycle and the argument); each worker reports it.
 Every wait is bounded (`Procs`: each answer has a deadline; the children are killed).
 """
 
@@ -95,6 +99,8 @@ def test_two_fsdp2_ranks_send_their_parts_into_two_replicas_bit_exact(
     reports = run(tmp_path, "multi", bucket)
     for r in reports:
         assert senders_seen(r) == {2}, r
+        assert {w.get("in_order") for x in r.get("replica_stats") or []
+                for w in (x or {}).get("workers") or []} == {True}, r
         assert r["bytes"] == sum(2 * torch.Size(s[2]).numel() for s in specs())
     if bucket < 8 * MiB:  # the embedding and the head each span several buckets
         assert reports[0]["buckets"] >= 2 * (8 * MiB // bucket)
