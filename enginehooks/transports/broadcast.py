@@ -290,11 +290,19 @@ class BroadcastSender(Sender):
         trailers: list[Any] = [None, None]
         sizes = [message_bytes(b.nbytes) for b in manifest.buckets]
 
+        # where the sender's time goes (stats.extra["phases_ms"]): waiting for the wire to
+        # free a buffer, posting broadcasts, and the rest (the trainer's stream, packing,
+        # digests), which double buffering hides behind the wire when it is shorter
+        waited = posted = 0.0
+
         def drain(slot: int, what: str) -> None:
+            nonlocal waited
+            t = time.perf_counter()
             for w in (trailers[slot], pending[slot]):
                 if w is not None:
                     _wait(w, abort, self.timeout_s, what, self.device)
             trailers[slot] = pending[slot] = None
+            waited += time.perf_counter() - t
 
         def next_buffer(index: int) -> torch.Tensor:
             drain(index % 2, f"broadcast of bucket {index - 2}")
@@ -304,6 +312,7 @@ class BroadcastSender(Sender):
         index = -1
         try:
             for index, buf in pack(manifest, stream, next_buffer, self.secret):
+                t = time.perf_counter()
                 slot = index % 2
                 if manifest.buckets[index].direct:  # trailer first, then the payload
                     trailer = bufs[slot][: sizes[index]][-TRAILER_BYTES:]
@@ -311,6 +320,7 @@ class BroadcastSender(Sender):
                 pending[slot] = _bcast(self.pg, buf, self.timeout_s)
                 stats.bytes += manifest.buckets[index].nbytes
                 stats.buckets += 1
+                posted += time.perf_counter() - t
             for slot in (0, 1):
                 drain(slot, "the last broadcasts")
         except TransportError:
@@ -324,6 +334,9 @@ class BroadcastSender(Sender):
                                   f"{type(e).__name__}: {e}")
             raise
         stats.seconds = time.perf_counter() - t0
+        stats.extra["phases_ms"] = {
+            "wait_wire": waited * 1e3, "post": posted * 1e3,
+            "stream_pack_digest": (stats.seconds - waited - posted) * 1e3}
         return stats
 
     def _abort_receivers(
@@ -383,6 +396,7 @@ class BroadcastReceiver(Receiver):
         self.secret = load_secret()  # this engine process's shared secret, if any
         self.pg: Any = None
         self._buffers = _Buffers(device, pin=False)
+        self.phases: dict[str, float] = {}  # the last stream's, in ms (see `stream`)
 
     def connect(self) -> None:
         nccl = self.backend == "nccl" and self.device.type == "cuda"
@@ -431,6 +445,11 @@ class BroadcastReceiver(Receiver):
         # that turns slow (each bucket arriving within the timeout) still ends the update
         # in time, instead of `timeout_s` after the last byte that trickled in.
         deadline = time.monotonic() + self.timeout_s
+        # where the receiver's time goes (`deliver` reports it as phases_ms): waiting for
+        # buckets, checking them (trailer, digest, or the fused landing), and the rest
+        # (the target's own work on the yielded tensors)
+        phases = self.phases = {"wait_wire": 0.0, "check": 0.0}
+        started = time.perf_counter()
 
         def late(what: str) -> TransportError:
             return TransportError(f"{what}: the update did not arrive within "
@@ -444,12 +463,15 @@ class BroadcastReceiver(Receiver):
             return seconds
 
         def waited(work: Any, what: str) -> None:
+            t = time.perf_counter()
             try:
                 _wait(work, None, left(what), what, self.device)
             except TransportError as e:  # gloo's own timeout names only the last op
                 if time.monotonic() >= deadline - 0.05:
                     raise late(what) from e
                 raise
+            finally:
+                phases["wait_wire"] += (time.perf_counter() - t) * 1e3
 
         def post(index: int) -> Any:
             """Post bucket `index`'s receive. A direct bucket's trailer is received and
@@ -486,12 +508,14 @@ class BroadcastReceiver(Receiver):
                 # no collective may be left in flight (destroying a pending Work blocks
                 # until it times out, which would delay the error). The digest is checked
                 # while the next bucket is already on its way.
+                t = time.perf_counter()
                 if not direct:
                     unpacker.verify(index, buf, check_digest=False)
                 if index + 1 < n:
                     work = post(index + 1)
                 if direct and landed[slot]:
                     unpacker.verify_digest(index, payloads[slot], heads[slot])
+                    phases["check"] += (time.perf_counter() - t) * 1e3
                     yield from unpacker.unpack(index, buf, verified=True, landed=True)
                     continue
                 # a packed bucket on a GPU: copied into the target's destinations while
@@ -499,7 +523,10 @@ class BroadcastReceiver(Receiver):
                 placed = None if direct else unpacker.land(index, buf)
                 if placed is None:
                     unpacker.verify_digest(index, buf, heads[slot] if direct else None)
+                phases["check"] += (time.perf_counter() - t) * 1e3
                 yield from unpacker.unpack(index, buf, verified=True, placed=placed)
+            phases["target_and_rest"] = ((time.perf_counter() - started) * 1e3
+                                         - phases["wait_wire"] - phases["check"])
         except BaseException:
             # A torn update leaves the group in an unknown state: leave it.
             _bury(work, bufs, *payloads)
@@ -512,8 +539,10 @@ class BroadcastReceiver(Receiver):
 
     def deliver(self, manifest: Manifest, target: Target) -> dict[str, Any]:
         t0 = time.perf_counter()
+        self.phases = {}
         target.apply(self.stream(manifest, target.destination))
-        return {"bytes": manifest.total_bytes, "seconds": time.perf_counter() - t0}
+        return {"bytes": manifest.total_bytes, "seconds": time.perf_counter() - t0,
+                "phases_ms": dict(self.phases)}
 
     def close(self) -> None:
         self._buffers.bufs = []  # leaving the group gives the two buckets back
