@@ -127,9 +127,14 @@ class VLLMInProcess(RunningEngine):
 # SGLang on CPU checks that the model load used less than `mem_fraction_static` of the
 # host's free memory, measured before and after: other processes allocating meanwhile
 # count against it, so the fraction leaves room (max_total_tokens bounds the KV cache).
+# `sleep_on_idle`: an idle SGLang scheduler otherwise polls its sockets in a busy loop,
+# one core at 100% per engine; two engines kept for a test module took both cores of a
+# CI machine from the engines the oracle starts beside them (a fresh start: 25 s on a
+# quiet machine, 100-150 s beside them). It waits on the same sockets (our RPC socket
+# included) with zmq's poller instead; generation and pushes are unchanged.
 SGLANG_ENGINE_ARGS: dict[str, Any] = dict(
     device="cpu", attention_backend="torch_native", mem_fraction_static=0.2,
-    max_total_tokens=4096, log_level="error", random_seed=0,
+    max_total_tokens=4096, log_level="error", random_seed=0, sleep_on_idle=True,
 )
 
 

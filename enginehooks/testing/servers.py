@@ -192,6 +192,7 @@ class SGLangServerProcess(EngineServerProcess):
              "--host", host, "--port", str(self.port), "--device", "cpu", "--dtype", dtype,
              "--attention-backend", "torch_native", "--mem-fraction-static", "0.2",
              "--max-total-tokens", "4096", "--log-level", "warning", "--random-seed", "0",
+             "--sleep-on-idle",  # no busy loop while idle (testing/engines.py says why)
              *(extra_args or [])],
             cpu_env(env), log, f"http://{host}:{self.port}",
         )
