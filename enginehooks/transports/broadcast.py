@@ -382,6 +382,42 @@ class BroadcastSender(Sender):
         self._buffers.bufs = []
 
 
+class Deadline:
+    """`timeout_s` bounding a whole transfer, as the trainer's side bounds it: a link that
+    turns slow (each bucket arriving within the timeout) still ends the update in time,
+    instead of `timeout_s` after the last byte that trickled in. Also counts the time
+    spent waiting for the wire (`waited_ms`)."""
+
+    def __init__(self, timeout_s: float, device: torch.device) -> None:
+        self.timeout_s, self.device = timeout_s, device
+        self.at = time.monotonic() + timeout_s
+        self.waited_ms = 0.0
+
+    def late(self, what: str) -> TransportError:
+        return TransportError(f"{what}: the update did not arrive within "
+                              f"{self.timeout_s:g}s (timeout_s bounds the whole "
+                              f"transfer; raise it for slower links)")
+
+    def left(self, what: str) -> float:
+        """Seconds left for `what`; raises once none are."""
+        seconds = self.at - time.monotonic()
+        if seconds <= 0:
+            raise self.late(what)
+        return seconds
+
+    def wait(self, work: Any, what: str) -> None:
+        """Wait for a posted collective within what is left."""
+        t = time.perf_counter()
+        try:
+            _wait(work, None, self.left(what), what, self.device)
+        except TransportError as e:  # gloo's own timeout names only the last op
+            if time.monotonic() >= self.at - 0.05:
+                raise self.late(what) from e
+            raise
+        finally:
+            self.waited_ms += (time.perf_counter() - t) * 1e3
+
+
 class BroadcastReceiver(Receiver):
     """One engine worker's half of a broadcast group; `close()` (or a failed update,
     which closes it) leaves the group for good (`broken`)."""
@@ -441,37 +477,13 @@ class BroadcastReceiver(Receiver):
                  for _ in range(2)]
         payloads: list[torch.Tensor | None] = [None, None]
         landed = [False, False]
-        # `timeout_s` bounds the whole transfer, as it does on the trainer's side: a link
-        # that turns slow (each bucket arriving within the timeout) still ends the update
-        # in time, instead of `timeout_s` after the last byte that trickled in.
-        deadline = time.monotonic() + self.timeout_s
+        deadline = Deadline(self.timeout_s, self.device)
+        left, waited = deadline.left, deadline.wait
         # where the receiver's time goes (`deliver` reports it as phases_ms): waiting for
         # buckets, checking them (trailer, digest, or the fused landing), and the rest
         # (the target's own work on the yielded tensors)
         phases = self.phases = {"wait_wire": 0.0, "check": 0.0}
         started = time.perf_counter()
-
-        def late(what: str) -> TransportError:
-            return TransportError(f"{what}: the update did not arrive within "
-                                  f"{self.timeout_s:g}s (timeout_s bounds the whole "
-                                  f"transfer; raise it for slower links)")
-
-        def left(what: str) -> float:
-            seconds = deadline - time.monotonic()
-            if seconds <= 0:
-                raise late(what)
-            return seconds
-
-        def waited(work: Any, what: str) -> None:
-            t = time.perf_counter()
-            try:
-                _wait(work, None, left(what), what, self.device)
-            except TransportError as e:  # gloo's own timeout names only the last op
-                if time.monotonic() >= deadline - 0.05:
-                    raise late(what) from e
-                raise
-            finally:
-                phases["wait_wire"] += (time.perf_counter() - t) * 1e3
 
         def post(index: int) -> Any:
             """Post bucket `index`'s receive. A direct bucket's trailer is received and
@@ -525,6 +537,7 @@ class BroadcastReceiver(Receiver):
                     unpacker.verify_digest(index, buf, heads[slot] if direct else None)
                 phases["check"] += (time.perf_counter() - t) * 1e3
                 yield from unpacker.unpack(index, buf, verified=True, placed=placed)
+            phases["wait_wire"] = deadline.waited_ms
             phases["target_and_rest"] = ((time.perf_counter() - started) * 1e3
                                          - phases["wait_wire"] - phases["check"])
         except BaseException:

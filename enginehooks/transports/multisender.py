@@ -80,10 +80,10 @@ from enginehooks.transports.base import Abort, Receiver, Sender, SendStats, Stre
 from enginehooks.transports.broadcast import (
     BroadcastReceiver,
     BroadcastSender,
+    Deadline,
     _bcast,
     _bury,
     _host_wait,
-    _wait,
 )
 
 #: How long the coordinator waits for the other ranks' answer to a `close`.
@@ -412,26 +412,8 @@ class MultiReceiver(Receiver):
                  for m in mine]
         payloads: list[list[torch.Tensor | None]] = [[None, None] for _ in mine]
         landed = [[False, False] for _ in mine]
-        deadline = time.monotonic() + self.timeout_s  # the whole transfer, as one sender's
-
-        def late(what: str) -> TransportError:
-            return TransportError(f"{what}: the update did not arrive within "
-                                  f"{self.timeout_s:g}s (timeout_s bounds the whole "
-                                  f"transfer; raise it for slower links)")
-
-        def left(what: str) -> float:
-            seconds = deadline - time.monotonic()
-            if seconds <= 0:
-                raise late(what)
-            return seconds
-
-        def waited(work: Any, what: str) -> None:
-            try:
-                _wait(work, None, left(what), what, device)
-            except TransportError as e:
-                if time.monotonic() >= deadline - 0.05:
-                    raise late(what) from e
-                raise
+        deadline = Deadline(self.timeout_s, device)  # the whole transfer, as one sender's
+        left, waited = deadline.left, deadline.wait
 
         j = order[0][0]
 
