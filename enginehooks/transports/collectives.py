@@ -49,6 +49,6 @@ class NcclTransport(Transport):
         return BroadcastSender("nccl", **options)
 
     def receiver(self, endpoint: dict[str, Any], rank: int, device: torch.device) -> Receiver:
-        if "senders" in endpoint:  # one group per sender rank, one stream per group
+        if "senders" in endpoint:  # one group per sender rank (multisender.py)
             return MultiReceiver(endpoint, rank, device)
         return BroadcastReceiver(endpoint, rank, device)
