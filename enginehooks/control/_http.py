@@ -11,7 +11,7 @@ import urllib.error
 import urllib.request
 from typing import Any
 
-from enginehooks.core.errors import PushTimeout, ReplicaError
+from enginehooks.core.errors import HTTPStatusError, PushTimeout, ReplicaUnreachable
 
 
 def request_json(
@@ -35,13 +35,14 @@ def request_json(
                 response_headers.update({k.lower(): v for k, v in resp.headers.items()})
     except urllib.error.HTTPError as e:
         detail = e.read().decode("utf-8", "replace")[:2000]
-        raise ReplicaError(who, f"{method or 'POST'} {url} -> HTTP {e.code}: {detail}") from None
+        raise HTTPStatusError(who, f"{method or 'POST'} {url} -> HTTP {e.code}: {detail}",
+                              status=e.code) from None
     except TimeoutError as e:
         raise PushTimeout(f"{who}: {url} did not answer within {timeout_s}s") from e
     except urllib.error.URLError as e:
         if isinstance(e.reason, (TimeoutError, socket.timeout)):
             raise PushTimeout(f"{who}: {url} did not answer within {timeout_s}s") from e
-        raise ReplicaError(who, f"cannot reach {url}: {e.reason}") from None
+        raise ReplicaUnreachable(who, f"cannot reach {url}: {e.reason}") from None
     if not raw:
         return None
     try:

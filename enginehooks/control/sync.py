@@ -34,9 +34,11 @@ from enginehooks.core.errors import (
     ConfigError,
     EngineHooksError,
     ManifestError,
+    PeerLost,
     PushTimeout,
     ReplicaError,
-    SenderAborted,
+    ReplicaUnreachable,
+    TransferStalled,
     TransportError,
 )
 from enginehooks.core.manifest import Manifest, plan
@@ -50,7 +52,9 @@ DEFAULT_BUCKET_BYTES = 256 << 20
 #: own errors (bounded by `timeout_s` too).
 GRACE_S = 5.0
 
-# Which replica caused a failed phase: each replica's outcome, ranked (lower first).
+# Which replica caused a failed phase: each replica's outcome, ranked (lower first), by
+# the error's class only (the transports raise `PeerLost` / `TransferStalled` where torch
+# reports a lost peer or a wait that ran out: `transports.base.data_plane_error`).
 #: the replica's own failure: a refused manifest, a bad checksum, an engine exception
 OWN = 0
 #: no answer: its call is still pending, timed out, or its host cannot be reached
@@ -58,12 +62,8 @@ NO_ANSWER = 1
 #: its data plane timed out waiting for bytes (a stalled peer stalls every receiver)
 STALLED = 2
 #: a consequence of another party's failure: the sender aborted the update, closed or
-#: reset the connection (gloo: "Connection closed by peer ... typically caused by a
-#: remote worker crashing"), after its own failure or another receiver's
+#: reset the connection, after its own failure or another receiver's
 CONSEQUENCE = 3
-_CONSEQUENCE_WORDS = ("closed by peer", "reset by peer", "connection closed", "broken pipe",
-                      "socket closed", "update aborted", "sender aborted")
-_STALLED_WORDS = ("did not complete within", "timed out", "timeout")
 
 
 #: Errors that are a replica's own verdict on the update: they reach the trainer as the
@@ -76,19 +76,14 @@ def blame(error: BaseException | None) -> int:
     """How directly one replica's outcome of a failed phase points at that replica as
     its cause (`OWN` .. `CONSEQUENCE`); `None` is a call that has not answered. A
     healthy replica that hears of another party's failure first (its connection to the
-    sender closed) must not be named instead of the replica that disappeared."""
-    if error is None or isinstance(error, PushTimeout):
+    sender closed) must not be named instead of the replica that disappeared. Ranked by
+    class, never by the message's words (a message is the sender's, and can be anyone's)."""
+    if error is None or isinstance(error, (PushTimeout, ReplicaUnreachable)):
         return NO_ANSWER
-    if isinstance(error, SenderAborted):
+    if isinstance(error, PeerLost):
         return CONSEQUENCE
-    if isinstance(error, ReplicaError) and "cannot reach" in str(error):
-        return NO_ANSWER
-    if isinstance(error, (TransportError, ReplicaError)) and not isinstance(error, ChecksumError):
-        text = str(error).lower()
-        if any(w in text for w in _CONSEQUENCE_WORDS):
-            return CONSEQUENCE
-        if any(w in text for w in _STALLED_WORDS):
-            return STALLED
+    if isinstance(error, TransferStalled):
+        return STALLED
     return OWN
 
 

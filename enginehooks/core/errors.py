@@ -39,8 +39,20 @@ class ChecksumError(TransportError):
     """A received bucket's bytes do not match the digest its sender computed."""
 
 
-class SenderAborted(TransportError):
+class PeerLost(TransportError):
+    """Another party of the data plane went away mid-update (it closed or reset the
+    connection, or the coordinator called the update off): a consequence of someone
+    else's failure, never this side's own verdict. `WeightSync` ranks it last when it
+    names the replica that caused a failed push."""
+
+
+class SenderAborted(PeerLost):
     """The sender gave up in the middle of an update and told the receivers so."""
+
+
+class TransferStalled(TransportError):
+    """A data-plane wait (a collective, a bucket, an ack) ran out of time: a stalled
+    peer stalls every receiver, so this points at a party that stopped sending."""
 
 
 class PushTimeout(EngineHooksError, TimeoutError):
@@ -53,6 +65,21 @@ class ReplicaError(EngineHooksError):
     def __init__(self, replica: str, message: str) -> None:
         super().__init__(f"replica {replica!r}: {message}")
         self.replica: str | None = replica
+
+
+class ReplicaUnreachable(ReplicaError):
+    """The replica's control endpoint could not be reached at all (connection refused,
+    no route): no answer, rather than an answer that failed."""
+
+
+class HTTPStatusError(ReplicaError):
+    """A replica's HTTP server answered with an error status; `status` is the code (a
+    handle tells a missing route, 404, from a refused token, 401, by it, never by the
+    text)."""
+
+    def __init__(self, replica: str, message: str, status: int = 0) -> None:
+        super().__init__(replica, message)
+        self.status = int(status)
 
 
 class ReplicaBusy(EngineHooksError):

@@ -156,6 +156,8 @@ def restore_error(kind: str, message: str, who: str) -> EngineHooksError:
     e: EngineHooksError
     if cls is None or cls is ReplicaError:
         e = ReplicaError(who, message if cls is ReplicaError else f"{kind}: {message}")
+    elif issubclass(cls, ReplicaError) and cls is not errors.HTTPStatusError:
+        e = cls(who, message)
     elif cls is errors.EngineTorn:
         e = errors.EngineTorn({"error": message, "state": "torn"})
     else:
@@ -178,6 +180,81 @@ def unwrap(reply: Any, call_id: str, who: str) -> Any:
         e = reply["error"] if isinstance(reply["error"], dict) else {}
         raise restore_error(str(e.get("type", "ReplicaError")), str(e.get("message", "")), who)
     return reply.get("ok")
+
+
+# -- errors relayed as text ------------------------------------------------------------
+# vLLM's own weight-transfer calls (`init_weight_transfer_engine`, `update_weights`)
+# answer nothing and its clients keep only an error's text. So a worker of backend
+# "enginehooks" raises a `RelayedError` whose text ends with the error envelope, encoded
+# so that no quoting on the way (JSON bodies, reprs, Ray's tracebacks) can alter it, and
+# the trainer restores the class from that field, never from the words around it. The
+# genuine envelope is always the last one: any marker inside the message (an attacker's
+# text quoted by a worker error) comes before it and is never read.
+RELAY_MARK = "[enginehooks-error:"
+
+
+class RelayedError(EngineHooksError):
+    """A worker's error raised through a channel that keeps only text; its message ends
+    with the envelope (`relay_text`) that `relayed_error` reads back."""
+
+
+def relay_text(e: BaseException) -> str:
+    """`e` as text that carries its class: readable words, then the encoded envelope."""
+    import base64
+
+    kind = type(e).__name__
+    message = str(e)[:20000]
+    field = base64.urlsafe_b64encode(json.dumps(
+        {"enginehooks": VERSION, "type": kind, "message": message}).encode()).decode()
+    return f"{kind}: {message} {RELAY_MARK}{field}]"
+
+
+def relayed(e: EngineHooksError) -> EngineHooksError:
+    """`e` again, of the same class where its constructor takes a message (so in-process
+    callers still catch it by class), its text now `relay_text(e)`."""
+    text = relay_text(e)
+    out: EngineHooksError
+    try:
+        out = ReplicaError(e.replica or "worker", text) if isinstance(e, ReplicaError) \
+            else type(e)(text)
+    except TypeError:
+        out = RelayedError(text)
+    if type(out) is not type(e):
+        out = RelayedError(text)
+    out.relayed = True  # type: ignore[attr-defined]
+    return out
+
+
+def relayed_envelope(text: str) -> tuple[str, str] | None:
+    """(class name, message) of the last relay envelope in `text`, or None when it
+    carries none (the error did not come from an enginehooks worker)."""
+    import base64
+    import binascii
+
+    at = text.rfind(RELAY_MARK)
+    if at < 0:
+        return None
+    field = text[at + len(RELAY_MARK):]
+    end = field.find("]")
+    if end < 0:
+        return None
+    try:
+        data = json.loads(base64.urlsafe_b64decode(field[:end].encode()))
+    except (ValueError, binascii.Error):
+        return None
+    if (not isinstance(data, dict) or data.get("enginehooks") != VERSION
+            or not isinstance(data.get("type"), str) or not isinstance(data.get("message"), str)):
+        return None
+    return data["type"], data["message"]
+
+
+def relayed_error(text: str, who: str) -> EngineHooksError | None:
+    """The worker error whose envelope `text` carries, as its own class (`restore_error`);
+    None when `text` carries none."""
+    found = relayed_envelope(text)
+    if found is None:
+        return None
+    return restore_error(found[0], found[1], who)
 
 
 # -- signed payloads --------------------------------------------------------------------

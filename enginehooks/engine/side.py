@@ -37,13 +37,20 @@ import torch
 
 from enginehooks.core.auth import AuthError, Verifier, load_secret
 from enginehooks.core.dtypes import dtype_name
-from enginehooks.core.errors import ConfigError, ManifestError, ReplicaBusy, TransportError
+from enginehooks.core.errors import (
+    ConfigError,
+    EngineHooksError,
+    ManifestError,
+    PeerLost,
+    ReplicaBusy,
+    TransportError,
+)
 from enginehooks.core.manifest import Manifest
 from enginehooks.engine import protocol
 from enginehooks.engine.contract import EngineBinding, dispatch
 from enginehooks.engine.expectations import Expectations
 from enginehooks.plugins import get_plugin_manager
-from enginehooks.transports.base import GroupRequest, Receiver
+from enginehooks.transports.base import GroupRequest, Receiver, data_plane_error
 
 ON_TORN_ENV = "ENGINEHOOKS_ON_TORN"
 POLICIES = ("refuse", "serve")
@@ -295,6 +302,12 @@ class EngineSide:
             if receiver.broken:
                 self.receiver, self.transport, self.group = None, None, None
             self._set_state("torn")
+            if isinstance(e, RuntimeError) and not isinstance(e, EngineHooksError):
+                # torch.distributed's own exception escaped the transport: give it the
+                # class that says whose failure it was (a lost peer is not this worker's)
+                classified = data_plane_error(e, "receive")
+                if isinstance(classified, PeerLost):
+                    raise classified from e
             raise
         self.version, self.failed_version, self.updating_to = m.weight_version, None, None
         self.last_error = None

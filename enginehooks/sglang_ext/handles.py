@@ -23,7 +23,13 @@ from typing import Any
 
 from enginehooks.control._http import request_json
 from enginehooks.control.handles import EngineHandle
-from enginehooks.core.errors import ConfigError, EngineTorn, PushTimeout, ReplicaError
+from enginehooks.core.errors import (
+    ConfigError,
+    EngineTorn,
+    HTTPStatusError,
+    PushTimeout,
+    ReplicaError,
+)
 
 PAUSE_MODES = ("abort", "retract", "in_place")
 
@@ -209,8 +215,8 @@ class SGLangServer(_FlushTracking):
         # over a bare HTTP timeout whenever the server process itself is alive.
         try:
             out = self._post(ROUTE, body, timeout_s + 5.0)
-        except ReplicaError as e:
-            if "HTTP 404" in str(e):
+        except HTTPStatusError as e:
+            if e.status == 404:
                 raise ConfigError(
                     f"{self.name}: the SGLang server has no {ROUTE} route: the enginehooks "
                     "SGLang plugin is not loaded in it. Install enginehooks in the server's "

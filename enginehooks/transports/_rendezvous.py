@@ -10,6 +10,9 @@ error naming the rendezvous, never a hang.
 from __future__ import annotations
 
 import datetime as _dt
+import hashlib
+import hmac
+import logging
 import os
 import socket
 import time
@@ -18,7 +21,10 @@ from typing import Any
 
 import torch.distributed as dist
 
+from enginehooks.core.auth import AuthError
 from enginehooks.core.errors import TransportError
+
+log = logging.getLogger("enginehooks.transport")
 
 #: The least time a party is given to connect to a store, whatever the group's timeout.
 #: torch's TCPStore formats every peer address with `getnameinfo()`; for the
@@ -167,36 +173,192 @@ def gloo_devices(peer_host: str, peer_port: int = 9) -> list[Any]:
             f"the trainer") from e
 
 
-#: Store keys of a group's arrival barrier (under the group's prefix).
+# -- signed store keys ------------------------------------------------------------------
+# Anyone who reaches a store's port can read and write its keys. With a shared secret,
+# every key enginehooks writes into a store carries an HMAC-SHA256 suffix
+# (`<body>\nmac=<hex>`) bound to the group, the kind of message, the update, the index,
+# the audience and the direction (`control_mac`), so a message is valid under one key
+# only. A reader that finds a message that does not verify logs it and keeps waiting
+# for the genuine one until its deadline: a forged key is noise, never an instruction
+# (and never a reason to end the update early). Without a secret messages are bare.
+
+#: What separates a message's body from its MAC on the wire (`<body>\nmac=<64 hex>`).
+MAC_SEP = b"\nmac="
+#: Directions a control message is bound to.
+TO_ENGINE, TO_TRAINER, TRAINER_SELF = "trainer->engine", "engine->trainer", "trainer->trainer"
+#: The audience of a key that every member of the group reads.
+EVERY_RECEIVER = "*"
+#: How often a reader looks again at a key that held a message that did not verify.
+RECHECK_S = 0.05
+
+
+class ControlMessageRefused(AuthError, TransportError):
+    """A control message in a rendezvous store (an ack, a ready/abort, a buffer
+    descriptor, an arrival, a call-off) was unsigned or its MAC did not verify: forged
+    by a process that reached the store, moved from another key, or written by a side
+    without the shared secret. Readers ignore such a message and keep waiting for the
+    genuine one (`ControlChannel.open` raises it; the waits catch it)."""
+
+
+def control_mac(secret: bytes, *, group: str, kind: str, seq: int, index: int,
+                audience: int | str, direction: str, body: bytes) -> str:
+    """HMAC-SHA256 of one control message, bound to everything that says where it
+    belongs: a message valid for one key verifies under no other."""
+    head = (f"enginehooks-colocated/1\n{group}\n{kind}\n{seq}\n{index}\n{audience}\n"
+            f"{direction}\n").encode()
+    return hmac.new(secret, head + body, hashlib.sha256).hexdigest()
+
+
+class ControlChannel:
+    """Seals and opens the control messages of one group (every side uses it).
+
+    `seal` appends the MAC when a secret is set, and returns the body unchanged when
+    not. `open` returns the body, raising `ControlMessageRefused` (naming the key) when
+    a secret is set and the MAC is missing or wrong. Key names are the caller's
+    (`key`, the colocated transports' layout, is the default)."""
+
+    def __init__(self, secret: bytes | None, group: str, prefix: str, who: str) -> None:
+        self.secret, self.group, self.prefix, self.who = secret, group, prefix, who
+
+    def key(self, kind: str, seq: int, index: int, audience: int | str) -> str:
+        if kind == "buffers":
+            return f"{self.prefix}buffers/{index}"
+        if kind == "ready":
+            return f"{self.prefix}u{seq}/ready/{index}"
+        if kind in ("join", "arrived"):
+            return f"{self.prefix}{kind}/{index}"
+        if kind == "abort":
+            return f"{self.prefix}abort"
+        return f"{self.prefix}u{seq}/ack/{index}/{audience}"
+
+    def seal(self, kind: str, seq: int, index: int, audience: int | str, direction: str,
+             body: bytes) -> bytes:
+        if self.secret is None:
+            return body
+        mac = control_mac(self.secret, group=self.group, kind=kind, seq=seq, index=index,
+                          audience=audience, direction=direction, body=body)
+        return body + MAC_SEP + mac.encode()
+
+    def open(self, kind: str, seq: int, index: int, audience: int | str,
+             directions: tuple[str, ...], raw: bytes) -> bytes:
+        body, sep, mac = raw.rpartition(MAC_SEP)
+        signed = bool(sep) and len(mac) == 64
+        if not signed:
+            body = raw
+        if self.secret is None:
+            return body  # nothing to check against (see the comment above)
+        key = self.key(kind, seq, index, audience)
+        if not signed:
+            raise ControlMessageRefused(
+                f"{self.who}: control message {key} is not signed with the shared secret "
+                f"(forged by a process that reached the rendezvous store, or the other side "
+                f"runs without ENGINEHOOKS_SECRET: set the same secret on the trainer and "
+                f"every engine)")
+        for direction in directions:
+            want = control_mac(self.secret, group=self.group, kind=kind, seq=seq, index=index,
+                               audience=audience, direction=direction, body=body)
+            if hmac.compare_digest(mac, want.encode()):
+                return body
+        raise ControlMessageRefused(
+            f"{self.who}: control message {key} does not verify with the shared secret "
+            f"(forged, moved from another key, or signed with another secret: the trainer "
+            f"and every engine need the same ENGINEHOOKS_SECRET)")
+
+
+class Ignored:
+    """The messages a reader refused while it waited (logged once each): what its
+    timeout error reports, so an update ended by forged keys says so."""
+
+    def __init__(self) -> None:
+        self.seen: dict[str, set[bytes]] = {}
+
+    def note(self, key: str, raw: bytes, e: ControlMessageRefused) -> None:
+        seen = self.seen.setdefault(key, set())
+        if raw not in seen and len(seen) < 64:
+            seen.add(raw)
+            log.warning("enginehooks: ignored a control message that does not verify, still "
+                        "waiting for the genuine one: %s", e)
+
+    def __bool__(self) -> bool:
+        return bool(self.seen)
+
+    def says(self) -> str:
+        if not self.seen:
+            return ""
+        keys = sorted(self.seen)
+        return (f"; {sum(len(v) for v in self.seen.values())} message(s) that did not verify "
+                f"were ignored at {keys[:4]} (written by a process that reached the "
+                f"rendezvous store, or by a side without the same ENGINEHOOKS_SECRET)")
+
+
+# Store keys of a group's arrival barrier (under the group's prefix): `arrived/<rank>`
+# (each rank's own, signed by it) and `abort` (the sender's call-off, signed by it).
 ARRIVED_KEY, ABORT_KEY = "arrived", "abort"
 ARRIVAL_POLL_S = 0.05
 
 
-def arrive(store: dist.Store, prefix: str, world_size: int, timeout_s: float) -> None:
+def barrier_key(prefix: str, name: str) -> str:
+    """The full store key of barrier key `name` (`arrived/<rank>`, `abort`) of the group
+    under `prefix`: torch's `PrefixStore` joins its prefix and a key with a "/"."""
+    return f"{prefix}/{name}"
+
+
+def _barrier(prefix: str, secret: bytes | None, rank: int) -> ControlChannel:
+    return ControlChannel(secret, prefix, barrier_key(prefix, ""), f"group {prefix!r} rank {rank}")
+
+
+def arrive(store: dist.Store, prefix: str, world_size: int, timeout_s: float,
+           rank: int = 0, secret: bytes | None = None) -> None:
     """Wait until every rank of the group has arrived, or the sender called the group off
     (`call_off`). A replica that refuses its join never arrives: the coordinator calls
     the group off at once, and every rank already waiting here (the trainer's and the
     healthy replicas') ends now with the reason, instead of blocking in the process
-    group's constructor until its timeout."""
+    group's constructor until its timeout. With a `secret`, each rank's arrival and the
+    call-off are signed; one that does not verify is ignored (logged), so a process that
+    reached the store can neither end the wait nor fake a rank's arrival."""
     pstore = dist.PrefixStore(prefix, store)
-    pstore.add(ARRIVED_KEY, 1)
+    channel = _barrier(prefix, secret, rank)
+    pstore.set(f"{ARRIVED_KEY}/{rank}", channel.seal(
+        "arrived", 0, rank, rank, TO_TRAINER if rank else TRAINER_SELF, b"1"))
+    keys = [f"{ARRIVED_KEY}/{r}" for r in range(world_size)]
+    ignored = Ignored()
+    arrived: set[int] = set()
     deadline = time.monotonic() + timeout_s
     while True:
         if pstore.check([ABORT_KEY]):
-            reason = pstore.get(ABORT_KEY).decode("utf-8", "replace")
-            raise TransportError(f"group {prefix!r} was called off by the sender: {reason}")
-        arrived = int(pstore.add(ARRIVED_KEY, 0))
-        if arrived >= world_size:
+            raw = pstore.get(ABORT_KEY)
+            try:
+                reason = channel.open("abort", 0, 0, EVERY_RECEIVER, (TO_ENGINE,), raw)
+            except ControlMessageRefused as e:
+                ignored.note(barrier_key(prefix, ABORT_KEY), raw, e)
+            else:
+                raise TransportError(f"group {prefix!r} was called off by the sender: "
+                                     f"{reason.decode('utf-8', 'replace')}")
+        missing = [r for r in range(world_size) if r not in arrived]
+        present = [r for r in missing if pstore.check([keys[r]])]
+        if present:
+            for r, raw in zip(present, pstore.multi_get([keys[r] for r in present])):
+                try:
+                    channel.open("arrived", 0, r, r, (TO_TRAINER, TRAINER_SELF), raw)
+                except ControlMessageRefused as e:
+                    ignored.note(barrier_key(prefix, keys[r]), raw, e)
+                else:
+                    arrived.add(r)
+        if len(arrived) >= world_size:
             return
         if time.monotonic() >= deadline:
             raise TransportError(f"group {prefix!r} did not form within {timeout_s}s: "
-                                 f"{arrived} of {world_size} ranks arrived")
+                                 f"{len(arrived)} of {world_size} ranks arrived"
+                                 f"{ignored.says()}")
         time.sleep(ARRIVAL_POLL_S)  # a store poll: bounded by the deadline above
 
 
-def call_off(store: dist.Store, prefix: str, reason: str) -> None:
-    """End the arrival wait of every rank of the group, with `reason`."""
-    dist.PrefixStore(prefix, store).set(ABORT_KEY, reason[:2000])
+def call_off(store: dist.Store, prefix: str, reason: str, secret: bytes | None = None) -> None:
+    """End the arrival wait of every rank of the group, with `reason` (signed with
+    `secret` when there is one: only the sender's call-off is obeyed)."""
+    channel = _barrier(prefix, secret, 0)
+    dist.PrefixStore(prefix, store).set(ABORT_KEY, channel.seal(
+        "abort", 0, 0, EVERY_RECEIVER, TO_ENGINE, reason[:2000].encode()))
 
 
 def new_group(
@@ -207,6 +369,7 @@ def new_group(
     world_size: int,
     timeout_s: float,
     host: str | None = None,
+    secret: bytes | None = None,
 ) -> dist.ProcessGroup:
     """A `Backend` object for `backend` ("gloo" or "nccl") over `store` under `prefix`.
 
@@ -215,9 +378,9 @@ def new_group(
     itself (`NCCL_SOCKET_IFNAME` names them).
 
     Blocks until every rank has joined, or raises after `timeout_s` or as soon as the
-    sender calls the group off (`arrive`).
+    sender calls the group off (`arrive`; its keys signed with `secret`, if any).
     """
-    arrive(store, prefix, world_size, timeout_s)
+    arrive(store, prefix, world_size, timeout_s, rank, secret)
     pstore = dist.PrefixStore(prefix, store)
     store_host = host if host is not None else str(getattr(store, "host", "127.0.0.1"))
     store_port = int(getattr(store, "port", 0) or 9)

@@ -17,7 +17,7 @@ from typing import Any, ClassVar, Literal
 
 import torch
 
-from enginehooks.core.errors import TransportError
+from enginehooks.core.errors import EngineHooksError, PeerLost, TransferStalled, TransportError
 from enginehooks.core.manifest import Manifest
 
 Stream = Iterable[tuple[str, torch.Tensor]]
@@ -87,8 +87,33 @@ class Abort:
         with self._cv:
             self._cv.wait_for(lambda: self.error is not None or done(), timeout)
             if self.error is not None:
-                raise TransportError(f"update aborted: {self.error}") from self.error
+                raise PeerLost(f"update aborted: {self.error}") from self.error
             return done()
+
+
+#: What gloo and NCCL say when a peer closed or reset the connection. They raise a bare
+#: `RuntimeError` (no class tells a lost peer from anything else), so this boundary is
+#: the one place in the library that reads a third party's words to choose a class;
+#: everything above it sees `PeerLost` / `TransferStalled` and never reads text.
+_PEER_GONE_WORDS = ("closed by peer", "reset by peer", "connection closed", "broken pipe",
+                    "socket closed", "connection refused")
+
+
+def data_plane_error(e: BaseException, what: str) -> BaseException:
+    """The error to raise for `e`, an exception out of torch.distributed (a collective,
+    a store wait), as an enginehooks class: `PeerLost` for a peer that went away,
+    `TransferStalled` for a wait that ran out of time, `TransportError` otherwise.
+    Our own errors pass through unchanged."""
+    if isinstance(e, EngineHooksError) or not isinstance(e, Exception):
+        return e
+    import torch.distributed as dist
+
+    text = str(e).lower()
+    if isinstance(e, dist.DistNetworkError) or any(w in text for w in _PEER_GONE_WORDS):
+        return PeerLost(f"{what} failed: a peer went away ({e})")
+    if isinstance(e, (TimeoutError, dist.DistStoreError)) or "timed out" in text or "timeout" in text:
+        return TransferStalled(f"{what} did not complete: {e}")
+    return TransportError(f"{what} failed: {e}")
 
 
 @dataclass(frozen=True)

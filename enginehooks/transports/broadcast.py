@@ -58,7 +58,7 @@ from enginehooks.core.buckets import (
     pack,
     write_abort,
 )
-from enginehooks.core.errors import TransportError
+from enginehooks.core.errors import TransferStalled, TransportError
 from enginehooks.core.manifest import Manifest
 from enginehooks.transports._rendezvous import (
     GroupEndpoint,
@@ -75,6 +75,7 @@ from enginehooks.transports.base import (
     SendStats,
     Stream,
     Target,
+    data_plane_error,
 )
 
 
@@ -132,7 +133,7 @@ def _bcast(pg: Any, buf: torch.Tensor, timeout_s: float) -> Any:
     try:
         return pg.broadcast([buf], opts)
     except RuntimeError as e:  # gloo/NCCL report a lost peer or a reset connection so
-        raise TransportError(f"broadcast failed: {e}") from e
+        raise data_plane_error(e, "broadcast") from e
 
 
 def _collective_error(work: Any, what: str) -> None:
@@ -141,7 +142,7 @@ def _collective_error(work: Any, what: str) -> None:
     try:
         work.wait()
     except RuntimeError as e:
-        raise TransportError(f"{what} failed: {e}") from e
+        raise data_plane_error(e, what) from e
 
 
 def _host_wait(ev: torch.cuda.Event, abort: Abort | None, timeout_s: float, what: str) -> None:
@@ -164,7 +165,7 @@ def _host_wait(ev: torch.cuda.Event, abort: Abort | None, timeout_s: float, what
 
     threading.Thread(target=sync, name="enginehooks-cuda-wait", daemon=True).start()
     if not cv.wait_for(done.is_set, timeout_s):
-        raise TransportError(f"{what} did not complete within {timeout_s}s")
+        raise TransferStalled(f"{what} did not complete within {timeout_s}s")
 
 
 def _wait(work: Any, abort: Abort | None, timeout_s: float, what: str,
@@ -186,7 +187,7 @@ def _wait(work: Any, abort: Abort | None, timeout_s: float, what: str,
     fut = work.get_future()
     fut.add_done_callback(lambda _f: abort.poke())
     if not abort.wait_for(fut.done, timeout_s):
-        raise TransportError(f"{what} did not complete within {timeout_s}s")
+        raise TransferStalled(f"{what} did not complete within {timeout_s}s")
     _collective_error(work, what)  # re-raises the collective's own error
 
 
@@ -266,6 +267,7 @@ class BroadcastSender(Sender):
         self.pg = new_group(
             self.backend, self.store, f"enginehooks/{self.group_id}/", 0, world_size,
             _nccl_timeout(self.timeout_s) if nccl else self.timeout_s, host=self.host,
+            secret=self.secret,
         )
         if nccl:
             try:
@@ -277,7 +279,7 @@ class BroadcastSender(Sender):
     def call_off(self, reason: str) -> None:
         """Call off the group while it forms (a replica refused its join): every rank
         waiting for it ends at once with `reason` (`_rendezvous.arrive`)."""
-        call_off(self.store, f"enginehooks/{self.group_id}/", reason)
+        call_off(self.store, f"enginehooks/{self.group_id}/", reason, self.secret)
 
     def send(self, manifest: Manifest, stream: Stream, abort: Abort) -> SendStats:
         if self.pg is None:
@@ -394,7 +396,7 @@ class Deadline:
         self.waited_ms = 0.0
 
     def late(self, what: str) -> TransportError:
-        return TransportError(f"{what}: the update did not arrive within "
+        return TransferStalled(f"{what}: the update did not arrive within "
                               f"{self.timeout_s:g}s (timeout_s bounds the whole "
                               f"transfer; raise it for slower links)")
 
@@ -445,6 +447,7 @@ class BroadcastReceiver(Receiver):
         self.pg = new_group(
             self.backend, store, f"enginehooks/{self.group_id}/", self.rank, self.world_size,
             _nccl_timeout(self.timeout_s) if nccl else self.timeout_s, host=self.host,
+            secret=self.secret,
         )
         if nccl:
             try:

@@ -32,22 +32,23 @@ Step 3 is what a forged ack would break: anyone who reaches the store could writ
 for a bucket a receiver is still reading, and the sender would refill the slot under
 it (bytes from two updates, applied without an error). So, **with a shared secret**
 (`ENGINEHOOKS_SECRET` on the trainer and the engines, `core/auth.py`), every control
-message above except `join` carries an HMAC-SHA256 suffix (`<body>\nmac=<hex>`) over:
-the group, the message kind (`buffers`, `ready`, `ack`), the update `seq`, the bucket
-index (the generation for `buffers`), the audience (the receiver rank that writes an
-ack; `*`, every receiver of the group, for the one `ready` and `buffers` key they all
-read), the direction (`trainer->engine`, `engine->trainer`, or `trainer->trainer` for
-the coordinator's abort, which only the sender reads) and the body. A message moved to
-another key, group, update, bucket, rank or direction no longer verifies. A message
-whose MAC fails (or that is unsigned) ends the update at once with a
-`ControlMessageRefused` (an `AuthError` and a `TransportError`) naming the key, on the
-side that read it; that side then tells the other through signed messages, as for any
-failure. It is never taken as a real ack or abort, so the sender refills a slot only
-after each receiver's own authenticated ack, which that receiver writes only after its
-copies out of the slot are done: a receiver never applies bytes the sender could have
-rewritten. (`join` needs no MAC: a forged join lets the sender start early, and every
-message after it is signed.) What a store-reaching attacker keeps is denial of
-service: overwriting a key ends that update with the error naming the key.
+message above carries an HMAC-SHA256 suffix (`<body>\nmac=<hex>`, `_rendezvous.py`)
+over: the group, the message kind (`join`, `buffers`, `ready`, `ack`), the update `seq`,
+the bucket index (the generation for `buffers`, the rank for `join`), the audience (the
+receiver rank that writes an ack or a join; `*`, every receiver of the group, for the
+one `ready` and `buffers` key they all read), the direction (`trainer->engine`,
+`engine->trainer`, or `trainer->trainer` for the coordinator's abort, which only the
+sender reads) and the body. A message moved to another key, group, update, bucket, rank
+or direction no longer verifies. A message whose MAC fails (or that is unsigned) is
+noise: the side that read it logs it (naming the key) and keeps waiting for the
+genuine one, which the genuine writer's `set` puts in its place; if none comes, the wait
+ends at its timeout and the error says which keys held messages that did not verify.
+It is never taken as a real ack, abort, descriptor or join, so the sender refills a
+slot only after each receiver's own authenticated ack, which that receiver writes only
+after its copies out of the slot are done: a receiver never applies bytes the sender
+could have rewritten, and only a verified abort ends an update early. What a
+store-reaching attacker keeps is delay: overwriting or deleting a key after the genuine
+message landed leaves that wait to its timeout.
 
 **Without a secret**, nothing is signed (messages are the bare bodies, exactly as
 before) and a process that reaches the store can forge acks, aborts and descriptors:
@@ -68,8 +69,6 @@ waits for.
 from __future__ import annotations
 
 import datetime as _dt
-import hashlib
-import hmac
 import json
 import threading
 import time
@@ -81,92 +80,35 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from enginehooks.core.auth import AuthError, load_secret
+from enginehooks.core.auth import load_secret
 from enginehooks.core.buckets import Unpacker, buffer_bytes, manifest_id, message_bytes, pack
-from enginehooks.core.errors import SenderAborted, TransportError
+from enginehooks.core.errors import PeerLost, SenderAborted, TransferStalled, TransportError
 from enginehooks.core.manifest import Manifest
-from enginehooks.transports._rendezvous import (
+from enginehooks.transports._rendezvous import (  # re-exported: the colocated names
+    EVERY_RECEIVER,
+    MAC_SEP,
+    RECHECK_S,
+    TO_ENGINE,
+    TO_TRAINER,
+    TRAINER_SELF,
+    ControlChannel,
+    ControlMessageRefused,
     GroupEndpoint,
+    Ignored,
     client_store,
     connect_timeout,
+    control_mac,
     master_store,
 )
+
+__all__ = ["EVERY_RECEIVER", "MAC_SEP", "OK", "TO_ENGINE", "TO_TRAINER", "TRAINER_SELF",
+           "ColocatedReceiver", "ColocatedSender", "ControlChannel", "ControlMessageRefused",
+           "control_mac"]
 from enginehooks.transports.base import Abort, Receiver, Sender, SendStats, Stream, Target
 
 OK = b"ok"
-#: What separates a message's body from its MAC on the wire (`<body>\nmac=<64 hex>`).
-MAC_SEP = b"\nmac="
-#: Directions a control message is bound to (see the module docstring).
-TO_ENGINE, TO_TRAINER, TRAINER_SELF = "trainer->engine", "engine->trainer", "trainer->trainer"
-#: The audience of the keys every receiver of the group reads (`ready`, `buffers`).
-EVERY_RECEIVER = "*"
-
-
-class ControlMessageRefused(AuthError, TransportError):
-    """A colocated control message (ack, ready/abort, buffer descriptor) was unsigned or
-    its MAC did not verify: forged by a process that reached the store, moved from
-    another key, or sent by a side without the shared secret. Ends the update."""
-
-
-def control_mac(secret: bytes, *, group: str, kind: str, seq: int, index: int,
-                audience: int | str, direction: str, body: bytes) -> str:
-    """HMAC-SHA256 of one control message, bound to everything that says where it
-    belongs: a message valid for one key verifies under no other."""
-    head = (f"enginehooks-colocated/1\n{group}\n{kind}\n{seq}\n{index}\n{audience}\n"
-            f"{direction}\n").encode()
-    return hmac.new(secret, head + body, hashlib.sha256).hexdigest()
-
-
-class ControlChannel:
-    """Seals and opens the control messages of one colocated group (both halves use it).
-
-    `seal` appends the MAC when a secret is set, and returns the body unchanged when
-    not. `open` returns the body, raising `ControlMessageRefused` (naming the key) when
-    a secret is set and the MAC is missing or wrong."""
-
-    def __init__(self, secret: bytes | None, group: str, prefix: str, who: str) -> None:
-        self.secret, self.group, self.prefix, self.who = secret, group, prefix, who
-
-    def key(self, kind: str, seq: int, index: int, audience: int | str) -> str:
-        if kind == "buffers":
-            return f"{self.prefix}buffers/{index}"
-        if kind == "ready":
-            return f"{self.prefix}u{seq}/ready/{index}"
-        return f"{self.prefix}u{seq}/ack/{index}/{audience}"
-
-    def seal(self, kind: str, seq: int, index: int, audience: int | str, direction: str,
-             body: bytes) -> bytes:
-        if self.secret is None:
-            return body
-        mac = control_mac(self.secret, group=self.group, kind=kind, seq=seq, index=index,
-                          audience=audience, direction=direction, body=body)
-        return body + MAC_SEP + mac.encode()
-
-    def open(self, kind: str, seq: int, index: int, audience: int | str,
-             directions: tuple[str, ...], raw: bytes) -> bytes:
-        body, sep, mac = raw.rpartition(MAC_SEP)
-        signed = bool(sep) and len(mac) == 64
-        if not signed:
-            body = raw
-        if self.secret is None:
-            return body  # nothing to check against (see the module docstring)
-        key = self.key(kind, seq, index, audience)
-        if not signed:
-            raise ControlMessageRefused(
-                f"{self.who}: control message {key} is not signed with the shared secret "
-                f"(forged by a process that reached the rendezvous store, or the other side "
-                f"runs without ENGINEHOOKS_SECRET: set the same secret on the trainer and "
-                f"every engine); refusing it and ending the update")
-        for direction in directions:
-            want = control_mac(self.secret, group=self.group, kind=kind, seq=seq, index=index,
-                               audience=audience, direction=direction, body=body)
-            if hmac.compare_digest(mac, want.encode()):
-                return body
-        raise ControlMessageRefused(
-            f"{self.who}: control message {key} does not verify with the shared secret "
-            f"(forged, moved from another key, or signed with another secret: the trainer "
-            f"and every engine need the same ENGINEHOOKS_SECRET); refusing it and ending "
-            f"the update")
+#: How often a sender polls the acks it has not seen verified yet.
+POLL_S = RECHECK_S
 
 
 def _set_all(store: dist.Store, keys: list[str], values: list[bytes]) -> None:
@@ -262,16 +204,31 @@ class ColocatedSender(Sender):
         if world_size < 2:
             raise TransportError(f"a colocated group needs at least one receiver, got {world_size}")
         self.world_size = world_size
-        keys = [self._key("join", r) for r in self._receivers()]
-        try:
-            self.store.wait(keys, _dt.timedelta(seconds=self.connect_timeout_s))
-        except Exception as e:
-            missing = [k for k in keys if not self.store.check([k])]
-            raise TransportError(
-                f"{self.transport_name} group {self.group_id}: receivers "
-                f"{[k.rsplit('/', 1)[-1] for k in missing]} did not join within "
-                f"{self.connect_timeout_s}s ({e})"
-            ) from None
+        keys = {r: self._key("join", r) for r in self._receivers()}
+        deadline = time.monotonic() + self.connect_timeout_s
+        ignored = Ignored()
+        while keys:
+            try:
+                self.store.wait(list(keys.values()),
+                                _dt.timedelta(seconds=max(0.01, deadline - time.monotonic())))
+            except Exception as e:
+                missing = [r for r, k in keys.items() if not self.store.check([k])]
+                raise TransportError(
+                    f"{self.transport_name} group {self.group_id}: receivers {missing} did not "
+                    f"join within {self.connect_timeout_s}s ({e}){ignored.says()}") from None
+            for r, raw in zip(list(keys), self.store.multi_get(list(keys.values()))):
+                try:  # each receiver signs its own join: a forged one is ignored
+                    self.channel.open("join", 0, r, r, (TO_TRAINER,), raw)
+                except ControlMessageRefused as e:
+                    ignored.note(keys[r], raw, e)
+                else:
+                    del keys[r]
+            if keys:
+                if time.monotonic() >= deadline:
+                    raise TransportError(
+                        f"{self.transport_name} group {self.group_id}: receivers {list(keys)} "
+                        f"did not join within {self.connect_timeout_s}s{ignored.says()}")
+                time.sleep(POLL_S)
         self._watch_store = client_store(
             self.host, self.store.port, self.timeout_s, self.connect_timeout_s)
 
@@ -348,27 +305,41 @@ class ColocatedSender(Sender):
         return stats
 
     def _wait_acks(self, seq: int, index: int, abort: Abort) -> None:
-        keys = [self._key(f"u{seq}", "ack", index, r) for r in self._receivers()]
-        try:
-            self.store.wait(keys, _dt.timedelta(seconds=self.timeout_s))
-        except Exception as e:
-            late = [
-                r for r, k in zip(self._receivers(), keys, strict=True) if not self.store.check([k])
-            ]
-            raise TransportError(
-                f"{self.transport_name}: receivers {late} did not acknowledge bucket {index} "
-                f"within {self.timeout_s}s ({type(e).__name__})"
-            ) from None
-        for r, raw in zip(self._receivers(), self.store.multi_get(keys), strict=True):
-            if abort.error is not None:  # the coordinator's abort (the watcher woke us)
-                raise TransportError(f"update aborted: {abort.error}") from abort.error
-            # Only rank r's own authenticated ack frees the slot (module docstring).
-            v = self.channel.open("ack", seq, index, r, (TO_TRAINER, TRAINER_SELF), raw)
-            if v != OK:
+        keys = {r: self._key(f"u{seq}", "ack", index, r) for r in self._receivers()}
+        deadline = time.monotonic() + self.timeout_s
+        ignored = Ignored()
+        while keys:
+            try:
+                self.store.wait(list(keys.values()),
+                                _dt.timedelta(seconds=max(0.01, deadline - time.monotonic())))
+            except Exception as e:
+                late = [r for r, k in keys.items() if not self.store.check([k])]
                 raise TransportError(
-                    f"{self.transport_name}: receiver rank {r} failed on bucket {index}: "
-                    f"{v.decode('utf-8', 'replace')}"
-                )
+                    f"{self.transport_name}: receivers {late} did not acknowledge bucket "
+                    f"{index} within {self.timeout_s}s ({type(e).__name__}){ignored.says()}"
+                ) from None
+            for r, raw in zip(list(keys), self.store.multi_get(list(keys.values()))):
+                if abort.error is not None:  # the coordinator's abort (the watcher woke us)
+                    raise PeerLost(f"update aborted: {abort.error}") from abort.error
+                # Only rank r's own authenticated ack frees the slot (module docstring);
+                # one that does not verify is noise: logged, and the wait goes on.
+                try:
+                    v = self.channel.open("ack", seq, index, r, (TO_TRAINER, TRAINER_SELF), raw)
+                except ControlMessageRefused as e:
+                    ignored.note(keys[r], raw, e)
+                    continue
+                if v != OK:
+                    raise TransportError(
+                        f"{self.transport_name}: receiver rank {r} failed on bucket {index}: "
+                        f"{v.decode('utf-8', 'replace')}"
+                    )
+                del keys[r]
+            if keys:
+                if time.monotonic() >= deadline:
+                    raise TransportError(
+                        f"{self.transport_name}: receivers {list(keys)} did not acknowledge "
+                        f"bucket {index} within {self.timeout_s}s{ignored.says()}")
+                time.sleep(POLL_S)
         if self.gen not in self._mapped_gens:
             # An ack means that receiver mapped this generation before reading it.
             self._mapped_gens.add(self.gen)
@@ -470,23 +441,42 @@ class ColocatedReceiver(Receiver):
 
     def connect(self) -> None:
         self.store = client_store(self.host, self.port, self.timeout_s, self.connect_timeout_s)
-        self.store.set(self._key("join", self.rank), b"1")
+        self.store.set(self._key("join", self.rank),
+                       self.channel.seal("join", 0, self.rank, self.rank, TO_TRAINER, b"1"))
 
     def _get(self, key: str, what: str) -> bytes:
         store = self._store()
         try:
             return store.get(key)  # waits for the key, up to the store's timeout
         except Exception as e:
-            raise TransportError(
+            raise TransferStalled(
                 f"{self.transport_name} rank {self.rank}: {what} did not arrive within "
                 f"{self.timeout_s}s ({type(e).__name__}: {e})"
             ) from None
 
+    def _genuine(self, kind: str, seq: int, index: int, what: str) -> bytes:
+        """The body of the verified message of `kind` (the trainer's, to every receiver),
+        waiting for it up to `timeout_s`: a message there that does not verify is
+        logged and ignored, and the key read again until the genuine one replaces it."""
+        key = self.channel.key(kind, seq, index, EVERY_RECEIVER)
+        deadline = time.monotonic() + self.timeout_s
+        ignored = Ignored()
+        while True:
+            raw = self._get(key, what)
+            try:
+                return self.channel.open(kind, seq, index, EVERY_RECEIVER, (TO_ENGINE,), raw)
+            except ControlMessageRefused as e:
+                ignored.note(key, raw, e)
+            if time.monotonic() >= deadline:
+                raise TransferStalled(
+                    f"{self.transport_name} rank {self.rank}: {what} did not arrive within "
+                    f"{self.timeout_s}s{ignored.says()}")
+            time.sleep(RECHECK_S)
+
     def _ready_message(self, seq: int, index: int, mid: int) -> dict[str, Any]:
-        """Bucket `index`'s verified ready message for update `seq` (raises on a bad
-        MAC, an abort, or another update's message)."""
-        raw = self._get(self._key(f"u{seq}", "ready", index), f"bucket {index}")
-        body = self.channel.open("ready", seq, index, EVERY_RECEIVER, (TO_ENGINE,), raw)
+        """Bucket `index`'s verified ready message for update `seq` (raises on an
+        abort, or another update's message; ignores messages that do not verify)."""
+        body = self._genuine("ready", seq, index, f"bucket {index}")
         try:
             msg = json.loads(body)
             if not isinstance(msg, dict):
@@ -515,8 +505,7 @@ class ColocatedReceiver(Receiver):
         if gen != self.gen:
             self._unmap()
             self.bufs = []
-            raw = self._get(self._key("buffers", gen), f"buffer generation {gen}")
-            body = self.channel.open("buffers", 0, gen, EVERY_RECEIVER, (TO_ENGINE,), raw)
+            body = self._genuine("buffers", 0, gen, f"buffer generation {gen}")
             try:
                 desc = json.loads(body)
             except ValueError:

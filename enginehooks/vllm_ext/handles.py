@@ -35,7 +35,13 @@ from enginehooks.control._futures import spawn
 from enginehooks.control._http import request_json
 from enginehooks.control.handles import EngineHandle
 from enginehooks.core.auth import load_secret
-from enginehooks.core.errors import ConfigError, EngineHooksError, PushTimeout, ReplicaError
+from enginehooks.core.errors import (
+    ConfigError,
+    EngineHooksError,
+    HTTPStatusError,
+    PushTimeout,
+    ReplicaError,
+)
 from enginehooks.engine.contract import PREFIX
 from enginehooks.engine.protocol import Deadline, route_headers
 from enginehooks.vllm_ext.fail_closed import guard, guard_async
@@ -309,8 +315,8 @@ class VLLMServer(_VLLMHandle):
         try:
             return request_json(f"{self.url}{path}", body, timeout_s=timeout_s, who=self.name,
                                 headers=headers)
-        except ReplicaError as e:
-            if "HTTP 404" not in str(e):
+        except HTTPStatusError as e:
+            if e.status != 404:
                 raise
             # vLLM registers its control routes (RL, weight transfer, collective_rpc)
             # only in dev mode: a bare 404 would hide the one setting to change.

@@ -34,8 +34,10 @@ reports the same version and state (`WorkerExtension._enginehooks_side`).
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
 from vllm.distributed.weight_transfer.base import (
@@ -44,7 +46,8 @@ from vllm.distributed.weight_transfer.base import (
     WeightTransferUpdateInfo,
 )
 
-from enginehooks.core.errors import ConfigError, ManifestError
+from enginehooks.core.errors import ConfigError, EngineHooksError, ManifestError
+from enginehooks.engine.protocol import relayed
 from enginehooks.engine.side import EngineSide
 from enginehooks.vllm_ext.worker_extension import VLLMBinding
 
@@ -54,6 +57,24 @@ if TYPE_CHECKING:
 
 BACKEND = "enginehooks"
 PHASES = ("check", "receive")
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def relays_errors(method: F) -> F:
+    """vLLM's clients keep only an error's text: raise our errors with their class in
+    that text (`protocol.relay_text`), so the trainer restores the class from the
+    envelope, never from the words (`transfer_trainer.ClientReplica`)."""
+
+    @functools.wraps(method)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return method(*args, **kwargs)
+        except EngineHooksError as e:
+            if getattr(e, "relayed", False):
+                raise  # an inner method relayed it already
+            raise relayed(e) from e
+
+    return wrapper  # type: ignore[return-value]
 
 
 @dataclass
@@ -155,6 +176,7 @@ class EnginehooksWeightTransferEngine(
         self.side = EngineSide(VLLMBinding(self.worker))
         self.in_session = False
 
+    @relays_errors
     def parse_init_info(self, init_dict: dict[str, Any]) -> EnginehooksInitInfo:
         try:
             return super().parse_init_info(init_dict)
@@ -162,6 +184,7 @@ class EnginehooksWeightTransferEngine(
             raise ConfigError(f"{e}; enginehooks expects {{'endpoint': {{...}}, "
                               f"'rank_offset': int}}") from None
 
+    @relays_errors
     def parse_update_info(self, update_dict: dict[str, Any]) -> EnginehooksUpdateInfo:
         try:
             return super().parse_update_info(update_dict)
@@ -169,6 +192,7 @@ class EnginehooksWeightTransferEngine(
             raise ConfigError(f"{e}; enginehooks expects {{'manifest': JSON text, "
                               f"'phase': 'check' | 'receive'}}") from None
 
+    @relays_errors
     def init_transfer_engine(self, init_info: EnginehooksInitInfo) -> None:
         self.side.join(init_info.endpoint, init_info.rank_offset, init_info.auth,
                        replica_workers=self.worker.workers, expected_workers=init_info.workers)
@@ -176,6 +200,7 @@ class EnginehooksWeightTransferEngine(
     def start_weight_update(self) -> None:
         self.in_session = True
 
+    @relays_errors
     def update_weights(self, update_info: dict[str, Any]) -> None:
         # vLLM's base class synchronises the accelerator afterwards; our receivers
         # synchronise their own device work, and a CPU worker has no accelerator.
@@ -196,6 +221,7 @@ class EnginehooksWeightTransferEngine(
     def finish_weight_update(self) -> None:
         self.in_session = False
 
+    @relays_errors
     def shutdown(self) -> None:
         self.in_session = False
         self.side.leave()

@@ -38,10 +38,10 @@ from vllm.distributed.weight_transfer.base import (
 from enginehooks.control.handles import EngineHandle
 from enginehooks.control.report import PushReport
 from enginehooks.control.sync import DEFAULT_BUCKET_BYTES, WeightSync
-from enginehooks.core.auth import AuthError
 from enginehooks.core.dtypes import torch_dtype
 from enginehooks.core.errors import ConfigError, ManifestError, ReplicaError
 from enginehooks.core.manifest import TensorSpec
+from enginehooks.engine import protocol
 from enginehooks.trainer_side.contract import TrainerAdapter
 from enginehooks.vllm_ext.transfer_engine import BACKEND
 
@@ -139,25 +139,29 @@ def _detail(e: BaseException) -> str:
 
 def _refused(who: str, verb: str, e: BaseException) -> Exception:
     """The error of a call vLLM's client relayed. vLLM's calls answer nothing and its
-    clients keep only the error text (no envelope travels through them), so the
-    workers' refusals are recognised by what they say: a refused token is an
-    `AuthError`, a refused setup (world size, endpoint) a `ConfigError`, both with the
-    fix they name; anything else a `ReplicaError`."""
+    clients keep only the error text, so the workers of backend "enginehooks" put the
+    error's class into that text as an envelope (`protocol.relay_text`): it is restored
+    from there, never from the words. A missing route is told by the HTTP status (404:
+    vLLM not in dev mode); anything else is a `ReplicaError`."""
     detail = _detail(e)
-    if "404" in detail and "Not Found" in detail and "ConfigError" not in detail:
-        # vLLM's own HTTP client: the route is missing (not in dev mode).
-        out: Exception = ConfigError(
+    found = protocol.relayed_envelope(detail)
+    if found is not None:
+        kind, message = found
+        restored = protocol.restore_error(kind, f"replica {who!r}: {verb}: {message}", who)
+        if type(restored) is ReplicaError:
+            return ReplicaError(who, f"{verb} failed: {kind}: {message}")
+        return restored
+    response = getattr(e, "response", None)
+    status = getattr(e, "status", None) or getattr(response, "status_code", None)
+    if status == 404:
+        # The route is missing: vLLM registers its weight-transfer routes in dev mode only.
+        out = ConfigError(
             f"replica {who!r}: {verb}: the server has no such route ({detail[:300]}): start "
             "vLLM with VLLM_SERVER_DEV_MODE=1 and --weight-transfer-config "
             "'{\"backend\": \"enginehooks\"}'")
-    elif "AuthError" in detail or "no shared secret" in detail:
-        out = AuthError(f"replica {who!r}: {verb} refused: {detail}")
-    elif "ConfigError" in detail or f"{verb} refused" in detail:
-        out = ConfigError(f"replica {who!r}: {verb} refused: {detail}")
-    else:
-        return ReplicaError(who, f"{verb} failed: {detail}")
-    out.replica = who  # type: ignore[attr-defined]
-    return out
+        out.replica = who
+        return out
+    return ReplicaError(who, f"{verb} failed: {detail}")
 
 
 class ClientReplica(EngineHandle):
@@ -241,10 +245,12 @@ class ClientReplica(EngineHandle):
                                         "auth": auth})
         except Exception as e:
             self._in_session = False  # vLLM ends the session when update_weights raises
-            detail = _detail(e)
-            if "ManifestError" in detail or "refused before any data moved" in detail:
-                raise ManifestError(f"replica {self.name!r} refused the update: {detail}") from e
-            raise ReplicaError(self.name, f"check failed: {detail}") from e
+            refused = _refused(self.name, "check", e)
+            if isinstance(refused, ManifestError):
+                found = protocol.relayed_envelope(_detail(e))
+                raise ManifestError(f"replica {self.name!r} refused the update: "
+                                    f"{found[1] if found else refused}") from e
+            raise refused from e
 
     def receive(self, manifest_json: str, group: str, timeout_s: float,
                 auth: str | None = None) -> list[dict[str, Any]]:
@@ -263,7 +269,7 @@ class ClientReplica(EngineHandle):
                 update = self._updates
                 spawn(lambda: update == self._updates and mark(TORN),
                       name=f"enginehooks-torn-{self.name}")
-            raise ReplicaError(self.name, f"update_weights failed: {_detail(e)}") from e
+            raise _refused(self.name, "update_weights", e) from e
         self._version = version
         return [{"version": version} for _ in range(self.workers)]
 

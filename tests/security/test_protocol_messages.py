@@ -534,7 +534,9 @@ class PeerClosed(LocalEngine):
     def receive(self, manifest_json: str, group: str, timeout_s: float,
                 auth: str | None = None) -> list[dict[str, Any]]:
         self.lost.receiving.wait(30.0)
-        raise errors.TransportError(
+        # what `transports.base.data_plane_error` makes of gloo's RuntimeError
+        # (tests/unit/test_error_classes.py checks it on a real gloo group)
+        raise errors.PeerLost(
             "receive of bucket 0 failed: [gloo/transport/tcp/pair.cc:561] Connection closed "
             "by peer [10.78.0.1]:41234. This is typically caused by a remote worker crashing.")
 
