@@ -22,6 +22,8 @@ beyond `json.loads`.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import hashlib
 import hmac
 import json
@@ -31,7 +33,7 @@ import secrets
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any, NoReturn
 
@@ -39,6 +41,10 @@ from enginehooks.core.errors import EngineHooksError
 
 SECRET_ENV = "ENGINEHOOKS_SECRET"
 SECRET_FILE_ENV = "ENGINEHOOKS_SECRET_FILE"
+#: A server's public name, the audience its tokens must name (default: an id the
+#: server's workers share, fixed at start: `server_id`). Set it when several processes
+#: serve one engine under one name and must agree on it.
+SERVER_ID_ENV = "ENGINEHOOKS_SERVER_ID"
 #: How far a token's timestamp may be from the engine's clock.
 WINDOW_S = 300.0
 log = logging.getLogger("enginehooks.auth")
@@ -48,9 +54,32 @@ class AuthError(EngineHooksError):
     """A control message or bucket was unsigned, wrongly signed, stale or replayed."""
 
 
+_UNSET = object()
+#: The secret of the engine worker whose join is running in this context (`secret_scope`)
+_SCOPED: contextvars.ContextVar[Any] = contextvars.ContextVar("enginehooks_secret",
+                                                               default=_UNSET)
+
+
+@contextlib.contextmanager
+def secret_scope(secret: bytes | None) -> Iterator[None]:
+    """Within this block `load_secret()` answers `secret`: an engine worker read its
+    secret once, at start (`EngineSide`), and the transport halves it opens (which call
+    `load_secret()`) sign and verify with that one, whatever the environment says now."""
+    token = _SCOPED.set(secret)
+    try:
+        yield
+    finally:
+        _SCOPED.reset(token)
+
+
 def load_secret(env: dict[str, str] | None = None) -> bytes | None:
     """The shared secret from `ENGINEHOOKS_SECRET` or the file `ENGINEHOOKS_SECRET_FILE`
-    (surrounding whitespace stripped), or None when neither is set."""
+    (surrounding whitespace stripped), or None when neither is set; inside a
+    `secret_scope`, that scope's secret."""
+    if env is None:
+        scoped = _SCOPED.get()
+        if scoped is not _UNSET:
+            return scoped  # type: ignore[no-any-return]
     env = dict(os.environ if env is None else env)
     value = env.get(SECRET_ENV)
     if value:
@@ -97,15 +126,64 @@ def sign(secret: bytes, verb: str, payload: str, audience: Sequence[str] = (),
                        "mac": _mac(secret, verb, nonce, ts, payload, aud)})
 
 
+def configured_server_id(env: dict[str, str] | None = None) -> str | None:
+    """`ENGINEHOOKS_SERVER_ID`, if set (stripped; at most 256 characters)."""
+    value = (dict(os.environ if env is None else env).get(SERVER_ID_ENV) or "").strip()
+    if len(value) > 256:
+        raise AuthError(f"{SERVER_ID_ENV} is longer than 256 characters")
+    return value or None
+
+
+class NonceStore:
+    """A replay window shared by every process of one server: one file per nonce seen,
+    created exclusively (`O_EXCL`) in a private folder, so a token used at one API
+    process is a replay at the others. Files older than the window are pruned."""
+
+    def __init__(self, folder: str | Path, window_s: float = WINDOW_S) -> None:
+        self.folder = Path(folder)
+        self.folder.mkdir(mode=0o700, parents=True, exist_ok=True)
+        if self.folder.stat().st_uid != os.getuid():
+            raise AuthError(f"the nonce folder {self.folder} belongs to another user")
+        self.window_s = window_s
+        self._pruned = 0.0
+
+    def first_use(self, nonce: str) -> bool:
+        """Record `nonce`; False when any process of this server recorded it already."""
+        if not nonce or len(nonce) > 128 or not all(c in "0123456789abcdef" for c in nonce):
+            return False
+        try:
+            fd = os.open(self.folder / nonce, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600)
+        except FileExistsError:
+            return False
+        os.close(fd)
+        now = time.time()
+        if now - self._pruned > self.window_s / 4:
+            self._pruned = now
+            for f in self.folder.iterdir():
+                try:
+                    if f.stat().st_mtime < now - 2 * self.window_s:
+                        f.unlink()
+                except OSError:
+                    pass
+        return True
+
+
 class Verifier:
     """The engine side: checks tokens, remembers the nonces of the replay window."""
 
     def __init__(self, secret: bytes, window_s: float = WINDOW_S,
-                 audience: str | None = None) -> None:
+                 audience: str | Sequence[str] | None = None,
+                 nonces: NonceStore | None = None) -> None:
         self.secret = secret
         self.window_s = window_s
-        #: this worker's id: tokens must name it (None: any audience, for tools)
+        #: the ids this side answers to (a worker's own id, its server's id): a token
+        #: must name one of them (None: any audience, for tools)
         self.audience = audience
+        self.audiences: frozenset[str] | None = (
+            None if audience is None
+            else frozenset([audience] if isinstance(audience, str) else audience))
+        #: a replay window shared with the server's other processes (None: this one's)
+        self.nonces = nonces
         self._seen: OrderedDict[str, float] = OrderedDict()
         self._lock = threading.Lock()
 
@@ -124,11 +202,11 @@ class Verifier:
         if not hmac.compare_digest(mac, _mac(self.secret, verb, nonce, ts, payload, aud)):
             self._refuse(verb, "the authentication token does not match (wrong secret or "
                                "altered message)")
-        # An empty audience: signed by a trainer that cannot ask the workers for their
-        # ids (vLLM's own weight-transfer calls); docs/security.md says what that leaves.
-        if self.audience is not None and aud and self.audience not in aud:
+        if self.audiences is not None and not self.audiences.intersection(aud):
+            mine = sorted(self.audiences)
+            me = f"is {mine[0]!r}" if len(mine) == 1 else f"answers to {mine[:4]}"
             self._refuse(verb, "the authentication token was signed for another replica "
-                               f"(audience {aud[:4]}, this worker is {self.audience!r})")
+                               f"(audience {aud[:4]}, this worker {me})")
         if abs(time.time() - ts) > self.window_s:
             self._refuse(verb, f"the authentication token is {time.time() - ts:.0f}s old "
                                f"(window {self.window_s:.0f}s)")
@@ -136,7 +214,8 @@ class Verifier:
             now = time.time()
             while self._seen and next(iter(self._seen.values())) < now - 2 * self.window_s:
                 self._seen.popitem(last=False)
-            if nonce in self._seen:
+            if nonce in self._seen or (self.nonces is not None
+                                       and not self.nonces.first_use(nonce)):
                 self._refuse(verb, "the authentication token was already used (replay)")
             self._seen[nonce] = now
 

@@ -108,6 +108,13 @@ class EngineBinding(ABC):
         """Extra engine facts for `info` (e.g. the engine's own weight version)."""
         return {}
 
+    def deployment(self) -> str | None:
+        """An id every worker of this engine deployment shares and no other deployment
+        has, fixed at its start (vLLM's `instance_id`): an audience that tokens signed
+        for the whole deployment name, where a trainer cannot learn each worker's id
+        (vLLM's own weight-transfer calls). None: the engine has none."""
+        return None
+
     def state_changed(self, state: dict[str, Any]) -> None:  # noqa: B027 - optional
         """The worker's update state changed (`EngineSide.public_state()`): engines that
         refuse generation while torn outside this object (vLLM's front end) learn it

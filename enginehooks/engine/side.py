@@ -35,7 +35,13 @@ from typing import Any
 
 import torch
 
-from enginehooks.core.auth import AuthError, Verifier, load_secret
+from enginehooks.core.auth import (
+    AuthError,
+    Verifier,
+    configured_server_id,
+    load_secret,
+    secret_scope,
+)
 from enginehooks.core.dtypes import dtype_name
 from enginehooks.core.errors import (
     ConfigError,
@@ -92,8 +98,12 @@ class EngineSide:
         self.on_torn = default_policy()
         #: this worker's id: the audience a trainer's tokens must name (`core/auth.py`)
         self.instance = uuid.uuid4().hex
-        secret = load_secret()
-        self.verifier = Verifier(secret, audience=self.instance) if secret else None
+        #: the deployment's id (`ENGINEHOOKS_SERVER_ID`, else the engine's own): tokens
+        #: may name it instead of each worker's id; a server's route tokens name it too
+        self.deployment = configured_server_id() or binding.deployment()
+        secret = self.secret = load_secret()
+        audience = [self.instance] + ([self.deployment] if self.deployment else [])
+        self.verifier = Verifier(secret, audience=audience) if secret else None
         self._busy = threading.Lock()
         self._doing: str | None = None  # the verb holding `_busy`
         self.binding.state_changed(self.public_state())
@@ -194,6 +204,7 @@ class EngineSide:
             # refuses to push to one that does not: it would accept anyone's push)
             "authenticated": self.verifier is not None,
             "instance": self.instance,
+            "deployment": self.deployment,
             "dtype": dtype,
             # tensors the engine's loader puts in parameters of another dtype
             "wire_dtypes": {n: d for n, d in self.expectations().wire_dtypes().items()
@@ -231,8 +242,10 @@ class EngineSide:
             self._leave()
             rank = rank_offset + self.worker_rank
             transport = str(endpoint["transport"])
-            self.receiver = get_plugin_manager().hook.update_group(
-                request=GroupRequest.join_receiver(transport, endpoint, rank, str(self.device)))
+            with secret_scope(self.secret):  # the receiver signs with this worker's secret
+                self.receiver = get_plugin_manager().hook.update_group(
+                    request=GroupRequest.join_receiver(transport, endpoint, rank,
+                                                       str(self.device)))
             self.transport = transport
             self.group = str(endpoint.get("group") or endpoint.get("root") or "")
             self.on_torn = policy

@@ -21,8 +21,8 @@ import functools
 import threading
 from typing import Any
 
-from enginehooks.control._http import request_json
 from enginehooks.control.handles import EngineHandle
+from enginehooks.control.identity import ServerIdentity
 from enginehooks.core.errors import (
     ConfigError,
     EngineTorn,
@@ -194,6 +194,8 @@ class SGLangServer(_FlushTracking):
         self.pause_mode = _check_mode(pause_mode)
         self._headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self._secret = secret.encode() if isinstance(secret, str) else (secret or load_secret())
+        # route tokens name this server (its identity, learned from it: control/identity.py)
+        self._identity = ServerIdentity(self.url, self.name)
 
     def adopt_secret(self, secret: bytes) -> None:
         """Sign with `secret` (a `WeightSync`'s) unless this handle has its own."""
@@ -201,11 +203,8 @@ class SGLangServer(_FlushTracking):
             self._secret = secret
 
     def _post(self, path: str, body: Any, timeout_s: float) -> Any:
-        from enginehooks.engine.protocol import route_headers
-
-        headers = {**self._headers, **route_headers(self._secret, f"{self.url}{path}", body)}
-        return request_json(f"{self.url}{path}", body, timeout_s=timeout_s, who=self.name,
-                            headers=headers)
+        return self._identity.post(path, body, secret=self._secret, headers=self._headers,
+                                   timeout_s=timeout_s)
 
     def rpc(self, method: str, *args: Any, timeout_s: float) -> list[Any]:
         from enginehooks.sglang_ext.plugin import ROUTE

@@ -199,10 +199,17 @@ class AdminGuard:
     """The ASGI middleware of `install_admin_guard`."""
 
     def __init__(self, app: Any, secret: bytes) -> None:
-        from enginehooks.core.auth import Verifier
+        import uuid
+
+        from enginehooks.core.auth import configured_server_id
+        from enginehooks.engine.protocol import server_verifier
 
         self.app = app
-        self.verifier = Verifier(secret)
+        self.secret = secret
+        #: this server's identity, fixed at start: the audience its route tokens name
+        #: (SGLang serves HTTP from one process, so one drawn here is the server's)
+        self.server = configured_server_id() or f"sglang-{uuid.uuid4().hex}"
+        self.verifier = server_verifier(secret, self.server)
 
     def _admin(self, scope: dict[str, Any]) -> bool:
         from sglang.srt.utils.auth import AuthLevel
@@ -223,6 +230,11 @@ class AdminGuard:
 
     async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
         path = scope.get("path", "")
+        from enginehooks.engine.protocol import IDENTITY_ROUTE
+
+        if scope.get("type") == "http" and path.rstrip("/") == IDENTITY_ROUTE:
+            await self._identity(scope, receive, send)
+            return
         if (scope.get("type") != "http" or scope.get("method") == "OPTIONS"
                 or path.rstrip("/") in OPEN_ADMIN_ROUTES or not self._admin(scope)):
             await self.app(scope, receive, send)
@@ -243,8 +255,8 @@ class AdminGuard:
         body = b"".join(chunks)
         request = Request(scope)
         try:
-            verify_route(self.verifier, request.method, request.headers.get("host", ""),
-                         path, request.url.query, body, request.headers.get(ROUTE_AUTH_HEADER))
+            verify_route(self.verifier, request.method, path, request.url.query, body,
+                         request.headers.get(ROUTE_AUTH_HEADER))
         except AuthError as e:
             await JSONResponse(status_code=401, content={"error": (
                 f"enginehooks: {path} is an admin route and this engine has a shared "
@@ -261,3 +273,14 @@ class AdminGuard:
             return await receive()
 
         await self.app(scope, replay, send)
+
+    async def _identity(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        """Answer `IDENTITY_ROUTE`: this server's identity, signed over the client's nonce."""
+        from starlette.requests import Request
+        from starlette.responses import JSONResponse
+
+        from enginehooks.engine.protocol import identity_answer
+
+        nonce = Request(scope).query_params.get("nonce", "")
+        await JSONResponse(content=identity_answer(self.secret, self.server, nonce))(
+            scope, receive, send)

@@ -21,8 +21,8 @@ from pathlib import Path
 from typing import IO, Any
 
 from enginehooks.control._http import request_json
+from enginehooks.control.identity import ServerIdentity
 from enginehooks.core.auth import load_secret
-from enginehooks.engine.protocol import route_headers
 from enginehooks.sglang_ext.versions import answer_version
 from enginehooks.testing.generation import NEW_TOKENS, PROMPTS, Generation
 
@@ -126,8 +126,8 @@ class VLLMServerProcess(EngineServerProcess):
         prefix cache (cached prefixes change the last bits of logprobs) unless `cold` is
         false (traffic beside a push, which flushes the cache itself)."""
         if cold:
-            request_json(f"{self.url}/reset_prefix_cache", {}, timeout_s=60, who=self.url,
-                         headers=route_headers(self.secret, f"{self.url}/reset_prefix_cache", {}))
+            ServerIdentity(self.url, self.url).post(
+                "/reset_prefix_cache", {}, secret=self.secret, headers={}, timeout_s=60)
         out = []
         for p in prompts or PROMPTS:
             body = {"model": self.model, "prompt": p, "max_tokens": max_tokens or NEW_TOKENS,

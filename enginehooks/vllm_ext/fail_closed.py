@@ -40,10 +40,16 @@ from argparse import Namespace
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
-from enginehooks.core.auth import AuthError, Verifier, load_secret
+from enginehooks.core.auth import AuthError, Verifier, configured_server_id, load_secret
 from enginehooks.core.errors import EngineTorn
 from enginehooks.engine.beacon import Beacon
-from enginehooks.engine.protocol import ROUTE_AUTH_HEADER, verify_route
+from enginehooks.engine.protocol import (
+    IDENTITY_ROUTE,
+    ROUTE_AUTH_HEADER,
+    identity_answer,
+    server_verifier,
+    verify_route,
+)
 from enginehooks.engine.side import refusal_of
 
 log = logging.getLogger("enginehooks.vllm")
@@ -202,6 +208,22 @@ def guard_async(engine: Any, beacons: Callable[[], Awaitable[Sequence[str]]]) ->
 
 
 # -- the API server ------------------------------------------------------------------------
+def server_id(state: Any) -> str:
+    """This server's identity, the audience of its route tokens: `ENGINEHOOKS_SERVER_ID`,
+    else the deployment id its workers share (`EngineSide.deployment`, read once at
+    start), else an id of this process, drawn once (several API processes of one server
+    without workers that answer then need `ENGINEHOOKS_SERVER_ID`)."""
+    server = getattr(state, "enginehooks_server_id", None)
+    if not server:
+        import uuid
+
+        server = state.enginehooks_server_id = f"vllm-{uuid.uuid4().hex}"
+        log.warning("enginehooks: no worker told this server's deployment id; its route "
+                    "tokens name %s, an id of this API process (set ENGINEHOOKS_SERVER_ID when "
+                    "several API processes serve one engine)", server)
+    return str(server)
+
+
 class EnginehooksEndpoints:
     """vLLM endpoint plugin (`vllm.endpoint_plugins`, name `enginehooks`): the fail-closed
     middleware of the API server (see the module docstring)."""
@@ -213,13 +235,24 @@ class EnginehooksEndpoints:
         from fastapi.responses import JSONResponse
 
         secret = load_secret()  # a secret file that cannot be read stops the server here
-        verifier = Verifier(secret) if secret else None
+        verifiers: dict[str, Verifier] = {}
+
+        def route_verifier(state: Any) -> Verifier | None:
+            if not secret:
+                return None
+            server = server_id(state)
+            if server not in verifiers:
+                verifiers[server] = server_verifier(secret, server)
+            return verifiers[server]
 
         @app.middleware("http")
         async def enginehooks_fail_closed(request: Any, call_next: Any) -> Any:
             path = request.url.path
             kind = route_kind(path)
             beacons: Sequence[str] = getattr(request.app.state, "enginehooks_beacons", ())
+            if path.rstrip("/") == IDENTITY_ROUTE:
+                return JSONResponse(content=identity_answer(
+                    secret, server_id(request.app.state), request.query_params.get("nonce", "")))
             if kind == "control":
                 body = await request.body()
                 if path.rstrip("/") == "/collective_rpc" and rpc_deadline(body) is not None:
@@ -230,10 +263,10 @@ class EnginehooksEndpoints:
                                    "included), which breaks the engine until it restarts. "
                                    "Send no timeout and bound the wait on the client side.",
                         "type": "BadRequest", "code": 400}})
+                verifier = route_verifier(request.app.state)
                 if verifier is not None:
                     try:
-                        verify_route(verifier, request.method, request.headers.get("host", ""),
-                                     path, request.url.query, body,
+                        verify_route(verifier, request.method, path, request.url.query, body,
                                      request.headers.get(ROUTE_AUTH_HEADER))
                     except AuthError as e:
                         return JSONResponse(status_code=401, content={"error": {
@@ -265,6 +298,7 @@ class EnginehooksEndpoints:
 
     async def init_state(self, engine_client: Any, state: Any, args: Namespace) -> None:
         state.enginehooks_beacons = []
+        state.enginehooks_server_id = configured_server_id()
         if engine_client is None:
             return
         try:
@@ -274,3 +308,7 @@ class EnginehooksEndpoints:
                         "not guarded", e)
             return
         state.enginehooks_beacons = [i["beacon"] for i in infos if i.get("beacon")]
+        deployments = {i.get("deployment") for i in infos if isinstance(i, dict)}
+        if state.enginehooks_server_id is None and len(deployments) == 1 and None not in deployments:
+            # the id the workers share: every API process of this server reads the same
+            state.enginehooks_server_id = deployments.pop()

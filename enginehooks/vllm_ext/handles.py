@@ -34,6 +34,7 @@ from typing import Any
 from enginehooks.control._futures import spawn
 from enginehooks.control._http import request_json
 from enginehooks.control.handles import EngineHandle
+from enginehooks.control.identity import ServerIdentity
 from enginehooks.core.auth import load_secret
 from enginehooks.core.errors import (
     ConfigError,
@@ -43,7 +44,7 @@ from enginehooks.core.errors import (
     ReplicaError,
 )
 from enginehooks.engine.contract import PREFIX
-from enginehooks.engine.protocol import Deadline, route_headers
+from enginehooks.engine.protocol import Deadline
 from enginehooks.vllm_ext.fail_closed import guard, guard_async
 
 #: vLLM's weight version after a failed update (the engine holds a mix of versions).
@@ -301,8 +302,10 @@ class VLLMServer(_VLLMHandle):
         self.pause_mode = _check_mode(pause_mode)
         self.timeout_s = timeout_s
         self._headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-        # Signs the control routes, which an engine with a secret guards (fail_closed.py)
+        # Signs the control routes, which an engine with a secret guards (fail_closed.py),
+        # for this server only (its identity, learned from the server: control/identity.py)
         self._secret = secret.encode() if isinstance(secret, str) else (secret or load_secret())
+        self._identity = ServerIdentity(self.url, self.name)
 
     def adopt_secret(self, secret: bytes) -> None:
         """Sign with `secret` (a `WeightSync`'s) unless this handle has its own."""
@@ -311,10 +314,9 @@ class VLLMServer(_VLLMHandle):
 
     def _post(self, path: str, body: Any | None, timeout_s: float) -> Any:
         body = body if body is not None else {}
-        headers = {**self._headers, **route_headers(self._secret, f"{self.url}{path}", body)}
         try:
-            return request_json(f"{self.url}{path}", body, timeout_s=timeout_s, who=self.name,
-                                headers=headers)
+            return self._identity.post(path, body, secret=self._secret, headers=self._headers,
+                                       timeout_s=timeout_s)
         except HTTPStatusError as e:
             if e.status != 404:
                 raise

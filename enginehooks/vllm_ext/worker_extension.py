@@ -629,6 +629,12 @@ class VLLMBinding(EngineBinding):
         return {"beacon": str(self.beacon.path), "verification": self._target.verifier.state(),
                 "copy_plan": self._target.plan.info()}
 
+    def deployment(self) -> str | None:
+        # vLLM draws `instance_id` once per engine and hands the same config to every
+        # worker; prefixed so that it never equals a worker's own id
+        instance = getattr(self.worker.vllm_config, "instance_id", None)
+        return f"vllm-{instance}" if instance else None
+
 
 class WorkerExtension:
     """Mixed into vLLM's worker; see the module docstring. Its methods are the engine

@@ -46,8 +46,32 @@ def server(model_dirs: dict[str, Path], tmp_path_factory: pytest.TempPathFactory
     env = dict(os.environ, **{SECRET_ENV: SECRET})
     log = tmp_path_factory.mktemp("logs") / "vllm-secret.log"
     with VLLMServerProcess(model_dirs["llama"], log, env=env,
+                           extra_args=["--api-key", API_KEY, "--weight-transfer-config",
+                                       '{"backend": "enginehooks"}']) as srv:
+        yield srv
+
+
+@pytest.fixture(scope="module")
+def server_b(model_dirs: dict[str, Path], tmp_path_factory: pytest.TempPathFactory
+             ) -> Iterator[Any]:
+    """A second server with the same secret (and API key): the replica B of issue 36,
+    where requests captured on their way to `server` (A) are replayed."""
+    from enginehooks.testing.servers import VLLMServerProcess
+
+    env = dict(os.environ, **{SECRET_ENV: SECRET})
+    log = tmp_path_factory.mktemp("logs") / "vllm-secret-b.log"
+    with VLLMServerProcess(model_dirs["llama"], log, env=env,
                            extra_args=["--api-key", API_KEY]) as srv:
         yield srv
+
+
+def identity(server: Any) -> str:
+    """The server's identity, read (and checked) as a handle reads it."""
+    from enginehooks.control.identity import ServerIdentity
+
+    found = ServerIdentity(server.url, "test").get(SECRET.encode(), BEARER, 60)
+    assert found
+    return found
 
 
 def post(url: str, body: Any, headers: dict[str, str] | None = None) -> tuple[int, str]:
@@ -105,11 +129,11 @@ def test_control_routes_refuse_calls_without_the_enginehooks_token(
 
 
 def test_route_tokens_are_bound_to_the_request_the_server_and_one_use(server: Any) -> None:
-    host = server.url.removeprefix("http://")
+    me = identity(server)
 
-    def token(path: str, body: Any, for_host: str = host) -> str:
+    def token(path: str, body: Any, for_server: str = me) -> str:
         return sign(SECRET.encode(), ROUTE_VERB, route_payload(
-            "POST", for_host, path, "", json.dumps(body).encode()))
+            "POST", path, "", json.dumps(body).encode()), audience=[for_server])
 
     body = {"new_version": "signed-by-hand"}
     t = token("/update_weight_version", body)
@@ -122,11 +146,96 @@ def test_route_tokens_are_bound_to_the_request_the_server_and_one_use(server: An
     status, _ = post(f"{server.url}/update_weight_version", other,
                      {**BEARER, ROUTE_AUTH_HEADER: token("/update_weight_version", body)})
     assert status == 401
-    for_other_server = token("/update_weight_version", other, "127.0.0.1:1")
+    for_other_server = token("/update_weight_version", other, "vllm-another-server")
     status, _ = post(f"{server.url}/update_weight_version", other,
                      {**BEARER, ROUTE_AUTH_HEADER: for_other_server})
     assert status == 401
     assert get(f"{server.url}/weight_info") == {"weight_version": "signed-by-hand"}
+
+
+def post_as(url: str, body: Any, headers: dict[str, str], host: str) -> tuple[int, str]:
+    """POST exactly these bytes and headers, with the `Host` header an attacker chooses."""
+    return post(url, body, {**headers, "Host": host})
+
+
+@pytest.mark.parametrize("path,body", [
+    ("/update_weight_version", {"new_version": "replayed"}),
+    ("/pause", {}),
+    ("/init_weight_transfer_engine", {"init_info": {"endpoint": {"transport": "gloo"}}}),
+])
+def test_a_request_captured_for_one_server_changes_nothing_at_another(
+        server: Any, server_b: Any, path: str, body: Any) -> None:
+    """Issue 36: a signed request captured on its way to replica A and replayed byte for
+    byte to replica B, with `Host: A`, is refused by B (its token names A's identity,
+    which B is not; no header is read), and B changes nothing; the same request is still
+    good at A."""
+    from enginehooks.engine.protocol import route_headers
+
+    a, b = identity(server), identity(server_b)
+    assert a != b
+    host_a = server.url.removeprefix("http://")
+    captured = {**BEARER, **route_headers(SECRET, f"{server.url}{path}", body, a)}
+    before_b = get(f"{server_b.url}/weight_info")
+    status, text = post_as(f"{server_b.url}{path}", body, captured, host_a)
+    assert status == 401 and "signed for another replica" in text, (status, text[:300])
+    assert get(f"{server_b.url}/weight_info") == before_b
+    assert get(f"{server_b.url}/is_paused") == {"is_paused": False}
+    if path == "/update_weight_version":  # still a genuine, unused request for A
+        assert post(f"{server.url}{path}", body, captured)[0] == 200
+        assert get(f"{server.url}/weight_info") == {"weight_version": "replayed"}
+
+
+def test_a_servers_identity_is_its_workers_deployment_and_signed(server: Any) -> None:
+    from enginehooks.engine.protocol import IDENTITY_ROUTE
+
+    a = identity(server)
+    assert handle(server).info(60)[0]["deployment"] == a  # what the workers answer to
+    raw = get(f"{server.url}{IDENTITY_ROUTE}?nonce=abc")
+    assert raw["server"] == a and raw["nonce"] == "abc" and len(raw["mac"]) == 64
+
+
+def test_a_join_captured_for_one_deployment_is_refused_by_another(
+        server: Any, server_b: Any) -> None:
+    """The workers' own tokens (join, check, receive) name their deployment when the
+    trainer cannot ask for each worker's id (vLLM's own weight-transfer calls): a join
+    signed for A's workers, sent to B's (through B's guarded route, properly signed for
+    B), is refused by B's workers and B stays in no group."""
+    from enginehooks.core.auth import AuthError
+    from enginehooks.engine import protocol
+
+    a = handle(server).info(60)[0]["deployment"]
+    hb = handle(server_b)
+    assert a and a != hb.info(60)[0]["deployment"]
+    endpoint = {"transport": "gloo", "host": "127.0.0.1", "port": 1, "group": "g-of-a",
+                "timeout_s": 5, "world_size": 2}
+    join_for_a = protocol.token(SECRET.encode(), "join", [a], endpoint=endpoint, rank_offset=1)
+    with pytest.raises(AuthError, match="signed for another replica"):
+        hb.call("join", json.dumps(endpoint), 1, join_for_a, timeout_s=60)
+    assert hb.info(60)[0]["group"] is None
+
+
+def test_a_signed_push_through_vllms_own_api_names_the_deployment(
+        server: Any, model_dirs: dict[str, Path], monkeypatch: pytest.MonkeyPatch) -> None:
+    """Through vLLM's weight-transfer calls the trainer learns the deployment's id once
+    (an identify probe) and signs for it; the push lands and the version is recorded."""
+    from vllm.distributed.weight_transfer import ModuleSource, WeightTransferTrainerFactory
+
+    from enginehooks.vllm_ext.transfer_trainer import EnginehooksTrainerInitInfo
+
+    monkeypatch.setenv(SECRET_ENV, SECRET)
+    engine = WeightTransferTrainerFactory.trainer_init(
+        EnginehooksTrainerInitInfo(rank=0, world_size=2, timeout_s=60, bucket_bytes=64 << 10),
+        client=handle(server), source=ModuleSource(perturb(load_tiny(model_dirs["llama"]),
+                                                           seed=53)))
+    try:
+        report = engine.send_weights(weight_version="api-53")
+    finally:
+        engine.shutdown()
+    assert report.ok
+    assert get(f"{server.url}/weight_info") == {"weight_version": "api-53"}
+    assert engine.sync is not None
+    deployment = handle(server).info(60)[0]["deployment"]
+    assert [r._deployment for r in engine.sync._replicas] == [deployment]
 
 
 def test_the_handle_signs_vllms_native_controls(server: Any) -> None:

@@ -36,11 +36,25 @@ def test_tokens_carry_a_128_bit_nonce_and_bytes_that_are_not_json_sign_as_text()
     assert canonical(b"not json") == "not json"
 
 
-def test_a_token_as_an_object_or_without_an_audience_is_accepted(clock: list[float]) -> None:
+def test_a_token_as_an_object_is_accepted_and_one_without_an_audience_is_not(
+        clock: list[float]) -> None:
+    """A token must name the side that verifies it (issue 36: one that names nobody
+    could be replayed to every replica that shares the secret); a verifier without an
+    audience (tools) takes any."""
     v = Verifier(SECRET, audience="w1")
-    v.verify("check", "{}", json.loads(sign(SECRET, "check", "{}")))
-    mac = _mac(SECRET, "check", "n1", 1000.0, "{}", [])
-    v.verify("check", "{}", {"nonce": "n1", "ts": 1000.0, "mac": mac})
+    v.verify("check", "{}", json.loads(sign(SECRET, "check", "{}", ["w1"])))
+    mac = _mac(SECRET, "check", "n1", 1000.0, "{}", ["w1"])
+    v.verify("check", "{}", {"nonce": "n1", "ts": 1000.0, "mac": mac, "aud": ["w1"]})
+    with pytest.raises(AuthError, match="signed for another replica"):
+        v.verify("check", "{}", sign(SECRET, "check", "{}"))
+    mac = _mac(SECRET, "check", "n2", 1000.0, "{}", [])
+    with pytest.raises(AuthError, match="signed for another replica"):
+        v.verify("check", "{}", {"nonce": "n2", "ts": 1000.0, "mac": mac})
+    Verifier(SECRET).verify("check", "{}", sign(SECRET, "check", "{}"))
+    # a verifier answers to several names (a worker's own id and its deployment's)
+    both = Verifier(SECRET, audience=["w1", "deployment-7"])
+    both.verify("check", "{}", sign(SECRET, "check", "{}", ["deployment-7"]))
+    both.verify("check", "{}", sign(SECRET, "check", "{}", ["w1"]))
 
 
 def test_the_audience_list_is_capped_at_4096_names(clock: list[float]) -> None:
@@ -63,10 +77,10 @@ def test_each_refusal_says_why_and_is_logged(clock: list[float],
          "secret or altered message)"),
         (sign(SECRET, "check", "{}", ["a", "b", "c", "d", "e"]), "the authentication token "
          "was signed for another replica (audience ['a', 'b', 'c', 'd'], this worker is 'w9')"),
-        (sign(SECRET, "check", "{}", ts=100.0), "the authentication token is 900s old "
+        (sign(SECRET, "check", "{}", ["w9"], ts=100.0), "the authentication token is 900s old "
          "(window 300s)"),
     ]
-    token = sign(SECRET, "check", "{}")
+    token = sign(SECRET, "check", "{}", ["w9"])
     v.verify("check", "{}", token)
     cases.append((token, "the authentication token was already used (replay)"))
     for bad, why in cases:

@@ -69,37 +69,79 @@ def test_a_token_carries_its_audience() -> None:
 
 
 # -- signed HTTP routes ---------------------------------------------------------------------
-def test_a_route_signs_method_host_path_query_and_body() -> None:
+def test_a_route_signs_method_path_query_and_body_never_a_host() -> None:
     body = b'{"x": 1}'
-    assert p.route_payload("post", "Engine:8000", "/pause", "a=1", body) == canonical({
-        "method": "POST", "host": "engine:8000", "path": "/pause", "query": "a=1",
+    assert p.route_payload("post", "/pause", "a=1", body) == canonical({
+        "method": "POST", "path": "/pause", "query": "a=1",
         "body": hashlib.sha256(body).hexdigest()})
 
 
-def test_route_headers_sign_what_verify_route_checks() -> None:
+def test_route_headers_sign_what_verify_route_checks_for_one_server() -> None:
     body = {"tags": ["weights"]}
-    h = p.route_headers(SECRET, "http://Engine:8000/sleep?level=1", body)
+    h = p.route_headers(SECRET, "http://Engine:8000/sleep?level=1", body, "server-a")
     assert list(h) == [p.ROUTE_AUTH_HEADER] == ["X-Enginehooks-Auth"]
+    assert json.loads(h[p.ROUTE_AUTH_HEADER])["aud"] == ["server-a"]
     raw = json.dumps(body).encode()
-    p.verify_route(Verifier(SECRET), "POST", "engine:8000", "/sleep", "level=1", raw,
+    p.verify_route(Verifier(SECRET, audience="server-a"), "POST", "/sleep", "level=1", raw,
                    h[p.ROUTE_AUTH_HEADER])
     # a text secret is the same key as its bytes
-    h2 = p.route_headers(SECRET.decode(), "http://engine:8000/sleep?level=1", body)
-    p.verify_route(Verifier(SECRET), "POST", "engine:8000", "/sleep", "level=1", raw,
+    h2 = p.route_headers(SECRET.decode(), "http://engine:8000/sleep?level=1", body, "server-a")
+    p.verify_route(Verifier(SECRET, audience="server-a"), "POST", "/sleep", "level=1", raw,
                    h2[p.ROUTE_AUTH_HEADER])
-    for change in [dict(method="GET"), dict(host="other:8000"), dict(path="/wake_up"),
-                   dict(query="level=2"), dict(body=b"{}")]:
-        args = dict(method="POST", host="engine:8000", path="/sleep", query="level=1",
-                    body=raw) | change
+    for change in [dict(method="GET"), dict(path="/wake_up"), dict(query="level=2"),
+                   dict(body=b"{}")]:
+        args = dict(method="POST", path="/sleep", query="level=1", body=raw) | change
         with pytest.raises(AuthError):
-            p.verify_route(Verifier(SECRET), args["method"], args["host"], args["path"],
+            p.verify_route(Verifier(SECRET, audience="server-a"), args["method"], args["path"],
                            args["query"], args["body"], h[p.ROUTE_AUTH_HEADER])
+    # another server (whatever Host header the request carries: none is read) refuses it
+    with pytest.raises(AuthError, match="signed for another replica"):
+        p.verify_route(Verifier(SECRET, audience="server-b"), "POST", "/sleep", "level=1", raw,
+                       h2[p.ROUTE_AUTH_HEADER])
+    # a token that names no server is refused by every server
+    nameless = p.route_headers(SECRET, "http://engine:8000/sleep?level=1", body)
+    with pytest.raises(AuthError, match="signed for another replica"):
+        p.verify_route(Verifier(SECRET, audience="server-a"), "POST", "/sleep", "level=1", raw,
+                       nameless[p.ROUTE_AUTH_HEADER])
     # the route verb is its own: a token of another verb over the same text is refused
-    other = sign(SECRET, "flush", p.route_payload("POST", "engine:8000", "/sleep", "level=1",
-                                                  raw))
+    other = sign(SECRET, "flush", p.route_payload("POST", "/sleep", "level=1", raw),
+                 audience=["server-a"])
     with pytest.raises(AuthError):
-        p.verify_route(Verifier(SECRET), "POST", "engine:8000", "/sleep", "level=1", raw,
+        p.verify_route(Verifier(SECRET, audience="server-a"), "POST", "/sleep", "level=1", raw,
                        other)
+
+
+def test_a_servers_identity_is_signed_over_the_clients_nonce() -> None:
+    answer = p.identity_answer(SECRET, "server-a", "n1")
+    assert p.read_identity(SECRET, answer, "n1") == "server-a"
+    with pytest.raises(AuthError, match="another request"):
+        p.read_identity(SECRET, answer, "n2")  # an answer replayed to another request
+    with pytest.raises(AuthError, match="not signed with the shared secret"):
+        p.read_identity(SECRET, dict(answer, server="server-b"), "n1")  # a swapped identity
+    with pytest.raises(AuthError, match="not signed with the shared secret"):
+        p.read_identity(SECRET, p.identity_answer(b"other", "server-a", "n1"), "n1")
+    with pytest.raises(AuthError, match="not signed with the shared secret"):
+        p.read_identity(SECRET, p.identity_answer(None, "server-a", "n1"), "n1")
+    # a client without a secret signs nothing and checks nothing
+    assert p.read_identity(None, p.identity_answer(None, "server-a", "n1"), "n1") == "server-a"
+    for bad in (None, [], {"server": "", "nonce": "n1"}, {"server": 5, "nonce": "n1"}):
+        with pytest.raises(AuthError, match="malformed"):
+            p.read_identity(SECRET, bad, "n1")
+
+
+def test_a_servers_processes_share_one_replay_window(tmp_path: Any) -> None:
+    """Two API processes of one server (two verifiers over one nonce folder): a token
+    used at one is a replay at the other."""
+    from enginehooks.core.auth import NonceStore
+
+    a = Verifier(SECRET, audience="server-a", nonces=NonceStore(tmp_path / "n"))
+    b = Verifier(SECRET, audience="server-a", nonces=NonceStore(tmp_path / "n"))
+    raw = b"{}"
+    h = p.route_headers(SECRET, "http://x/pause", {}, "server-a")[p.ROUTE_AUTH_HEADER]
+    p.verify_route(a, "POST", "/pause", "", raw, h)
+    with pytest.raises(AuthError, match="replay"):
+        p.verify_route(b, "POST", "/pause", "", raw, h)
+    assert not NonceStore(tmp_path / "n").first_use("../escape")  # only hex nonces name files
 
 
 @pytest.mark.parametrize("secret", [None, b"", ""])

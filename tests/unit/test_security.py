@@ -79,13 +79,15 @@ def test_replayed_messages_are_refused(guarded: LocalEngine) -> None:
     side = guarded.side
     m = plan([TensorSpec("0.weight", "float32", (32, 16))], weight_version=1,
              bucket_bytes=1 << 20).to_json()
-    token = sign(SECRET.encode(), "check", canonical(m))
+    token = sign(SECRET.encode(), "check", canonical(m), [side.instance])
     side.call("check", m, token)  # fresh: accepted (problems listed, nothing changed)
     with pytest.raises(AuthError, match="replay"):
         side.call("check", m, token)
     with pytest.raises(AuthError, match="does not match"):  # a token for another message
         side.call("check", m.replace('"weight_version":1', '"weight_version":2'),
-                  sign(SECRET.encode(), "check", canonical(m)))
+                  sign(SECRET.encode(), "check", canonical(m), [side.instance]))
+    with pytest.raises(AuthError, match="signed for another replica"):  # names nobody
+        side.call("check", m, sign(SECRET.encode(), "check", canonical(m)))
     with pytest.raises(AuthError, match="no valid authentication token"):
         side.call("join", json.dumps({"transport": "gloo"}), 1)
 
@@ -93,13 +95,17 @@ def test_replayed_messages_are_refused(guarded: LocalEngine) -> None:
 def test_buckets_not_signed_with_the_secret_are_refused(monkeypatch: pytest.MonkeyPatch) -> None:
     """A process that reached the group without the secret cannot feed it buckets."""
     gloo = get_transport("gloo")
-    sender = gloo.sender(host="127.0.0.1", port=0, timeout_s=20)  # no secret: a stranger
+    # The group forms with the secret (its barrier keys are signed:
+    # tests/security/test_rendezvous_keys.py keeps a stranger out of it there); then the
+    # sender packs without it, as a process already inside the group would.
+    sender = gloo.sender(host="127.0.0.1", port=0, timeout_s=20, secret=SECRET.encode())
     monkeypatch.setenv(SECRET_ENV, SECRET)
     receiver = gloo.receiver(dict(sender.endpoint(), world_size=2), 1, torch.device("cpu"))
     t = threading.Thread(target=receiver.connect)
     t.start()
     sender.connect(2)
     t.join(20)
+    sender.secret = None  # a stranger's buckets: no MAC
     tensors = {"w": torch.randn(8, 8)}
     m = plan([TensorSpec("w", "float32", (8, 8))], weight_version=1, bucket_bytes=4096,
              checksum="xxh3")
