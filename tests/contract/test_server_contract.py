@@ -204,8 +204,9 @@ def test_unsigned_or_wrongly_signed_updates_are_refused_and_change_nothing(
 def test_a_replayed_message_is_refused(server: Any) -> None:
     m = plan([TensorSpec("model.norm.weight", "float32", (64,))], weight_version=1,
              bucket_bytes=1 << 20).to_json()
-    token = sign(SECRET.encode(), "check", canonical(m))
     h = handle(server)
+    aud = [str(i["instance"]) for i in h.info(30)]  # tokens name their workers (issue 36)
+    token = sign(SECRET.encode(), "check", canonical(m), aud)
     h.rpc(method_name(CHECK), m, token, timeout_s=30)
     with pytest.raises(EngineHooksError, match="replay"):
         h.rpc(method_name(CHECK), m, token, timeout_s=30)

@@ -365,13 +365,16 @@ def test_flush_is_authenticated_on_an_engine_with_a_secret(monkeypatch: pytest.M
     monkeypatch.delenv(SECRET_ENV)
     with pytest.raises(AuthError, match="no valid authentication token"):
         s.flush(None)
+    me = [s.instance]  # tokens name the worker they are for (issue 36)
     with pytest.raises(AuthError):  # a token for another verb with the same payload
-        s.flush(protocol.token(secret.encode(), "leave"))
-    assert s.flush(protocol.token(secret.encode(), "flush")) == {"flushed": None}
+        s.flush(protocol.token(secret.encode(), "leave", me))
+    with pytest.raises(AuthError, match="signed for another replica"):  # names nobody
+        s.flush(protocol.token(secret.encode(), "flush"))
+    assert s.flush(protocol.token(secret.encode(), "flush", me)) == {"flushed": None}
     # what the binding answers is what the reply carries (LocalEngine's module has no
     # cache and answers None; an engine binding that flushes in the worker answers True)
     monkeypatch.setattr(s.binding, "flush", lambda: True)
-    assert s.flush(protocol.token(secret.encode(), "flush")) == {"flushed": True}
+    assert s.flush(protocol.token(secret.encode(), "flush", me)) == {"flushed": True}
 
 
 def test_a_join_counting_another_number_of_workers_is_refused_before_anything_changes() -> None:
