@@ -30,10 +30,10 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from enginehooks.control.report import PushReport
 from enginehooks.core.dtypes import dtype_name, torch_dtype
 from enginehooks.core.errors import ConfigError, TransportError
 from enginehooks.core.manifest import Manifest, TensorSpec
+from enginehooks.core.report import PushReport
 from enginehooks.core.senders import ORDER_KEY, only, parts, send_order
 from enginehooks.trainer_side.channel import (
     Answer,

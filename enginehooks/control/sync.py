@@ -32,7 +32,6 @@ import torch
 
 from enginehooks.control._futures import spawn
 from enginehooks.control.handles import EngineHandle
-from enginehooks.control.report import PushReport, ReplicaResult
 from enginehooks.control.senders import Follower, SenderSet, ask_plans, with_send_order
 from enginehooks.core.auth import AuthError, load_secret
 from enginehooks.core.checksums import check_name
@@ -48,6 +47,7 @@ from enginehooks.core.errors import (
     TransportError,
 )
 from enginehooks.core.manifest import Manifest, plan
+from enginehooks.core.report import PushReport, ReplicaResult
 from enginehooks.core.senders import decide_parts
 from enginehooks.engine import protocol
 from enginehooks.plugins import get_plugin_manager, get_transport, transports
