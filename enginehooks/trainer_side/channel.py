@@ -74,9 +74,13 @@ class Message:
         cls = Message._types.get(raw.get("op")) if isinstance(raw, dict) else None
         if cls is None:
             raise MalformedMessage(f"not a trainer-ranks message: {str(raw)[:200]}")
-        names = {f.name for f in fields(cls)}
+        values = {f.name: raw[f.name] for f in fields(cls) if f.name in raw}
+        for f in fields(cls):
+            if f.name in values and not _fits(values[f.name], str(f.type)):
+                raise MalformedMessage(f"a malformed {cls.op!r} message: {f.name} is "
+                                       f"{str(values[f.name])[:64]!r}, not {f.type}")
         try:
-            return cls(**{k: v for k, v in raw.items() if k in names})
+            return cls(**values)
         except (TypeError, ValueError) as e:
             raise MalformedMessage(f"a malformed {cls.op!r} message: {e}") from None
 
@@ -87,6 +91,30 @@ class Message:
         except (ValueError, UnicodeDecodeError) as e:
             raise MalformedMessage(f"not a trainer-ranks message ({e}): {text[:64]!r}") from None
         return Message.from_dict(raw)
+
+
+_JSON_TYPES: dict[str, tuple[type, ...]] = {
+    "int": (int,), "float": (int, float), "str": (str,), "bool": (bool,), "dict": (dict,),
+    "list": (list,), "None": (type(None),)}
+
+
+def _fits(value: Any, annotation: str) -> bool:
+    """Whether a JSON value is of a field's declared type (its outer types: `int`,
+    `str | None`, `dict[...]`), which is all a message's fields need."""
+    options, depth, start = [], 0, 0
+    for i, c in enumerate(annotation):
+        depth += (c == "[") - (c == "]")
+        if c == "|" and depth == 0:
+            options.append(annotation[start:i])
+            start = i + 1
+    options.append(annotation[start:])
+    for option in options:
+        types = _JSON_TYPES.get(option.split("[", 1)[0].strip())
+        if types is None:
+            return True  # a field typed beyond JSON's: its class checks it
+        if isinstance(value, types) and not (isinstance(value, bool) and bool not in types):
+            return True
+    return False
 
 
 @dataclass(frozen=True)
@@ -201,10 +229,14 @@ def frame(message: Message, size: int = FLAG_BYTES) -> bytes:
     """`message` in a fixed-size frame (zero padded); a `Stop`'s reason is cut to fit."""
     data = message.to_json().encode()
     if len(data) > size and isinstance(message, Stop):
-        reason = message.reason
-        while len(data) > size and reason:
-            reason = reason[: max(0, len(reason) - max(1, (len(data) - size)))]
-            data = Stop(message.index, reason).to_json().encode()
+        lo, hi = 0, len(message.reason)  # the longest prefix of the reason that fits
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            if len(Stop(message.index, message.reason[:mid]).to_json().encode()) <= size:
+                lo = mid
+            else:
+                hi = mid - 1
+        data = Stop(message.index, message.reason[:lo]).to_json().encode()
     if len(data) > size:
         raise MalformedMessage(f"a {message.op!r} message of {len(data)} bytes does not fit "
                                f"a frame of {size}")
