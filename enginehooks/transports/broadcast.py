@@ -25,6 +25,12 @@ NCCL specifics (what each guards against):
   stream after the current stream at launch, so the target's copies out of a buffer
   (made on the current stream) finish before the next receive overwrites it.
 
+One receive loop (`receive_in_order`) serves one sender's group (`BroadcastReceiver.stream`)
+and several senders' groups received in the send order (`multisender.MultiReceiver`); it
+and the primitives it is built from (`bcast`, `wait_work`, `wait_within`, `host_wait`,
+`bury`) are public for that module. A whole transfer is bounded by the package's one
+`Deadline` (`core/deadline.py`).
+
 Direct buckets (gloo, `GlooTransport.direct_min` in `collectives.py`; see `core/manifest.py`): the sender
 broadcasts the bucket's trailer, then the payload from the tensor's own storage (no
 packing copy); the receiver checks the trailer (signature, update, index, size, or an
