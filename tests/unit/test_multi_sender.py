@@ -176,6 +176,13 @@ def test_several_senders_run_over_gloo_and_nccl_and_a_receiver_needs_its_senders
             MultiSenderSync(None, transport)  # type: ignore[arg-type]
     sync = MultiSenderSync(None, "nccl")  # type: ignore[arg-type]
     assert sync.senders is None and sync.transport_name == "nccl"
+    # the one coordinator refuses them the same way (MultiSenderSync is its alias)
+    from enginehooks import WeightSync
+    from enginehooks.trainer_side import TrainerRanks
+
+    with pytest.raises(ConfigError, match="several senders run over"):
+        WeightSync("disk", senders=TrainerRanks())
+    assert WeightSync("gloo", senders=TrainerRanks()).senders is not None
     for bad in ("x", [], None):
         with pytest.raises(TransportError, match="lists its senders"):
             MultiReceiver({"senders": bad, "world_size": 2}, 1, torch.device("cpu"))
