@@ -7,7 +7,7 @@ bf16, `fully_shard`ed per layer), module replicas on GPUs 2 and 3 (a `LocalEngin
 behind HTTP: they receive through `EngineSide` and `Receiver.deliver`, the code the
 engine plugins run). Rows, medians of `--reps` after `--warmup`, all in one run:
 
-- (a) `multi`: `MultiSenderSync("nccl")`, both ranks sending their share (push wall
+- (a) `multi`: `WeightSync("nccl", senders=...)`, both ranks sending their share (push wall
   time on rank 0, and its transfer phase);
 - (b) `single`: one `WeightSync("nccl", device=cuda:0)` on rank 0 with the FSDP2
   adapter (rank 1 follows the lockstep gathers), into the same 2 replicas;
@@ -53,9 +53,9 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 import torch  # noqa: E402
 from bench_transports import MODELS, qwen25_7b_specs  # noqa: E402
 
-from enginehooks.control.senders import decide_parts, parts, plan_senders  # noqa: E402
 from enginehooks.core.buckets import message_bytes  # noqa: E402
 from enginehooks.core.manifest import TensorSpec, plan  # noqa: E402
+from enginehooks.core.senders import decide_parts, parts  # noqa: E402
 from tests.gpu.multisender_procs import CHILD_ENV, Procs  # noqa: E402
 
 GB = 1e9
@@ -118,8 +118,8 @@ class Bench:
         return [message_bytes(b.nbytes) for b in m.buckets]
 
     def multi_sizes(self) -> list[list[int]]:
-        m = plan_senders(decide_parts([self.specs, self.specs]), weight_version=0,
-                         bucket_bytes=self.bucket, checksum="sum64")
+        m = plan(parts=decide_parts([self.specs, self.specs]), weight_version=0,
+                 bucket_bytes=self.bucket, checksum="sum64")
         return [[message_bytes(b.nbytes) for b in part.buckets] for part in parts(m)]
 
     def row(self, key: str, times: list[float], **extra: Any) -> None:

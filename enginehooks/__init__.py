@@ -11,7 +11,6 @@
 from __future__ import annotations
 
 from enginehooks.control.handles import EngineHandle
-from enginehooks.control.report import PushReport
 from enginehooks.control.sync import WeightSync
 from enginehooks.core.errors import (
     ChecksumError,
@@ -26,6 +25,7 @@ from enginehooks.core.errors import (
     TransportError,
 )
 from enginehooks.core.manifest import Manifest, TensorSpec, plan
+from enginehooks.core.report import PushReport
 from enginehooks.markers import hookimpl
 from enginehooks.plugins import get_plugin_manager
 

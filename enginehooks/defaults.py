@@ -17,8 +17,8 @@ from enginehooks.markers import hookimpl
 from enginehooks.plugins import get_transport
 
 if TYPE_CHECKING:
-    from enginehooks.control.report import PushReport
     from enginehooks.core.manifest import Manifest
+    from enginehooks.core.report import PushReport
     from enginehooks.transports.base import (
         Abort,
         GroupRequest,

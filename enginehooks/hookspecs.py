@@ -14,8 +14,8 @@ from typing import TYPE_CHECKING, Any
 from enginehooks.markers import hookspec
 
 if TYPE_CHECKING:
-    from enginehooks.control.report import PushReport
     from enginehooks.core.manifest import Manifest
+    from enginehooks.core.report import PushReport
     from enginehooks.trainer_side.contract import TrainerAdapter
     from enginehooks.transports.base import (
         Abort,

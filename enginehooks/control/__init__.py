@@ -1,2 +1,2 @@
-"""The control plane, trainer side: `WeightSync` (the coordinator), engine handles, and
-the report a push returns."""
+"""The control plane, trainer side: `WeightSync` (the one coordinator, for one sender or
+several: `sync.py`, `senders.py`), engine handles, and the report a push returns."""

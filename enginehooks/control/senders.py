@@ -1,165 +1,301 @@
-"""Several trainer ranks sending one update: who sends which tensor, the one manifest they
-share, and each sender's part of it (pure functions; `docs/scale.md`).
+"""Several trainer ranks sending one update (`WeightSync(senders=...)`, `docs/scale.md`):
+both halves of the command protocol between them, in one module.
 
-One update from k senders is **one manifest** (one update id, one signature): sender
-j's tensors, in its own stream order, packed into buckets of their own, and the
-manifest's `meta["senders"]` lists, per sender, its run of buckets and tensors:
-`[[first_bucket, n_buckets, first_tensor, n_tensors], ...]` in sender order. The
-trainer signs the manifest, so the signature covers which sender sends which bucket.
+One sender's link caps an update across nodes (a 1T-parameter model takes ~54 s through
+one 400 Gb/s NIC). With k trainer ranks sending, each rank ships only its part, all at
+once, each over its own broadcast group, under one manifest and one update id
+(`core/senders.py`). Trainer rank 0 (the coordinator) is the `WeightSync` that talks to
+the engines, through the same push routine as one sender; the other ranks follow its
+typed commands (`trainer_side/channel.py`):
 
-Each side derives sender j's **part** from it with `parts`: a manifest of its own
-(buckets renumbered from 0, `meta` naming the part and the whole update's id). Sender j
-packs its part and receivers unpack it with the ordinary single-sender code, so every
-bucket is checked exactly as before (trailer, manifest id, index, size, digest, MAC):
-a bucket of part j carries part j's id, which no other part or update has, so it cannot
-be replayed as another sender's bucket.
+- `plan` (coordinator: `ask_plans`): every rank says which tensors it can stream; the
+  coordinator plans one manifest (`core/manifest.plan(parts=...)`): ranks that each
+  stream the whole model (FSDP ranks gathering in lockstep) get a balanced share, ranks
+  that each own a part send that part; lockstep ranks get the send order written into
+  the manifest (`with_send_order`);
+- `open`, `connect`, `send`, `close` (coordinator: `SenderSet`, the `Sender` that the
+  coordinator's `WeightSync` holds while several ranks send): each rank opens its own
+  sender through the `update_group` hook, joins its group, sends its part;
+- `end` and `bye` (coordinator: `WeightSync.push` / `close`): the outcome, and the end.
+
+`Follower` is the other ranks' side: it answers each command until the one that ends
+the call (`end` for a push, `bye` for `close`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+import contextlib
+import threading
+import time
+from collections.abc import Callable
 from typing import Any
 
-from enginehooks.core.buckets import manifest_id
-from enginehooks.core.errors import ManifestError
-from enginehooks.core.manifest import Manifest, TensorSpec, plan
+from enginehooks.core.dtypes import dtype_name, torch_dtype
+from enginehooks.core.errors import ConfigError, TransportError
+from enginehooks.core.manifest import Manifest, TensorSpec
+from enginehooks.core.report import PushReport
+from enginehooks.core.senders import ORDER_KEY, only, parts, send_order
+from enginehooks.trainer_side.channel import (
+    Answer,
+    Bye,
+    Close,
+    Command,
+    Connect,
+    End,
+    Open,
+    Plan,
+    RanksBroken,
+    Send,
+    ShortGather,
+    TrainerRanks,
+)
+from enginehooks.trainer_side.contract import TrainerAdapter, adapter_for
+from enginehooks.trainer_side.lockstep import PushAborted
+from enginehooks.transports.base import Abort, Sender, SendStats, Stream
 
-SENDERS_KEY = "senders"
-
-
-def assign_balanced(specs: Sequence[TensorSpec], senders: int) -> list[int]:
-    """The sender of each tensor (in stream order) when every sender holds every tensor
-    (FSDP ranks iterate the whole stream in lockstep). Largest first, each to the
-    sender with the fewest bytes so far (lowest rank on a tie): the busiest sender ends
-    within the largest tensor of the others, wherever the big tensors sit in the stream
-    (an embedding first, an untied head last). Tensors of equal size keep their stream
-    order, so a run of layers is dealt round robin and the senders' parts interleave
-    along the stream (ranks that gather in lockstep all have something to send)."""
-    if senders < 1:
-        raise ValueError(f"senders must be >= 1, got {senders}")
-    loads = [0] * senders
-    owners = [0] * len(specs)
-    for i in sorted(range(len(specs)), key=lambda i: -specs[i].nbytes):
-        j = min(range(senders), key=lambda r: (loads[r], r))
-        owners[i] = j
-        loads[j] += max(specs[i].nbytes, 1)
-    return owners
-
-
-def split_specs(specs: Sequence[TensorSpec], owners: Sequence[int],
-                senders: int) -> list[list[TensorSpec]]:
-    """`specs` grouped by owner, each group in stream order."""
-    if len(owners) != len(specs):
-        raise ValueError(f"{len(owners)} owners for {len(specs)} tensors")
-    out: list[list[TensorSpec]] = [[] for _ in range(senders)]
-    for s, j in zip(specs, owners):
-        if not 0 <= j < senders:
-            raise ValueError(f"tensor {s.name!r}: sender {j} is outside 0..{senders - 1}")
-        out[j].append(s)
-    return out
+#: How long the coordinator waits for the other ranks' answer to a `close`.
+CLOSE_WAIT_S = 5.0
 
 
-def decide_parts(per_rank: Sequence[Sequence[TensorSpec]]) -> list[list[TensorSpec]]:
-    """Which tensors each trainer rank sends, from what each rank says it can stream:
-    every rank the same tensors (ranks that each produce the whole model, such as FSDP
-    ranks gathering in lockstep): a balanced assignment (`assign_balanced`); tensors no
-    two ranks share (each rank owns its part): its own. Anything else is refused,
-    naming a tensor two ranks both offer."""
-    if not per_rank:
-        raise ManifestError("no trainer rank offered any tensor")
-    first = list(per_rank[0])
-    if all(list(p) == first for p in per_rank[1:]):
-        return split_specs(first, assign_balanced(first, len(per_rank)), len(per_rank))
-    seen: dict[str, int] = {}
-    for j, specs in enumerate(per_rank):
-        for s in specs:
-            if s.name in seen:
-                raise ManifestError(
-                    f"trainer ranks {seen[s.name]} and {j} both stream {s.name!r}, but not the "
-                    "same tensors: every rank must stream either the whole model or only the "
-                    "tensors it owns")
-            seen[s.name] = j
-    return [list(p) for p in per_rank]
+# -- the coordinator ------------------------------------------------------------------------
+def ask_plans(ranks: TrainerRanks, adapter: TrainerAdapter) -> list[list[TensorSpec]]:
+    """Coordinator: every rank's tensors (its `adapter.specs()`), in rank order, each
+    rank's adapter told the coordinator's wire dtypes."""
+    ranks.broadcast(Plan(dtype_name(adapter.dtype) if adapter.dtype else None,
+                         {n: dtype_name(d) if d is not None else None
+                          for n, d in adapter.dtypes.items()}))
+    mine = adapter.specs()
+    answers = ranks.gather(Answer.of_specs(mine))
+    bad = [f"trainer rank {j}: {a.error}" for j, a in enumerate(answers) if not a.ok]
+    if bad:
+        raise ConfigError("planning failed on " + "; ".join(bad))
+    return [mine] + [a.tensor_specs(j) for j, a in enumerate(answers) if j]
 
 
-def plan_senders(parts: Sequence[Sequence[TensorSpec]], *, weight_version: int | str,
-                 bucket_bytes: int, checksum: str | None, split: bool = True,
-                 meta: Mapping[str, Any] | None = None, **options: Any) -> Manifest:
-    """One manifest for an update sent by `len(parts)` senders, sender j sending the
-    tensors `parts[j]` (module docstring); `options` go to `plan`. A name planned by two
-    senders is refused."""
-    if not parts:
-        raise ManifestError("an update needs at least one sender")
-    base = {k: v for k, v in (meta or {}).items() if k != SENDERS_KEY}
-    planned = [plan(p, weight_version=weight_version, bucket_bytes=bucket_bytes,
-                    checksum=checksum, split=split, meta=base, **options) for p in parts]
-    buckets: list[list[Any]] = []
-    tensors: list[dict[str, Any]] = []
-    ranges: list[list[int]] = []
-    version = 1
-    for m in planned:
-        d = m.to_dict()
-        version = max(version, int(d["format_version"]))
-        first_b, first_t = len(buckets), len(tensors)
-        buckets += [[first_b + rb[0], *rb[1:]] for rb in d["buckets"]]
-        for t in d["tensors"]:
-            t["pieces"] = [[first_b + p[0], *p[1:]] for p in t["pieces"]]
-            tensors.append(t)
-        ranges.append([first_b, len(d["buckets"]), first_t, len(d["tensors"])])
-    whole = planned[0].to_dict()
-    whole.update(format_version=version, buckets=buckets, tensors=tensors,
-                 meta={**base, SENDERS_KEY: ranges})
-    return Manifest.from_dict(whole)
-
-
-def sender_ranges(manifest: Manifest) -> list[tuple[int, int, int, int]]:
-    """`meta["senders"]` validated: contiguous runs that cover every bucket and tensor
-    in order, each tensor's pieces inside its sender's buckets. A manifest without the
-    key has one sender."""
-    raw = manifest.meta.get(SENDERS_KEY)
-    if raw is None:
-        return [(0, len(manifest.buckets), 0, len(manifest.tensors))]
-    if not isinstance(raw, list) or not raw or len(raw) > 65536:
-        raise ManifestError(f"meta.senders must be a non-empty list, got {str(raw)[:200]}")
-    out: list[tuple[int, int, int, int]] = []
-    nb = nt = 0
-    for j, r in enumerate(raw):
-        if (not isinstance(r, list) or len(r) != 4
-                or not all(isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in r)):
-            raise ManifestError(f"meta.senders[{j}] must be 4 integers >= 0, got {r!r}")
-        if r[0] != nb or r[2] != nt:
-            raise ManifestError(f"meta.senders[{j}] = {r}: runs must be contiguous (expected "
-                                f"buckets from {nb}, tensors from {nt})")
-        nb, nt = nb + r[1], nt + r[3]
-        out.append((r[0], r[1], r[2], r[3]))
-    if nb != len(manifest.buckets) or nt != len(manifest.tensors):
-        raise ManifestError(f"meta.senders covers {nb} buckets and {nt} tensors; the manifest "
-                            f"has {len(manifest.buckets)} and {len(manifest.tensors)}")
-    for j, (fb, cb, ft, ct) in enumerate(out):
-        for t in manifest.tensors[ft:ft + ct]:
-            if any(not fb <= p.bucket < fb + cb for p in t.pieces):
-                raise ManifestError(f"tensor {t.name!r} of sender {j} has a piece outside "
-                                    f"that sender's buckets {fb}..{fb + cb - 1}")
-    return out
-
-
-def parts(manifest: Manifest) -> list[Manifest]:
-    """Each sender's part of `manifest`, as a manifest of its own (module docstring).
-    Both sides derive it from the signed manifest; a manifest of one sender without the
-    key is its own single part."""
-    if SENDERS_KEY not in manifest.meta:
-        return [manifest]
-    ranges = sender_ranges(manifest)
+def with_send_order(manifest: Manifest, per_rank: list[list[TensorSpec]]) -> Manifest:
+    """`manifest` with the order its buckets are sent in (`meta["order"]`), where every
+    rank streams the same tensors (lockstep ranks, which the receivers must follow on
+    NCCL: `transports/multisender.py`); else `manifest` itself."""
+    mine = per_rank[0]
+    if not all(list(p) == list(mine) for p in per_rank[1:]):
+        return manifest
+    order = send_order(manifest, [s.name for s in mine])
+    if order is None:
+        return manifest
     d = manifest.to_dict()
-    update = f"{manifest_id(manifest):016x}"
-    meta = {k: v for k, v in d["meta"].items() if k != SENDERS_KEY}
-    out = []
-    for j, (fb, cb, ft, ct) in enumerate(ranges):
-        tensors = []
-        for t in d["tensors"][ft:ft + ct]:
-            tensors.append({**t, "pieces": [[p[0] - fb, *p[1:]] for p in t["pieces"]]})
-        part = {**d, "buckets": [[rb[0] - fb, *rb[1:]] for rb in d["buckets"][fb:fb + cb]],
-                "tensors": tensors,
-                "meta": {**meta, "part": j, "parts": len(ranges), "update": update}}
-        out.append(Manifest.from_dict(part))
-    return out
+    d["meta"] = {**d["meta"], ORDER_KEY: order}
+    return Manifest.from_dict(d)
+
+
+class SenderSet(Sender):
+    """Trainer rank 0's sender while every rank of `ranks` sends its part: `own` (this
+    rank's sender, from the transport) plus the other ranks' senders, which it opens,
+    connects, drives and closes through commands."""
+
+    def __init__(self, own: Sender, ranks: TrainerRanks, timeout_s: float) -> None:
+        self.own, self.ranks, self.timeout_s = own, ranks, float(timeout_s)
+        self._lock = threading.Lock()
+        self._closed = False
+        self._pending: list[ShortGather] = []
+        try:
+            answers = self.command(Open()).result()
+            self.endpoints = [own.endpoint()] + [a.endpoint or {} for a in self._ok(
+                answers, "open its sender")[1:]]
+        except BaseException:
+            own.close()
+            raise
+
+    # -- the commands ---------------------------------------------------------------------
+    def command(self, cmd: Command, timeout_s: float | None = None) -> ShortGather:
+        """Send `cmd` to every other rank and start gathering their answers."""
+        self._settle()
+        self.ranks.broadcast(cmd, timeout_s)
+        g = self.ranks.gather_short(Answer())
+        self._pending.append(g)
+        return g
+
+    def _settle(self) -> None:
+        """Wait for answers still outstanding (a command abandoned by a failed push):
+        every rank's collectives must come in the same order."""
+        while self._pending:
+            g = self._pending.pop(0)
+            if not g.done():
+                g.result(self.timeout_s)
+
+    @staticmethod
+    def _ok(answers: list[Answer], what: str) -> list[Answer]:
+        bad = [(j, a) for j, a in enumerate(answers) if j and not a.ok]
+        if bad:
+            raise TransportError("; ".join(f"trainer rank {j} could not {what}: {a.error}"
+                                           for j, a in bad))
+        return answers
+
+    # -- Sender ---------------------------------------------------------------------------
+    def endpoint(self) -> dict[str, Any]:
+        own = self.own.endpoint()
+        return {**own, "group": f"multi-{own['group']}", "senders": self.endpoints}
+
+    def connect(self, world_size: int) -> None:
+        with self._lock:
+            if self._closed:
+                raise TransportError("the sender group was closed before it connected")
+            g = self.command(Connect(world_size))
+        self.own.connect(world_size)
+        self._ok(g.result(self.timeout_s), "join its broadcast group")
+
+    def send(self, manifest: Manifest, stream: Stream, abort: Abort) -> SendStats:
+        mine = parts(manifest)
+        if len(mine) != len(self.endpoints):
+            raise TransportError(f"the manifest has {len(mine)} senders; the group has "
+                                 f"{len(self.endpoints)}")
+        t0 = time.perf_counter()
+        with self._lock:
+            g = self.command(Send(manifest.to_json()))
+        names = {t.name for t in mine[0].tensors}
+        stats = self.own.send(mine[0], only(stream, names), abort)
+        g.future.add_done_callback(lambda _f: abort.poke())
+        if not abort.wait_for(g.done, self.timeout_s):
+            raise TransportError(f"trainer ranks 1..{self.ranks.size - 1} did not finish "
+                                 f"sending within {self.timeout_s}s")
+        answers = self._ok(g.result(self.timeout_s), "send its part")
+        stats.bytes = manifest.total_bytes
+        stats.buckets = len(manifest.buckets)
+        stats.seconds = time.perf_counter() - t0
+        stats.extra["senders"] = [{"rank": 0, "seconds": stats.seconds}] + [
+            {"rank": j, "seconds": a.seconds, "bytes": a.bytes}
+            for j, a in enumerate(answers) if j]
+        return stats
+
+    @property
+    def broken(self) -> bool:
+        return self._closed or self.own.broken or self.ranks.broken is not None
+
+    def close(self) -> None:
+        """Close this rank's sender and tell the others to close theirs; their answer is
+        not waited for here (it is before the next command), so a failed push is
+        reported at once."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            self.own.close()
+            # With an answer still outstanding (a failed push), say nothing: the other
+            # ranks close their senders when the next group opens.
+            if self.ranks.broken is None and all(g.done() for g in self._pending):
+                with contextlib.suppress(RanksBroken):
+                    self.command(Close(), timeout_s=CLOSE_WAIT_S)
+
+
+# -- the other ranks ------------------------------------------------------------------------
+class Follower:
+    """A sending trainer rank other than the coordinator: answers its commands.
+
+    Args:
+        ranks: the channel (this rank is not its root).
+        open_sender: opens this rank's sender (the transport's, through `update_group`).
+        close_sender: closes it (through `update_group`).
+        timeout_s: the push's timeout; a rank waits for its next command at most
+            `6 x timeout_s + 60` s (the phases between two commands).
+        transport: the transport's name, for reports.
+    """
+
+    def __init__(self, ranks: TrainerRanks, open_sender: Callable[[], Sender],
+                 close_sender: Callable[[Sender], None], timeout_s: float,
+                 transport: str) -> None:
+        self.ranks = ranks
+        self.open_sender, self.close_sender = open_sender, close_sender
+        self.timeout_s = float(timeout_s)
+        self.transport = transport
+        self.sender: Sender | None = None
+        self.adapter: TrainerAdapter | None = None
+
+    def follow(self, model: Any, version: int | str) -> PushReport:
+        """One push on this rank: a report of its own part (bytes, buckets); raises
+        `PushAborted` when the push failed anywhere."""
+        report = PushReport(version=version, transport=self.transport)
+        stats = self.serve(model, until=End)
+        if stats is not None:
+            report.bytes, report.buckets = stats.bytes, stats.buckets
+        return report
+
+    def close(self) -> None:
+        """`close()` on this rank: serve until the coordinator's `bye`, then close."""
+        try:
+            self.serve(None, until=Bye)
+        finally:
+            self._drop()
+
+    def serve(self, model: Any, until: type[End] | type[Bye]) -> SendStats | None:
+        """Answer the coordinator's commands until `until` (or `bye`)."""
+        ranks, rank = self.ranks, self.ranks.rank
+        long_wait = 6 * self.timeout_s + 60.0
+        failed: str | None = None
+        stats: SendStats | None = None
+        while True:
+            cmd = ranks.broadcast(None, timeout_s=self.timeout_s if failed else long_wait)
+            if isinstance(cmd, (End, Bye)):
+                if isinstance(cmd, End) and not cmd.ok:
+                    raise PushAborted(f"trainer rank {rank}: the push failed: {cmd.error}",
+                                      str(cmd.error))
+                if failed is not None:
+                    raise TransportError(failed)
+                if isinstance(cmd, (until, Bye)):
+                    return stats
+                continue
+            if isinstance(cmd, Plan):
+                try:
+                    answer = Answer.of_specs(self._plan(model, cmd))
+                except Exception as e:
+                    answer = Answer(ok=False, error=f"{type(e).__name__}: {e}")
+                ranks.gather(answer)
+                continue
+            try:
+                answer, stats = self._handle(cmd, stats)
+            except Exception as e:
+                answer = Answer(ok=False, error=f"{type(e).__name__}: {e}"[:4000])
+                if isinstance(cmd, Send):
+                    failed = f"trainer rank {rank}: sending its part failed: {answer.error}"
+            ranks.gather_short(answer).result(self.timeout_s)
+
+    def _plan(self, model: Any, cmd: Plan) -> list[TensorSpec]:
+        dtype = torch_dtype(cmd.dtype) if cmd.dtype else None
+        dtypes = {n: torch_dtype(d) if d is not None else None for n, d in cmd.dtypes.items()}
+        if isinstance(model, TrainerAdapter):
+            adapter = model
+            if adapter.dtype is None and not adapter.dtypes:
+                adapter.dtype, adapter.dtypes = dtype, dtypes
+        else:
+            adapter = adapter_for(model, dtype=dtype, dtypes=dtypes)
+        self.adapter = adapter
+        return adapter.specs()
+
+    def _handle(self, cmd: Any, stats: SendStats | None) -> tuple[Answer, SendStats | None]:
+        if isinstance(cmd, Open):
+            self._drop()
+            self.sender = self.open_sender()
+            return Answer(endpoint=self.sender.endpoint()), stats
+        if isinstance(cmd, Connect):
+            self._here(connected=False).connect(int(cmd.world))
+            return Answer(), stats
+        if isinstance(cmd, Send):
+            if self.adapter is None:
+                raise TransportError("send before plan")
+            part = parts(Manifest.from_json(cmd.manifest))[self.ranks.rank]
+            names = {t.name for t in part.tensors}
+            stats = self._here().send(part, only(self.adapter.stream(), names), Abort())
+            return Answer(seconds=stats.seconds, bytes=part.total_bytes), stats
+        if isinstance(cmd, Close):
+            self._drop()
+            return Answer(), stats
+        op = getattr(cmd, "op", cmd)
+        raise ConfigError(f"unknown command {op!r} from trainer rank 0")
+
+    def _drop(self) -> None:
+        sender, self.sender = self.sender, None
+        if sender is not None:
+            self.close_sender(sender)
+
+    def _here(self, connected: bool = True) -> Sender:
+        if self.sender is None or (connected and self.sender.broken):
+            raise TransportError(f"trainer rank {self.ranks.rank} has no open sender")
+        return self.sender

@@ -5,6 +5,13 @@ without a deadline: each replica call runs on its own thread as a future, the se
 waits on its collectives and on those futures together, and the first failure
 anywhere ends the push with an error naming the replica, within the timeout.
 
+One push routine serves one sender and several (`senders=`: every trainer rank sends
+its part of the update over a group of its own, `docs/scale.md`): the coordinator (the
+only sender, or trainer rank 0) runs the phases below; with several senders its plan
+asks every rank for its tensors and its sender is a `SenderSet` that drives the other
+ranks' senders (`control/senders.py`), while `push` on the other ranks answers its
+commands (`Follower`).
+
 Phases of a push (each timed through the `run_phase` hook):
   plan      names/dtypes/shapes -> manifest (no tensor is produced)
   group     form the transport group if membership changed
@@ -25,7 +32,7 @@ import torch
 
 from enginehooks.control._futures import spawn
 from enginehooks.control.handles import EngineHandle
-from enginehooks.control.report import PushReport, ReplicaResult
+from enginehooks.control.senders import Follower, SenderSet, ask_plans, with_send_order
 from enginehooks.core.auth import AuthError, load_secret
 from enginehooks.core.checksums import check_name
 from enginehooks.core.dtypes import torch_dtype
@@ -42,8 +49,11 @@ from enginehooks.core.errors import (
     TransportError,
 )
 from enginehooks.core.manifest import Manifest, plan
+from enginehooks.core.report import PushReport, ReplicaResult
+from enginehooks.core.senders import decide_parts
 from enginehooks.engine import protocol
-from enginehooks.plugins import get_plugin_manager, get_transport
+from enginehooks.plugins import get_plugin_manager, get_transport, transports
+from enginehooks.trainer_side.channel import Bye, End, RanksBroken, TrainerRanks
 from enginehooks.trainer_side.contract import TrainerAdapter, adapter_for
 from enginehooks.transports.base import Abort, GroupRequest, Sender
 
@@ -87,6 +97,15 @@ def blame(error: BaseException | None) -> int:
     return OWN
 
 
+def require_several_senders(transport: str) -> None:
+    """Refuse a transport that cannot split an update over several senders (one copy per
+    replica, or files: no groups to split it over)."""
+    able = tuple(n for n, t in transports().items() if t.several_senders)
+    if not get_transport(transport).several_senders:
+        raise ConfigError(f"several senders run over {able}, not {transport!r} "
+                          "(docs/scale.md)")
+
+
 class WeightSync:
     """Coordinates pushes from this (sender) trainer rank to engine replicas.
 
@@ -118,6 +137,11 @@ class WeightSync:
             tensors through its own loader (`engine/verify.py`), besides the first update of
             its process, which it verifies anyway; a mismatch it cannot repair fails the
             push, naming the tensors. Costs one model's memory on each engine while it runs.
+        senders: the trainer ranks that send this update together (`docs/scale.md`): the
+            channel between them (`TrainerRanks` over a gloo group of their own), None for
+            one sender. Build the same `WeightSync` on every rank, each with its own
+            `host`; register the replicas on rank 0 (the coordinator); call `push` and
+            `close` on every rank at the same point of the loop. gloo and nccl only.
     """
 
     def __init__(
@@ -137,11 +161,14 @@ class WeightSync:
         on_torn: str | None = None,
         wake_up: bool = False,
         verify: bool = False,
+        senders: TrainerRanks | None = None,
     ) -> None:
         if on_torn not in (None, "refuse", "serve"):
             raise ConfigError(f"on_torn={on_torn!r}: 'refuse', 'serve' or None")
         self.transport_name = transport
         self.transport = get_transport(transport)
+        if senders is not None:
+            require_several_senders(transport)
         if checksum == "auto":
             checksum = self.transport.default_checksum
         check_name(checksum)
@@ -165,10 +192,20 @@ class WeightSync:
         self._audience: dict[int, list[str]] = {}
         self._lock = threading.Lock()  # one push at a time
         self._pm = get_plugin_manager()
+        #: the trainer ranks sending together (None: this rank alone)
+        self.senders = senders
+        #: the other ranks' side of several senders
+        self._follower = (Follower(senders, self._open_sender, self._leave_sender,
+                                   self.timeout_s, transport)
+                          if senders is not None and not senders.coordinator else None)
+        self._last_word: list[Any] = []  # the coordinator's `end`, kept until it completes
 
     # -- membership ---------------------------------------------------------------------
     def add_replica(self, handle: EngineHandle) -> None:
         """Register a replica; the group is rebuilt at the next push."""
+        if self._follower is not None:
+            raise ConfigError(f"trainer rank {self._follower.ranks.rank}: register replicas "
+                              "on rank 0, the coordinator")
         with self._lock:
             if handle not in self._replicas:
                 self._replicas.append(handle)
@@ -191,6 +228,9 @@ class WeightSync:
         """Form the transport group with the registered replicas now, instead of at
         the next push (which forms it when needed): for callers whose protocol has a
         rendezvous step, like vLLM's trainer-side `trainer_init`."""
+        if self.senders is not None:
+            raise ConfigError("with several senders the group forms inside push(), which every "
+                              "rank calls")
         with self._lock:
             if not self._replicas:
                 raise EngineHooksError("connect() with no replica registered (add_replica first)")
@@ -203,7 +243,35 @@ class WeightSync:
         `model` is anything a registered trainer adapter accepts (an `nn.Module`, an HF
         model), or an adapter itself. The report is returned on success and attached
         to the raised error (`error.report`) on failure.
+
+        With several senders, call it on every rank: rank 0 returns the report; the
+        other ranks return a report of their own part (bytes, buckets), and raise when
+        the push failed anywhere.
         """
+        if self.senders is None:
+            return self._push_here(model, version)
+        if self.device is None and self.transport_name == "nccl":
+            # each rank's sender on its own GPU (the current device of the rank's
+            # process), not on the coordinator's
+            self.device = torch.device("cuda", torch.cuda.current_device())
+        if self._follower is not None:
+            return self._follower.follow(model, version)
+        try:
+            report = self._push_here(model, version)
+        except BaseException as e:
+            self._tell(End(ok=False, error=f"{type(e).__name__}: {e}"[:4000]))
+            raise
+        self._tell(End(ok=True))
+        return report
+
+    def _tell(self, message: End | Bye) -> None:
+        """Coordinator: the other ranks' last word of a push or of `close` (not waited
+        for: it must not delay the error)."""
+        if self.senders is not None and self.senders.broken is None:
+            with contextlib.suppress(RanksBroken):
+                self._last_word = self.senders.post(message)
+
+    def _push_here(self, model: Any, version: int | str) -> PushReport:
         with self._lock:
             if not self._replicas:
                 raise EngineHooksError("push() with no replica registered (add_replica first)")
@@ -225,6 +293,7 @@ class WeightSync:
         return self._pm.hook.run_phase(phase=name, report=report, run=run)
 
     def _push(self, model: Any, version: int | str, report: PushReport) -> None:
+        """The push routine, for one sender and several."""
         def make_plan() -> tuple[TrainerAdapter, Manifest]:
             if isinstance(model, TrainerAdapter):
                 adapter = model
@@ -233,13 +302,18 @@ class WeightSync:
             else:
                 default, exceptions = self.wire_dtypes()
                 adapter = adapter_for(model, dtype=default, dtypes=exceptions)
-            manifest = plan(
-                adapter.specs(), weight_version=version, bucket_bytes=self.bucket_bytes,
+            layout: dict[str, Any] = dict(
+                weight_version=version, bucket_bytes=self.bucket_bytes,
                 checksum=self.checksum, split=self.transport.split,
                 direct_min=self.transport.direct_min,
-                meta={"transport": self.transport_name, "verify": self.verify},
-            )
-            return adapter, manifest
+                meta={"transport": self.transport_name, "verify": self.verify})
+            if self.senders is None:
+                return adapter, plan(adapter.specs(), **layout)
+            # several senders: every rank says what it can stream; one manifest lists
+            # each sender's part (and, for lockstep ranks, the order they send in)
+            per_rank = ask_plans(self.senders, adapter)
+            manifest = plan(parts=decide_parts(per_rank), **layout)
+            return adapter, with_send_order(manifest, per_rank)
 
         adapter, manifest = self._phase("plan", report, make_plan)
         report.bytes, report.buckets = manifest.total_bytes, len(manifest.buckets)
@@ -442,10 +516,9 @@ class WeightSync:
         self._close_group()
         counts = [len(i) for i in infos]
         world = 1 + sum(counts)
-        options = {"host": self.host, "port": self.port, "timeout_s": self.timeout_s,
-                   "device": self.device, "secret": self.secret, **self.transport_options}
-        sender = self._pm.hook.update_group(
-            request=GroupRequest.join_sender(self.transport_name, options))
+        sender = self._open_sender()
+        if self.senders is not None:  # the other ranks open theirs (`SenderSet`)
+            sender = SenderSet(sender, self.senders, self.timeout_s)
         endpoint = dict(sender.endpoint(), world_size=world)
         if self.on_torn is not None:
             endpoint["on_torn"] = self.on_torn
@@ -473,6 +546,18 @@ class WeightSync:
             sender.close()
             raise
         self._sender, self._members = sender, list(self._replicas)
+
+    def _open_sender(self) -> Sender:
+        """This rank's sender, from the transport (the `update_group` hook)."""
+        options = {"host": self.host, "port": self.port, "timeout_s": self.timeout_s,
+                   "device": self.device, "secret": self.secret, **self.transport_options}
+        sender: Sender = self._pm.hook.update_group(
+            request=GroupRequest.join_sender(self.transport_name, options))
+        return sender
+
+    def _leave_sender(self, sender: Sender) -> None:
+        self._pm.hook.update_group(
+            request=GroupRequest.leave(self.transport_name, "sender", sender))
 
     def _connect(self, sender: Sender, world: int, joins: list[Future[Any]]) -> None:
         """Form the group, ending at once when a replica refuses its join (a missing
@@ -516,8 +601,7 @@ class WeightSync:
                 for r in members]
         if wait_for_leaves:
             wait(futs, timeout=self.timeout_s)
-        self._pm.hook.update_group(
-            request=GroupRequest.leave(self.transport_name, "sender", sender))
+        self._leave_sender(sender)
 
     # -- transfer -------------------------------------------------------------------------
     def _transfer(self, manifest: Manifest, adapter: TrainerAdapter, report: PushReport) -> None:
@@ -585,9 +669,15 @@ class WeightSync:
             res.stats = {"workers": out}
 
     def close(self) -> None:
-        """Leave the group on every replica and close the sender (bounded by timeouts)."""
+        """Leave the group on every replica and close the sender (bounded by timeouts).
+        With several senders, call it on every rank (rank 0 tells the others)."""
+        if self._follower is not None:
+            self._follower.close()
+            return
         with self._lock:
             self._close_group()
+        if self.senders is not None:
+            self._tell(Bye())
 
     def __enter__(self) -> WeightSync:
         return self

@@ -9,7 +9,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from enginehooks.control.report import PushReport
+    from enginehooks.core.report import PushReport
 
 
 class EngineHooksError(RuntimeError):

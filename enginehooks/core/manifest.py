@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -323,8 +323,13 @@ def _check_no_overlap(m: Manifest) -> None:
             end = p.offset + p.nbytes
 
 
+#: The manifest's `meta` key listing each sender's run of buckets and tensors (`plan`
+#: with `parts`; `core/senders.py` reads it).
+SENDERS_KEY = "senders"
+
+
 def plan(
-    specs: Iterable[TensorSpec],
+    specs: Iterable[TensorSpec] = (),
     *,
     weight_version: int | str,
     bucket_bytes: int,
@@ -332,8 +337,10 @@ def plan(
     split: bool = True,
     meta: Mapping[str, Any] | None = None,
     direct_min: int | None = None,
+    parts: Sequence[Sequence[TensorSpec]] | None = None,
 ) -> Manifest:
-    """Lay `specs` into buckets in stream order.
+    """Lay `specs` into buckets in stream order: the one plan of an update, whether one
+    trainer rank sends it or several.
 
     With `split`, a tensor larger than `bucket_bytes` is cut into bucket-sized pieces;
     without it (disk shards, where a file holds whole tensors) it gets a bucket of its own.
@@ -341,7 +348,19 @@ def plan(
     tensor of at least that many bytes, or that fills a bucket, gets direct buckets of
     its own (module docstring): packing it would be a full extra pass over its bytes on
     each side.
+
+    With `parts` (instead of `specs`), the update is sent by `len(parts)` trainer ranks,
+    sender j sending `parts[j]` (`docs/scale.md`): each sender's tensors are laid out as
+    above in buckets of their own, and `meta["senders"]` lists each sender's run
+    `[first_bucket, n_buckets, first_tensor, n_tensors]`, so the signed manifest names
+    the sender of every bucket (`core/senders.parts` cuts it back into each sender's
+    part). A name planned by two senders is refused.
     """
+    if parts is not None:
+        if any(True for _ in specs):
+            raise ManifestError("plan() takes either specs (one sender) or parts, not both")
+        return _plan_parts(parts, weight_version=weight_version, bucket_bytes=bucket_bytes,
+                           checksum=checksum, split=split, meta=meta, direct_min=direct_min)
     if bucket_bytes < ALIGN:
         raise ManifestError(f"bucket_bytes must be at least {ALIGN}, got {bucket_bytes}")
     tensors: list[TensorEntry] = []
@@ -405,3 +424,32 @@ def plan(
         format_version=DIRECT_FORMAT_VERSION if direct else FORMAT_VERSION,
         meta=merged_meta,
     )
+
+
+def _plan_parts(parts: Sequence[Sequence[TensorSpec]], *, weight_version: int | str,
+                bucket_bytes: int, checksum: str | None, split: bool,
+                meta: Mapping[str, Any] | None, direct_min: int | None) -> Manifest:
+    """`plan` with several senders: each part planned alone, then concatenated."""
+    if not parts:
+        raise ManifestError("an update needs at least one sender")
+    base = {k: v for k, v in (meta or {}).items() if k != SENDERS_KEY}
+    planned = [plan(p, weight_version=weight_version, bucket_bytes=bucket_bytes,
+                    checksum=checksum, split=split, meta=base, direct_min=direct_min)
+               for p in parts]
+    buckets: list[list[Any]] = []
+    tensors: list[dict[str, Any]] = []
+    ranges: list[list[int]] = []
+    version = 1
+    for m in planned:
+        d = m.to_dict()
+        version = max(version, int(d["format_version"]))
+        first_b, first_t = len(buckets), len(tensors)
+        buckets += [[first_b + rb[0], *rb[1:]] for rb in d["buckets"]]
+        for t in d["tensors"]:
+            t["pieces"] = [[first_b + p[0], *p[1:]] for p in t["pieces"]]
+            tensors.append(t)
+        ranges.append([first_b, len(d["buckets"]), first_t, len(d["tensors"])])
+    whole = planned[0].to_dict()
+    whole.update(format_version=version, buckets=buckets, tensors=tensors,
+                 meta={**base, SENDERS_KEY: ranges})
+    return Manifest.from_dict(whole)

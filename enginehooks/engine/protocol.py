@@ -26,7 +26,8 @@ Ray actors, in-process replicas) carries the same messages:
 - **tokens are made and checked here** (`token`, `verify_token`, `verify_route`): no
   other module builds or parses a payload text or an envelope (a test scans for it).
 - **`WorkerInfo`**: what `info` answers; `authenticated` is required.
-- **`Deadline`**: one absolute deadline per call, read where the call waits.
+- **`Deadline`**: one absolute deadline per call, read where the call waits (the
+  package's one `core/deadline.py`, re-exported here).
 
 Nothing here deserialises anything but JSON.
 """
@@ -34,7 +35,6 @@ Nothing here deserialises anything but JSON.
 from __future__ import annotations
 
 import json
-import time
 import uuid
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, fields
@@ -42,7 +42,8 @@ from typing import Any, ClassVar, TypedDict
 
 from enginehooks.core import errors
 from enginehooks.core.auth import AuthError, Verifier, canonical, sign
-from enginehooks.core.errors import ConfigError, EngineHooksError, PushTimeout, ReplicaError
+from enginehooks.core.deadline import Deadline as Deadline  # the one deadline, re-exported
+from enginehooks.core.errors import ConfigError, EngineHooksError, ReplicaError
 
 CALL_PREFIX = "enginehooks-call:"
 VERSION = 1
@@ -50,30 +51,6 @@ VERSION = 1
 
 class StaleReply(EngineHooksError):
     """An answer that belongs to another call (or carries no call id): discarded."""
-
-
-# -- deadline ---------------------------------------------------------------------------
-@dataclass(frozen=True)
-class Deadline:
-    """One absolute deadline (monotonic clock) for everything a call waits on."""
-
-    at: float
-    seconds: float
-
-    @classmethod
-    def after(cls, seconds: float) -> Deadline:
-        return cls(time.monotonic() + float(seconds), float(seconds))
-
-    def left(self, floor: float = 0.0) -> float:
-        return max(floor, self.at - time.monotonic())
-
-    @property
-    def expired(self) -> bool:
-        return time.monotonic() >= self.at
-
-    def check(self, what: str) -> None:
-        if self.expired:
-            raise PushTimeout(f"{what}: no answer within {self.seconds:g}s")
 
 
 # -- call ids ---------------------------------------------------------------------------

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any, TextIO
 from enginehooks.markers import hookimpl
 
 if TYPE_CHECKING:
-    from enginehooks.control.report import PushReport
+    from enginehooks.core.report import PushReport
 
 
 def size(n: int) -> str:

@@ -35,7 +35,7 @@ from typing import TYPE_CHECKING, Any
 from enginehooks.markers import hookimpl
 
 if TYPE_CHECKING:
-    from enginehooks.control.report import PushReport
+    from enginehooks.core.report import PushReport
 
 #: seconds; a push phase spans milliseconds (plan) to minutes (a large transfer)
 BUCKETS = (0.001, 0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)

@@ -7,12 +7,15 @@ Every trainer rank must iterate an adapter's stream in lockstep when producing a
 tensor is a collective (sharded trainers); only the sender rank transmits. Non-sender
 ranks call `follow(model)`, or every rank calls `push(model, version, sync=...)`
 (`sync` only on the sender); see docs/trainers.md and `lockstep.py` for the go/no-go
-handshake that keeps a failed push from leaving ranks inside a collective.
+handshake that keeps a failed push from leaving ranks inside a collective. The trainer
+ranks talk over one channel (`channel.py`: `TrainerRanks` and its typed messages), for
+the lockstep's flags and for the commands of several senders (`WeightSync(senders=...)`).
 """
 
 from __future__ import annotations
 
 from enginehooks.core.checkpoint_format import CheckpointFormat
+from enginehooks.trainer_side.channel import TrainerRanks
 from enginehooks.trainer_side.contract import (
     CheckpointAdapter,
     TrainerAdapter,
@@ -44,6 +47,7 @@ __all__ = [
     "PushAborted",
     "StateDictAdapter",
     "TrainerAdapter",
+    "TrainerRanks",
     "adapter_for",
     "follow",
     "hf_name",

@@ -8,9 +8,10 @@ a collective that its peers will never enter: the push failed on the sender befo
 the transfer (a replica refused the manifest), or a rank stopped iterating.
 
 The handshake: before each tensor the sender broadcasts a small fixed-size *flag*
-(256 bytes, no pickle) over the trainer's own process group, from the sender rank:
-GO (with the tensor index, the stream's fingerprint and the wire dtype) or STOP (with
-the reason). Followers read it before they enter the tensor's collective, so:
+(256 bytes of JSON, no pickle) over the trainer's own process group, from the sender
+rank, through the one channel between trainer ranks (`trainer_side/channel.py`): `Go`
+(with the tensor index, the stream's fingerprint and the wire dtype) or `Stop` (with the
+reason). Followers read it before they enter the tensor's collective, so:
 
 - a push that fails before streaming sends STOP at tensor 0 (`cancel()`): followers
   raise `PushAborted` with the sender's reason at once, no collective left hanging;
@@ -25,12 +26,9 @@ the reason). Followers read it before they enter the tensor's collective, so:
 
 from __future__ import annotations
 
-import datetime as _dt
-import struct
 import zlib
 from abc import abstractmethod
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -39,14 +37,8 @@ import torch.distributed as dist
 from enginehooks.core.dtypes import dtype_name, torch_dtype
 from enginehooks.core.errors import EngineHooksError
 from enginehooks.core.manifest import TensorSpec
+from enginehooks.trainer_side.channel import Go, MalformedMessage, Message, Stop, TrainerRanks
 from enginehooks.trainer_side.contract import TrainerAdapter, adapter_for
-
-FLAG_BYTES = 256
-_MAGIC = b"EHLS"
-GO, STOP = 1, 2
-# magic, code, dtype name, index, count, fingerprint, reason length; reason follows.
-_HEAD = struct.Struct("<4sB3x16sIIIH2x")
-_REASON_MAX = FLAG_BYTES - _HEAD.size
 
 
 class LockstepError(EngineHooksError):
@@ -61,31 +53,6 @@ class PushAborted(LockstepError):
     def __init__(self, message: str, reason: str) -> None:
         super().__init__(message)
         self.reason = reason
-
-
-@dataclass(frozen=True)
-class Flag:
-    code: int
-    index: int
-    count: int
-    fingerprint: int
-    dtype: str
-    reason: str
-
-    def encode(self) -> bytes:
-        reason = self.reason.encode("utf-8", "replace")[:_REASON_MAX]
-        head = _HEAD.pack(_MAGIC, self.code, self.dtype.encode("ascii")[:16], self.index,
-                          self.count, self.fingerprint, len(reason))
-        return (head + reason).ljust(FLAG_BYTES, b"\0")
-
-    @classmethod
-    def decode(cls, raw: bytes) -> Flag:
-        magic, code, dt, index, count, fp, n = _HEAD.unpack_from(raw)
-        if magic != _MAGIC or code not in (GO, STOP):
-            raise LockstepError(f"received a malformed lockstep flag {raw[:16]!r}: the trainer "
-                                "ranks are not running the same enginehooks stream")
-        reason = raw[_HEAD.size:_HEAD.size + n].decode("utf-8", "replace")
-        return cls(code, index, count, fp, dt.rstrip(b"\0").decode("ascii"), reason)
 
 
 def fingerprint(specs: Sequence[TensorSpec]) -> int:
@@ -113,13 +80,10 @@ class Lockstep:
         self.sender = sender
         self.timeout_s = timeout_s
         self.start_timeout_s = start_timeout_s if start_timeout_s is not None else timeout_s
-        self.rank = dist.get_rank(self.group) if self.active else 0
-        self.world = dist.get_world_size(self.group) if self.active else 1
+        self.channel = TrainerRanks(self.group, root=sender)
+        self.rank, self.world = self.channel.rank, self.channel.size
         if not 0 <= sender < self.world:
             raise LockstepError(f"sender rank {sender} is outside the group of {self.world}")
-        self.device = torch.device("cpu")
-        if self.active and "gloo" not in str(dist.get_backend(self.group)):
-            self.device = torch.device("cuda", torch.cuda.current_device())
 
     @property
     def is_sender(self) -> bool:
@@ -129,18 +93,12 @@ class Lockstep:
     def alone(self) -> bool:
         return self.world == 1
 
-    def _broadcast(self, payload: bytes | None, timeout_s: float | None, what: str) -> bytes:
-        buf = torch.zeros(FLAG_BYTES, dtype=torch.uint8)
-        if payload is not None:
-            buf.copy_(torch.frombuffer(bytearray(payload), dtype=torch.uint8))
-        buf = buf.to(self.device)
-        opts = dist.BroadcastOptions()
-        opts.rootRank = self.sender
-        if timeout_s is not None:
-            opts.timeout = _dt.timedelta(seconds=timeout_s)
+    def _flag(self, message: Message | None, timeout_s: float | None, what: str) -> Message:
         try:
-            self.group.broadcast([buf], opts).wait()
-            return bytes(buf.cpu().numpy().tobytes())
+            return self.channel.flag(message, timeout_s)
+        except MalformedMessage as e:
+            raise LockstepError(f"received a malformed lockstep flag ({e}): the trainer "
+                                "ranks are not running the same enginehooks stream") from None
         except RuntimeError as e:
             bound = f"{timeout_s}s" if timeout_s is not None else "the process group's timeout"
             raise LockstepError(
@@ -150,23 +108,26 @@ class Lockstep:
 
     def go(self, index: int, count: int, fp: int, dtype: torch.dtype | None) -> None:
         if not self.alone:
-            flag = Flag(GO, index, count, fp, dtype_name(dtype) if dtype else "", "")
-            self._broadcast(flag.encode(), self.timeout_s, f"GO for tensor {index}")
+            self._flag(Go(index, count, fp, dtype_name(dtype) if dtype else ""),
+                       self.timeout_s, f"GO for tensor {index}")
 
     def stop(self, index: int, reason: str) -> None:
         """Sender: tell every follower waiting for flag `index` that the push is off."""
         if not self.alone:
-            self._broadcast(Flag(STOP, index, 0, 0, "", reason).encode(), self.timeout_s,
-                            f"STOP at tensor {index}")
+            self._flag(Stop(index, reason), self.timeout_s, f"STOP at tensor {index}")
 
-    def wait(self, index: int, what: str, first: bool = False) -> Flag:
-        """Follower: the sender's flag for position `index`; raise `PushAborted` on STOP.
-        `first`: this wait also covers the sender's non-streaming phases."""
+    def wait(self, index: int, what: str, first: bool = False) -> Go:
+        """Follower: the sender's flag for position `index`; raise `PushAborted` on
+        `Stop`. `first`: this wait also covers the sender's non-streaming phases."""
         timeout = self.start_timeout_s if (first or index == 0) else self.timeout_s
-        flag = Flag.decode(self._broadcast(None, timeout, f"waiting for the sender's go for {what}"))
-        if flag.code == STOP:
+        flag = self._flag(None, timeout, f"waiting for the sender's go for {what}")
+        if isinstance(flag, Stop):
             raise PushAborted(f"trainer rank {self.rank}: the sender (rank {self.sender}) "
                               f"aborted the push: {flag.reason}", flag.reason)
+        if not isinstance(flag, Go):
+            raise LockstepError(f"received a {flag.op!r} message where a lockstep flag "
+                                "belongs: the trainer ranks are not running the same "
+                                "enginehooks stream")
         if flag.index != index:
             raise LockstepError(f"trainer rank {self.rank}: out of step: expected the go for "
                                 f"tensor {index}, the sender sent {flag.index}")

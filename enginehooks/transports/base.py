@@ -213,6 +213,10 @@ class Transport(ABC):
     #: buckets, sent from their own storage (`core/manifest.py`); None: this transport
     #: frames every bucket as one packed message.
     direct_min: ClassVar[int | None] = None
+    #: Whether several trainer ranks may each send a part of one update
+    #: (`WeightSync(senders=...)`, `docs/scale.md`): each then opens a sender of its own,
+    #: and a receiver accepts an endpoint that lists the senders' endpoints.
+    several_senders: ClassVar[bool] = False
 
     @abstractmethod
     def sender(self, **options: Any) -> Sender:

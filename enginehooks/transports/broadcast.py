@@ -25,6 +25,12 @@ NCCL specifics (what each guards against):
   stream after the current stream at launch, so the target's copies out of a buffer
   (made on the current stream) finish before the next receive overwrites it.
 
+One receive loop (`receive_in_order`) serves one sender's group (`BroadcastReceiver.stream`)
+and several senders' groups received in the send order (`multisender.MultiReceiver`); it
+and the primitives it is built from (`bcast`, `wait_work`, `wait_within`, `host_wait`,
+`bury`) are public for that module. A whole transfer is bounded by the package's one
+`Deadline` (`core/deadline.py`).
+
 Direct buckets (gloo, `GlooTransport.direct_min` in `collectives.py`; see `core/manifest.py`): the sender
 broadcasts the bucket's trailer, then the payload from the tensor's own storage (no
 packing copy); the receiver checks the trailer (signature, update, index, size, or an
@@ -42,7 +48,7 @@ import gc
 import threading
 import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -58,6 +64,7 @@ from enginehooks.core.buckets import (
     pack,
     write_abort,
 )
+from enginehooks.core.deadline import Deadline
 from enginehooks.core.errors import TransferStalled, TransportError
 from enginehooks.core.manifest import Manifest
 from enginehooks.transports._rendezvous import (
@@ -107,7 +114,7 @@ def _nccl_timeout(timeout_s: float) -> float:
 _GRAVEYARD: list[Any] = []
 
 
-def _bury(*items: Any) -> None:
+def bury(*items: Any) -> None:
     _GRAVEYARD.extend(x for x in items if x is not None)
     del _GRAVEYARD[:-64]  # the oldest have long timed out
 
@@ -124,7 +131,7 @@ def _release_parked() -> None:
     gc.collect()
 
 
-def _bcast(pg: Any, buf: torch.Tensor, timeout_s: float) -> Any:
+def bcast(pg: Any, buf: torch.Tensor, timeout_s: float) -> Any:
     opts = dist.BroadcastOptions()
     opts.rootRank = 0
     if buf.device.type == "cuda":
@@ -145,7 +152,7 @@ def _collective_error(work: Any, what: str) -> None:
         raise data_plane_error(e, what) from e
 
 
-def _host_wait(ev: torch.cuda.Event, abort: Abort | None, timeout_s: float, what: str) -> None:
+def host_wait(ev: torch.cuda.Event, abort: Abort | None, timeout_s: float, what: str) -> None:
     """Block this thread until `ev` completed on the GPU, `abort` fires, or `timeout_s`.
 
     CUDA offers no wait that a condition variable can interrupt, so a short-lived
@@ -168,7 +175,7 @@ def _host_wait(ev: torch.cuda.Event, abort: Abort | None, timeout_s: float, what
         raise TransferStalled(f"{what} did not complete within {timeout_s}s")
 
 
-def _wait(work: Any, abort: Abort | None, timeout_s: float, what: str,
+def wait_work(work: Any, abort: Abort | None, timeout_s: float, what: str,
           device: torch.device | None = None) -> None:
     """Wait for a collective, waking early if the coordinator aborts the update.
 
@@ -179,7 +186,7 @@ def _wait(work: Any, abort: Abort | None, timeout_s: float, what: str,
         _collective_error(work, what)  # the current stream now waits for NCCL's stream
         ev = torch.cuda.Event()
         ev.record(torch.cuda.current_stream(device))
-        _host_wait(ev, abort, timeout_s, what)
+        host_wait(ev, abort, timeout_s, what)
         return
     if abort is None:
         _collective_error(work, what)
@@ -200,7 +207,7 @@ def _warmup(pg: Any, device: torch.device, timeout_s: float, what: str) -> None:
         try:
             with torch.cuda.device(device):
                 t = torch.zeros(1, dtype=torch.uint8, device=device)
-                _bcast(pg, t, timeout_s).wait()
+                bcast(pg, t, timeout_s).wait()
                 torch.cuda.current_stream(device).synchronize()
         except BaseException as e:
             box["error"] = e
@@ -302,7 +309,7 @@ class BroadcastSender(Sender):
             t = time.perf_counter()
             for w in (trailers[slot], pending[slot]):
                 if w is not None:
-                    _wait(w, abort, self.timeout_s, what, self.device)
+                    wait_work(w, abort, self.timeout_s, what, self.device)
             trailers[slot] = pending[slot] = None
             waited += time.perf_counter() - t
 
@@ -318,15 +325,15 @@ class BroadcastSender(Sender):
                 slot = index % 2
                 if manifest.buckets[index].direct:  # trailer first, then the payload
                     trailer = bufs[slot][: sizes[index]][-TRAILER_BYTES:]
-                    trailers[slot] = _bcast(self.pg, trailer, self.timeout_s)
-                pending[slot] = _bcast(self.pg, buf, self.timeout_s)
+                    trailers[slot] = bcast(self.pg, trailer, self.timeout_s)
+                pending[slot] = bcast(self.pg, buf, self.timeout_s)
                 stats.bytes += manifest.buckets[index].nbytes
                 stats.buckets += 1
                 posted += time.perf_counter() - t
             for slot in (0, 1):
                 drain(slot, "the last broadcasts")
         except TransportError:
-            _bury(*pending, *trailers, bufs)
+            bury(*pending, *trailers, bufs)
             self._break()
             raise
         except BaseException as e:
@@ -356,12 +363,12 @@ class BroadcastSender(Sender):
             if manifest.buckets[index].direct:  # its receivers wait for a trailer alone
                 trailer = buf[-TRAILER_BYTES:]
                 text = direct_abort(trailer, mid, index, reason, self.secret)
-                _bcast(self.pg, trailer, self.timeout_s).wait()
+                bcast(self.pg, trailer, self.timeout_s).wait()
                 if text.numel():
-                    _bcast(self.pg, text, self.timeout_s).wait()
+                    bcast(self.pg, text, self.timeout_s).wait()
                 return
             write_abort(buf, mid, index, reason, self.secret)
-            _bcast(self.pg, buf, self.timeout_s).wait()
+            bcast(self.pg, buf, self.timeout_s).wait()
         except Exception:
             self._break()
 
@@ -373,7 +380,7 @@ class BroadcastSender(Sender):
                 pg.abort()
             # A process group dropped after a failed collective blocks in its destructor
             # until that collective times out; parked, the error travels at once.
-            _bury(pg)
+            bury(pg)
 
     @property
     def broken(self) -> bool:
@@ -384,40 +391,17 @@ class BroadcastSender(Sender):
         self._buffers.bufs = []
 
 
-class Deadline:
-    """`timeout_s` bounding a whole transfer, as the trainer's side bounds it: a link that
-    turns slow (each bucket arriving within the timeout) still ends the update in time,
-    instead of `timeout_s` after the last byte that trickled in. Also counts the time
-    spent waiting for the wire (`waited_ms`)."""
-
-    def __init__(self, timeout_s: float, device: torch.device) -> None:
-        self.timeout_s, self.device = timeout_s, device
-        self.at = time.monotonic() + timeout_s
-        self.waited_ms = 0.0
-
-    def late(self, what: str) -> TransportError:
-        return TransferStalled(f"{what}: the update did not arrive within "
-                              f"{self.timeout_s:g}s (timeout_s bounds the whole "
-                              f"transfer; raise it for slower links)")
-
-    def left(self, what: str) -> float:
-        """Seconds left for `what`; raises once none are."""
-        seconds = self.at - time.monotonic()
-        if seconds <= 0:
-            raise self.late(what)
-        return seconds
-
-    def wait(self, work: Any, what: str) -> None:
-        """Wait for a posted collective within what is left."""
-        t = time.perf_counter()
-        try:
-            _wait(work, None, self.left(what), what, self.device)
-        except TransportError as e:  # gloo's own timeout names only the last op
-            if time.monotonic() >= self.at - 0.05:
-                raise self.late(what) from e
-            raise
-        finally:
-            self.waited_ms += (time.perf_counter() - t) * 1e3
+def wait_within(deadline: Deadline, work: Any, what: str, device: torch.device) -> float:
+    """Wait for a posted collective within what is left of `deadline` (a whole
+    transfer's); the milliseconds it took (time spent waiting for the wire)."""
+    t = time.perf_counter()
+    try:
+        wait_work(work, None, deadline.within(what), what, device)
+    except TransportError as e:  # gloo's own timeout names only the last op
+        if time.monotonic() >= deadline.at - 0.05:
+            raise deadline.late(what) from e
+        raise
+    return (time.perf_counter() - t) * 1e3
 
 
 class BroadcastReceiver(Receiver):
@@ -464,94 +448,20 @@ class BroadcastReceiver(Receiver):
         while the caller consumes bucket k, so views of bucket k stay valid until the
         caller asks for the first tensor of bucket k+1. The caller must consume them on
         the current stream (or sync its own stream before asking for the next one).
-        `into` is the target's optional `destination(name)` (see `Unpacker`)."""
-        pg = self.pg  # a concurrent leave() must not pull the group from under us
-        if pg is None:
-            raise TransportError("receive before connect(): the group has not formed")
-        unpacker = Unpacker(manifest, self.device, into, self.secret)
-        n = len(manifest.buckets)
-        if n == 0:
-            yield from unpacker.empties()
-            return
-        bufs = self._buffers.get(buffer_bytes(manifest))
-        sizes = [message_bytes(b.nbytes) for b in manifest.buckets]
-        # direct buckets: their trailers (received first) and where each payload went
-        heads = [torch.empty(TRAILER_BYTES, dtype=torch.uint8, device=self.device)
-                 for _ in range(2)]
-        payloads: list[torch.Tensor | None] = [None, None]
-        landed = [False, False]
-        deadline = Deadline(self.timeout_s, self.device)
-        left, waited = deadline.left, deadline.wait
-        # where the receiver's time goes (`deliver` reports it as phases_ms): waiting for
-        # buckets, checking them (trailer, digest, or the fused landing), and the rest
-        # (the target's own work on the yielded tensors)
-        phases = self.phases = {"wait_wire": 0.0, "check": 0.0}
-        started = time.perf_counter()
-
-        def post(index: int) -> Any:
-            """Post bucket `index`'s receive. A direct bucket's trailer is received and
-            checked first, with nothing else in flight, so that neither an abort notice
-            nor a stranger's bytes ever land in the destination."""
-            slot = index % 2
-            if not manifest.buckets[index].direct:
-                return _bcast(pg, bufs[slot][: sizes[index]], left(f"receive of bucket {index}"))
-            what = f"receive of bucket {index}'s trailer"
-            waited(_bcast(pg, heads[slot], left(what)), what)
-            reason = unpacker.check_header(index, heads[slot])
-            if reason >= 0:
-                text = torch.empty(reason, dtype=torch.uint8, device=self.device)
-                if reason:
-                    what = f"receive of bucket {index}'s abort reason"
-                    waited(_bcast(pg, text, left(what)), what)
-                unpacker.aborted(text)
-            region = unpacker.landing(index)
-            landed[slot] = region is not None
-            payloads[slot] = region if region is not None else (
-                bufs[slot][: manifest.buckets[index].nbytes])
-            return _bcast(pg, payloads[slot], left(f"receive of bucket {index}"))
-
-        work: Any = None
-        try:
-            work = post(0)
-            for index in range(n):
-                slot = index % 2
-                buf = bufs[slot][: sizes[index]]
-                waited(work, f"receive of bucket {index}")
-                work = None
-                direct = manifest.buckets[index].direct
-                # Read the trailer before posting the next receive: after an abort notice
-                # no collective may be left in flight (destroying a pending Work blocks
-                # until it times out, which would delay the error). The digest is checked
-                # while the next bucket is already on its way.
-                t = time.perf_counter()
-                if not direct:
-                    unpacker.verify(index, buf, check_digest=False)
-                if index + 1 < n:
-                    work = post(index + 1)
-                if direct and landed[slot]:
-                    unpacker.verify_digest(index, payloads[slot], heads[slot])
-                    phases["check"] += (time.perf_counter() - t) * 1e3
-                    yield from unpacker.unpack(index, buf, verified=True, landed=True)
-                    continue
-                # a packed bucket on a GPU: copied into the target's destinations while
-                # its digest is computed (`Unpacker.land`), where the target offers them
-                placed = None if direct else unpacker.land(index, buf)
-                if placed is None:
-                    unpacker.verify_digest(index, buf, heads[slot] if direct else None)
-                phases["check"] += (time.perf_counter() - t) * 1e3
-                yield from unpacker.unpack(index, buf, verified=True, placed=placed)
-            phases["wait_wire"] = deadline.waited_ms
-            phases["target_and_rest"] = ((time.perf_counter() - started) * 1e3
-                                         - phases["wait_wire"] - phases["check"])
-        except BaseException:
-            # A torn update leaves the group in an unknown state: leave it.
-            _bury(work, bufs, *payloads)
-            self.close()
-            raise
+        `into` is the target's optional `destination(name)` (see `Unpacker`). The loop
+        is `receive_in_order` over this one group."""
+        self.phases = {}  # filled as the buckets arrive (`deliver` reports it)
+        order = [(0, k) for k in range(len(manifest.buckets))]
+        yield from receive_in_order([self], [manifest], order, into, self.timeout_s,
+                                    phases=self.phases)
 
     @property
     def broken(self) -> bool:
         return self.pg is None
+
+    def buffers(self, manifest: Manifest) -> list[torch.Tensor]:
+        """This receiver's two bucket buffers, large enough for `manifest`."""
+        return self._buffers.get(buffer_bytes(manifest))
 
     def deliver(self, manifest: Manifest, target: Target) -> dict[str, Any]:
         t0 = time.perf_counter()
@@ -568,4 +478,121 @@ class BroadcastReceiver(Receiver):
                 pg.abort()
             # A process group dropped after a failed collective blocks in its destructor
             # until that collective times out; parked, the error travels at once.
-            _bury(pg)
+            bury(pg)
+
+
+def receive_in_order(
+    receivers: Sequence[BroadcastReceiver], manifests: Sequence[Manifest],
+    order: Sequence[tuple[int, int]], into: Callable[[str], torch.Tensor | None] | None,
+    timeout_s: float, *, phases: dict[str, float] | None = None,
+    name: Callable[[int, Exception], Exception] | None = None,
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """The broadcast receive loop, for one group or several (one sender's, or each
+    sender's part of one update, `transports/multisender.py`): the buckets of
+    `manifests[j]` arrive over `receivers[j]`'s group, in `order` ((group, bucket of its
+    manifest) pairs), on this thread and the current stream.
+
+    Bucket g+1's receive (whichever group) is posted before bucket g is consumed, so the
+    views of bucket g stay valid until the consumer asks for the first tensor of bucket
+    g+1; the consumer works on the current stream, after which NCCL orders the receive
+    that next reuses the buffer. A direct bucket's trailer is received and checked
+    first, with nothing else in flight, so that neither an abort notice nor a stranger's
+    bytes ever land in the destination. `timeout_s` bounds the whole transfer (one
+    `Deadline`). `phases` (ms) collects where the time goes: waiting for buckets,
+    checking them (trailer, digest, or the fused landing), and the rest (the target's
+    own work on the yielded tensors). A failure leaves every group (a torn update) and,
+    with `name`, is raised as `name(group, error)`."""
+    pgs = [r.pg for r in receivers]  # a concurrent leave() must not pull a group from under us
+    if any(pg is None for pg in pgs):
+        raise TransportError("receive before connect(): the group has not formed")
+    device = receivers[0].device
+    unpackers = [Unpacker(m, device, into, r.secret) for m, r in zip(manifests, receivers)]
+    for m, u in zip(manifests, unpackers):
+        if not m.buckets:
+            yield from u.empties()
+    n = len(order)
+    if not n:
+        return
+    bufs = [r.buffers(m) if m.buckets else [] for r, m in zip(receivers, manifests)]
+    sizes = [[message_bytes(b.nbytes) for b in m.buckets] for m in manifests]
+    # direct buckets: their trailers (received first) and where each payload went
+    heads = [[torch.empty(TRAILER_BYTES, dtype=torch.uint8, device=device)
+              for _ in range(2)] if any(b.direct for b in m.buckets) else []
+             for m in manifests]
+    payloads: list[list[torch.Tensor | None]] = [[None, None] for _ in manifests]
+    landed = [[False, False] for _ in manifests]
+    deadline = Deadline.after(timeout_s)
+    left = deadline.within
+    times = phases if phases is not None else {}
+    times.update(wait_wire=0.0, check=0.0)
+    started = time.perf_counter()
+
+    def waited(work: Any, what: str) -> None:
+        times["wait_wire"] += wait_within(deadline, work, what, device)
+
+    j = order[0][0]  # the group of the bucket an error belongs to
+
+    def post(g: int) -> Any:
+        """Post the receive of the g-th bucket of `order`."""
+        nonlocal j
+        j, k = order[g]
+        m, u, slot = manifests[j], unpackers[j], k % 2
+        if not m.buckets[k].direct:
+            return bcast(pgs[j], bufs[j][slot][: sizes[j][k]], left(f"receive of bucket {k}"))
+        what = f"receive of bucket {k}'s trailer"
+        waited(bcast(pgs[j], heads[j][slot], left(what)), what)
+        reason = u.check_header(k, heads[j][slot])
+        if reason >= 0:
+            text = torch.empty(reason, dtype=torch.uint8, device=device)
+            if reason:
+                what = f"receive of bucket {k}'s abort reason"
+                waited(bcast(pgs[j], text, left(what)), what)
+            u.aborted(text)
+        region = u.landing(k)
+        landed[j][slot] = region is not None
+        payloads[j][slot] = region if region is not None else bufs[j][slot][: m.buckets[k].nbytes]
+        return bcast(pgs[j], payloads[j][slot], left(f"receive of bucket {k}"))
+
+    work: Any = None
+    try:
+        work = post(0)
+        for g in range(n):
+            j, k = order[g]
+            m, u, slot = manifests[j], unpackers[j], k % 2
+            buf = bufs[j][slot][: sizes[j][k]]
+            waited(work, f"receive of bucket {k}")
+            work = None
+            direct = m.buckets[k].direct
+            # Read the trailer before posting the next receive: after an abort notice
+            # no collective may be left in flight (destroying a pending Work blocks
+            # until it times out, which would delay the error). The digest is checked
+            # while the next bucket is already on its way.
+            t = time.perf_counter()
+            if not direct:
+                u.verify(k, buf, check_digest=False)
+            if g + 1 < n:
+                work = post(g + 1)
+                j = order[g][0]  # errors below are this bucket's
+            if direct and landed[j][slot]:
+                u.verify_digest(k, payloads[j][slot], heads[j][slot])
+                times["check"] += (time.perf_counter() - t) * 1e3
+                yield from u.unpack(k, buf, verified=True, landed=True)
+                continue
+            # a packed bucket on a GPU: copied into the target's destinations while
+            # its digest is computed (`Unpacker.land`), where the target offers them
+            placed = None if direct else u.land(k, buf)
+            if placed is None:
+                u.verify_digest(k, buf, heads[j][slot] if direct else None)
+            times["check"] += (time.perf_counter() - t) * 1e3
+            yield from u.unpack(k, buf, verified=True, placed=placed)
+        times["target_and_rest"] = ((time.perf_counter() - started) * 1e3
+                                    - times["wait_wire"] - times["check"])
+    except BaseException as e:
+        # A torn update leaves every group in an unknown state: leave them, so that
+        # every sender fails now.
+        bury(work, *bufs, *payloads)
+        for r in receivers:
+            r.close()
+        if name is not None and isinstance(e, Exception):
+            raise name(j, e) from e
+        raise

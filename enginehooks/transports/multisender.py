@@ -2,7 +2,7 @@
 
 Sender j's group holds sender j (its rank 0) and every engine worker (the same ranks
 as in a single-sender group), so no sender receives another's bytes. The engine worker
-joins every group (`MultiReceiver`), receives each sender's part (`control/senders.parts`)
+joins every group (`MultiReceiver`), receives each sender's part (`core/senders.parts`)
 with the ordinary single-sender checks, and a failure of any part ends the whole update
 on this worker, closing every group; the error names the sender rank it came from.
 
@@ -54,108 +54,33 @@ strictly in launch order and every CUDA call synchronised the device. By inducti
 every collective completes. (Concurrent reception is kept where no sender's progress
 waits on another's: each part then progresses on its own sender alone.)
 
-`SenderSet` is the coordinator's (trainer rank 0's) sender: its own broadcast sender,
-plus the other ranks' senders, which it drives through `TrainerRanks` (the followers'
-loop is `control/multisend.py`).
+This module is the engine worker's half only. The trainer's half is one `BroadcastSender`
+per sending rank; trainer rank 0's `WeightSync` drives the others (`control/senders.py`).
+The parts, the send order and its check are pure functions of the manifest
+(`core/senders.py`), shared by both halves.
 """
 
 from __future__ import annotations
 
-import contextlib
 import os
 import queue
 import threading
 import time
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
 
-from enginehooks.control.ranks import RanksBroken, ShortGather, TrainerRanks
-from enginehooks.control.senders import parts, sender_ranges
-from enginehooks.core.buckets import TRAILER_BYTES, Unpacker, buffer_bytes, message_bytes
-from enginehooks.core.errors import EngineHooksError, ManifestError, TransportError
+from enginehooks.core.errors import EngineHooksError, TransportError
 from enginehooks.core.manifest import Manifest
-from enginehooks.transports.base import Abort, Receiver, Sender, SendStats, Stream, Target
+from enginehooks.core.senders import order_of, parts
+from enginehooks.transports.base import Receiver, Target
 from enginehooks.transports.broadcast import (
     BroadcastReceiver,
-    BroadcastSender,
-    Deadline,
-    _bcast,
-    _bury,
-    _host_wait,
+    bury,
+    host_wait,
+    receive_in_order,
 )
-
-#: How long the coordinator waits for the other ranks' answer to a `close`.
-CLOSE_WAIT_S = 5.0
-
-#: The manifest's `meta` key listing its buckets (global indices) in the send order.
-ORDER_KEY = "order"
-
-
-def send_order(manifest: Manifest, stream: Sequence[str]) -> list[int] | None:
-    """The order in which the trainer ranks send `manifest`'s buckets when every rank
-    iterates the same `stream` (tensor names in stream order) in lockstep and sends its
-    part with `BroadcastSender.send` (module docstring): `core/buckets.pack` sends a
-    bucket while it packs the first tensor with a piece in a later bucket (a direct
-    bucket while it packs its tensor), and the rest once the stream has ended. None
-    where a tensor of the manifest is not in `stream`."""
-    where = {name: i for i, name in enumerate(stream)}
-    end = len(stream)
-    keyed: list[tuple[int, int, int]] = []  # (stream position, sender, global index)
-    for j, (part, (first, _nb, _ft, _nt)) in enumerate(zip(parts(manifest),
-                                                             sender_ranges(manifest))):
-        index = 0
-        for entry in part.tensors:
-            if entry.name not in where:
-                return None
-            at = where[entry.name]
-            for piece in entry.pieces:
-                while piece.bucket > index:
-                    keyed.append((at, j, first + index))
-                    index += 1
-                if part.buckets[index].direct:
-                    keyed.append((at, j, first + index))
-                    index += 1
-        while index < len(part.buckets):
-            keyed.append((end, j, first + index))
-            index += 1
-    return [g for _at, _j, g in sorted(keyed)]
-
-
-def order_of(manifest: Manifest) -> list[tuple[int, int]] | None:
-    """`meta["order"]` as (sender, bucket of its part) pairs, checked: every bucket once,
-    each sender's buckets in their own order. None where the manifest has no order."""
-    raw = manifest.meta.get(ORDER_KEY)
-    if raw is None:
-        return None
-    n = len(manifest.buckets)
-    if (not isinstance(raw, list) or len(raw) != n
-            or not all(isinstance(g, int) and not isinstance(g, bool) for g in raw)
-            or sorted(raw) != list(range(n))):
-        raise ManifestError(f"meta.{ORDER_KEY} must list each of the {n} buckets once, got "
-                            f"{str(raw)[:200]}")
-    owner: dict[int, tuple[int, int]] = {}
-    for j, (first, count, _ft, _nt) in enumerate(sender_ranges(manifest)):
-        for k in range(count):
-            owner[first + k] = (j, k)
-    out = [owner[g] for g in raw]
-    last: dict[int, int] = {}
-    for j, k in out:
-        if k != last.get(j, -1) + 1:
-            raise ManifestError(f"meta.{ORDER_KEY} sends bucket {k} of sender {j} out of "
-                                "that sender's order")
-        last[j] = k
-    return out
-
-
-def only(stream: Iterable[tuple[str, torch.Tensor]], names: set[str]
-         ) -> Iterator[tuple[str, torch.Tensor]]:
-    """The items of `stream` named in `names` (the whole stream is still iterated: on a
-    sharded trainer each step may be a collective every rank must enter)."""
-    for name, t in stream:
-        if name in names:
-            yield name, t
 
 
 def named(error: BaseException, who: str) -> EngineHooksError:
@@ -172,106 +97,6 @@ def named(error: BaseException, who: str) -> EngineHooksError:
         out = TransportError(text)
     out.__cause__ = error
     return out
-
-
-class SenderSet(Sender):
-    """Trainer rank 0's sender when every rank of `trainer_ranks` sends its part."""
-
-    def __init__(self, backend: str, *, trainer_ranks: TrainerRanks, host: str = "127.0.0.1",
-                 port: int = 0, timeout_s: float = 120.0, **options: Any) -> None:
-        self.backend, self.ranks, self.timeout_s = backend, trainer_ranks, float(timeout_s)
-        self._lock = threading.Lock()
-        self._closed = False
-        self._pending: list[ShortGather] = []
-        self.own = BroadcastSender(backend, host=host, port=port, timeout_s=timeout_s, **options)
-        try:
-            answers = self.command({"op": "open"}).result()
-            self.endpoints = [self.own.endpoint()] + [a["endpoint"] for a in self._ok(
-                answers, "open its sender")[1:]]
-        except BaseException:
-            self.own.close()
-            raise
-
-    # -- the control channel ------------------------------------------------------------
-    def command(self, cmd: dict[str, Any], timeout_s: float | None = None) -> ShortGather:
-        """Send `cmd` to every other rank and start gathering their answers."""
-        self._settle()
-        self.ranks.broadcast(cmd, timeout_s)
-        g = self.ranks.gather_short({"ok": True})
-        self._pending.append(g)
-        return g
-
-    def _settle(self) -> None:
-        """Wait for answers still outstanding (a command abandoned by a failed push):
-        every rank's collectives must come in the same order."""
-        while self._pending:
-            g = self._pending.pop(0)
-            if not g.done():
-                g.result(self.timeout_s)
-
-    def _ok(self, answers: list[Any], what: str) -> list[Any]:
-        bad = [(j, a) for j, a in enumerate(answers) if j and not (isinstance(a, dict)
-                                                                  and a.get("ok"))]
-        if bad:
-            raise TransportError("; ".join(
-                f"trainer rank {j} could not {what}: {a.get('error') if isinstance(a, dict) else a}"
-                for j, a in bad))
-        return answers
-
-    # -- Sender -------------------------------------------------------------------------
-    def endpoint(self) -> dict[str, Any]:
-        own = self.own.endpoint()
-        return {**own, "group": f"multi-{own['group']}", "senders": self.endpoints}
-
-    def connect(self, world_size: int) -> None:
-        with self._lock:
-            if self._closed:
-                raise TransportError("the sender group was closed before it connected")
-            g = self.command({"op": "connect", "world": world_size})
-        self.own.connect(world_size)
-        self._ok(g.result(self.timeout_s), "join its broadcast group")
-
-    def send(self, manifest: Manifest, stream: Stream, abort: Abort) -> SendStats:
-        mine = parts(manifest)
-        if len(mine) != len(self.endpoints):
-            raise TransportError(f"the manifest has {len(mine)} senders; the group has "
-                                 f"{len(self.endpoints)}")
-        t0 = time.perf_counter()
-        with self._lock:
-            g = self.command({"op": "send", "manifest": manifest.to_json()})
-        names = {t.name for t in mine[0].tensors}
-        stats = self.own.send(mine[0], only(stream, names), abort)
-        g.future.add_done_callback(lambda _f: abort.poke())
-        if not abort.wait_for(g.done, self.timeout_s):
-            raise TransportError(f"trainer ranks 1..{self.ranks.size - 1} did not finish "
-                                 f"sending within {self.timeout_s}s")
-        answers = self._ok(g.result(self.timeout_s), "send its part")
-        stats.bytes = manifest.total_bytes
-        stats.buckets = len(manifest.buckets)
-        stats.seconds = time.perf_counter() - t0
-        stats.extra["senders"] = [{"rank": 0, "seconds": stats.seconds}] + [
-            {"rank": j, **{k: v for k, v in a.items() if k != "ok"}}
-            for j, a in enumerate(answers) if j]
-        return stats
-
-    @property
-    def broken(self) -> bool:
-        return self._closed or self.own.broken or self.ranks.broken is not None
-
-    def close(self) -> None:
-        """Close this rank's sender and tell the others to close theirs; their answer is
-        not waited for here (it is before the next command), so a failed push is
-        reported at once."""
-        with self._lock:
-            if self._closed:
-                return
-            self._closed = True
-            self.own.close()
-            # With an answer still outstanding (a failed push), say nothing: the other
-            # ranks close their senders when the next group opens.
-            if self.ranks.broken is None and all(g.done() for g in self._pending):
-                with contextlib.suppress(RanksBroken):
-                    self.command({"op": "close"}, timeout_s=CLOSE_WAIT_S)
 
 
 class _Handoff:
@@ -387,90 +212,10 @@ class MultiReceiver(Receiver):
     def _ordered(self, mine: list[Manifest], order: list[tuple[int, int]],
                  into: Callable[[str], torch.Tensor | None]) -> Iterator[tuple[str, torch.Tensor]]:
         """Every part's buckets in the send order `order` (module docstring), on this
-        thread and the current stream: `BroadcastReceiver.stream`'s loop over the
-        buckets of several groups. Bucket g+1's receive (whichever group) is posted
-        before bucket g is consumed; views of bucket g stay valid until the consumer
-        asks for the first tensor of bucket g+1, and the consumer works on the current
-        stream, after which NCCL orders the receive that next reuses the buffer."""
-        device = self.device
-        pgs = [p.pg for p in self.parts]
-        if any(pg is None for pg in pgs):
-            raise TransportError("receive before connect(): a sender's group has not formed")
-        unpackers = [Unpacker(m, device, into, p.secret) for m, p in zip(mine, self.parts)]
-        for m, u in zip(mine, unpackers):
-            if not m.buckets:
-                yield from u.empties()
-        n = len(order)
-        if not n:
-            return
-        bufs = [p._buffers.get(buffer_bytes(m)) if m.buckets else []
-                for p, m in zip(self.parts, mine)]
-        sizes = [[message_bytes(b.nbytes) for b in m.buckets] for m in mine]
-        # direct buckets (gloo): their trailers, received first, and where payloads went
-        heads = [[torch.empty(TRAILER_BYTES, dtype=torch.uint8, device=device)
-                  for _ in range(2)] if any(b.direct for b in m.buckets) else []
-                 for m in mine]
-        payloads: list[list[torch.Tensor | None]] = [[None, None] for _ in mine]
-        landed = [[False, False] for _ in mine]
-        deadline = Deadline(self.timeout_s, device)  # the whole transfer, as one sender's
-        left, waited = deadline.left, deadline.wait
-
-        j = order[0][0]
-
-        def post(g: int) -> Any:
-            nonlocal j
-            j, k = order[g]
-            m, u, slot = mine[j], unpackers[j], k % 2
-            if not m.buckets[k].direct:
-                return _bcast(pgs[j], bufs[j][slot][: sizes[j][k]], left(f"receive of bucket {k}"))
-            what = f"receive of bucket {k}'s trailer"
-            waited(_bcast(pgs[j], heads[j][slot], left(what)), what)
-            reason = u.check_header(k, heads[j][slot])
-            if reason >= 0:
-                text = torch.empty(reason, dtype=torch.uint8, device=device)
-                if reason:
-                    what = f"receive of bucket {k}'s abort reason"
-                    waited(_bcast(pgs[j], text, left(what)), what)
-                u.aborted(text)
-            region = u.landing(k)
-            landed[j][slot] = region is not None
-            payloads[j][slot] = region if region is not None else bufs[j][slot][: m.buckets[k].nbytes]
-            return _bcast(pgs[j], payloads[j][slot], left(f"receive of bucket {k}"))
-
-        work: Any = None
-        try:
-            work = post(0)
-            for g in range(n):
-                j, k = order[g]
-                m, u, slot = mine[j], unpackers[j], k % 2
-                buf = bufs[j][slot][: sizes[j][k]]
-                waited(work, f"receive of bucket {k}")
-                work = None
-                direct = m.buckets[k].direct
-                if not direct:  # the trailer before the next receive (see stream())
-                    u.verify(k, buf, check_digest=False)
-                if g + 1 < n:
-                    work = post(g + 1)
-                    j = order[g][0]  # errors below are this bucket's
-                if direct and landed[j][slot]:
-                    u.verify_digest(k, payloads[j][slot], heads[j][slot])
-                    yield from u.unpack(k, buf, verified=True, landed=True)
-                    continue
-                placed = None if direct else u.land(k, buf)
-                if placed is None:
-                    u.verify_digest(k, buf, heads[j][slot] if direct else None)
-                yield from u.unpack(k, buf, verified=True, placed=placed)
-        except GeneratorExit:
-            _bury(work, *bufs, *payloads)
-            self.close()
-            raise
-        except BaseException as e:
-            # a torn update: leave every group, so that every sender fails now
-            _bury(work, *bufs, *payloads)
-            self.close()
-            if isinstance(e, Exception):
-                raise named(e, self.who[j]) from e
-            raise
+        thread and the current stream: the broadcast receive loop over several groups
+        (`receive_in_order`); an error names the sender of the bucket it came with."""
+        yield from receive_in_order(self.parts, mine, order, into, self.timeout_s,
+                                    name=lambda j, e: named(e, self.who[j]))
 
     def _merged(self, mine: list[Manifest], into: Callable[[str], torch.Tensor | None]
                 ) -> Iterator[tuple[str, torch.Tensor]]:
@@ -548,7 +293,7 @@ class MultiReceiver(Receiver):
                 # update is reported done (and before a buffer can be freed)
                 ev = torch.cuda.Event()
                 ev.record(torch.cuda.current_stream(device))
-                _host_wait(ev, None, self.timeout_s, "the copies of the update's last tensors")
+                host_wait(ev, None, self.timeout_s, "the copies of the update's last tensors")
         except BaseException:
             # One part failed (or the consumer did): the update is torn; leave every
             # group so that the other senders fail now instead of at their timeout.
@@ -594,4 +339,4 @@ class MultiReceiver(Receiver):
     def close(self) -> None:
         for p in self.parts:
             p.close()
-        _bury(*self.parts)
+        bury(*self.parts)

@@ -5,7 +5,7 @@ Used by `tests/gpu/test_multisender_nccl.py` and `benchmarks/bench_multisender_g
 - Trainer rank (`python -m tests.gpu.multisender_procs trainer SPEC`): one process per
   rank, a world of 2 (`nccl` on GPUs, `gloo` on CPU), a model with HF names built from
   `specs` (identical on every rank), `fully_shard`ed (every `layers.<i>` and the root).
-  It pushes with `MultiSenderSync` (every rank sends its share) or with one `WeightSync`
+  It pushes with `WeightSync(senders=...)` (every rank sends its share) or with one `WeightSync`
   on rank 0 (`enginehooks.trainer_side.push`: the other rank follows the lockstep
   gathers), and runs raw broadcasts for baselines.
 - Replica (`python -m tests.gpu.multisender_procs replica SPEC`): a zeroed module of the
@@ -143,8 +143,7 @@ def trainer_main(spec: dict[str, Any]) -> None:
     from torch.distributed.fsdp import fully_shard
 
     from enginehooks import WeightSync
-    from enginehooks.control.multisend import MultiSenderSync
-    from enginehooks.control.ranks import TrainerRanks
+    from enginehooks.trainer_side import TrainerRanks
     from enginehooks.trainer_side.lockstep import push as lockstep_push
     from tests.multihost.replica import RemoteModule
 
@@ -158,7 +157,7 @@ def trainer_main(spec: dict[str, Any]) -> None:
     # the world's communicator now, not lazily inside the first push's lockstep gathers
     dist.all_reduce(torch.zeros(1, device=device))
     _sync(device)
-    control = dist.new_group(backend="gloo")  # MultiSenderSync's own control channel
+    control = dist.new_group(backend="gloo")  # the senders' own control channel
     mesh = init_device_mesh(device.type, (2,))
     model = build_model(spec["specs"], device, seed=int(spec.get("seed", 1234)))
     for name, mod in model.named_modules():
@@ -175,8 +174,8 @@ def trainer_main(spec: dict[str, Any]) -> None:
         if mode in syncs:
             return syncs[mode]
         if mode == "multi":
-            s = MultiSenderSync(TrainerRanks(control, timeout_s=timeout_s), backend,
-                                host="127.0.0.1", timeout_s=timeout_s, bucket_bytes=bucket)
+            s = WeightSync(backend, senders=TrainerRanks(control, timeout_s=timeout_s),
+                           host="127.0.0.1", timeout_s=timeout_s, bucket_bytes=bucket)
         elif rank == 0:  # "single": rank 0 alone sends; `device` as the user would pass it
             dev = spec.get("single_device")
             s = WeightSync(backend, host="127.0.0.1", timeout_s=timeout_s, bucket_bytes=bucket,

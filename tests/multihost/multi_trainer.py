@@ -28,9 +28,8 @@ from typing import Any
 import torch.distributed as dist
 
 from enginehooks import WeightSync
-from enginehooks.control.multisend import MultiSenderSync
-from enginehooks.control.ranks import TrainerRanks
 from enginehooks.testing.tiny import load_tiny, perturb
+from enginehooks.trainer_side import TrainerRanks
 from enginehooks.trainer_side.contract import adapter_for
 from tests.multihost.trainer import handle_of
 
@@ -50,9 +49,9 @@ def main(spec: dict[str, Any]) -> None:
     else:
         # FSDP2 gathers on the default group: the control channel needs its own
         control = dist.new_group(backend="gloo") if mode == "fsdp2" else None
-        sync = MultiSenderSync(TrainerRanks(control, timeout_s=timeout_s), "gloo",
-                               host=spec["host"], timeout_s=timeout_s,
-                               bucket_bytes=spec["bucket_bytes"])
+        sync = WeightSync("gloo", senders=TrainerRanks(control, timeout_s=timeout_s),
+                          host=spec["host"], timeout_s=timeout_s,
+                          bucket_bytes=spec["bucket_bytes"])
     if rank == 0:
         for h in handles.values():
             sync.add_replica(h)

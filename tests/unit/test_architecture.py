@@ -12,7 +12,7 @@ import sys
 import pytest
 
 from enginehooks.engine.contract import VERBS, method_name
-from enginehooks.testing.import_graph import cycles, edges, modules
+from enginehooks.testing.import_graph import LAYERS, cycles, edges, layer_of, modules, upward
 
 #: documented import path -> public names (README, docs/*.md)
 PUBLIC: dict[str, list[str]] = {
@@ -43,6 +43,30 @@ def test_the_import_graph_has_no_cycle() -> None:
     graph = edges()
     assert len(graph) > 40 and sum(map(len, graph.values())) > 100, "the graph was not read"
     assert cycles(graph) == []
+
+
+@pytest.mark.parametrize("type_checking", [False, True])
+def test_no_import_goes_up_a_layer(type_checking: bool) -> None:
+    """Every module imports only its own layer and the layers below (`LAYERS`): in
+    particular nothing below `control/` (core, transports, trainer_side, the plugin
+    core, metrics) imports it, not even for types."""
+    graph = edges(type_checking)
+    assert upward(graph) == []
+    below = {m for m in graph if layer_of(m) < layer_of("enginehooks.control.sync")}
+    assert {"enginehooks.core.manifest", "enginehooks.transports.multisender",
+            "enginehooks.trainer_side.channel", "enginehooks.hookspecs"} <= below
+    into_control = sorted((m, d) for m in below for d in graph[m]
+                          if d.startswith("enginehooks.control"))
+    assert into_control == []
+
+
+def test_the_layer_check_sees_an_arrow_up() -> None:
+    """The check itself: an import from a lower layer into control/ is reported."""
+    graph = {"enginehooks.transports.x": {"enginehooks.control.sync"},
+             "enginehooks.control.sync": {"enginehooks.core.manifest"},
+             "enginehooks.core.manifest": set()}
+    assert upward(graph) == [("enginehooks.transports.x", "enginehooks.control.sync")]
+    assert all(layer_of(m) < len(LAYERS) for m in modules())  # every module has a layer
 
 
 @pytest.mark.parametrize("seed", [0, 1, 2])

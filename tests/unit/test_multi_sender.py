@@ -1,6 +1,7 @@
 """Several senders (issue 23), the pure parts: who sends which tensor, the one manifest
-and each sender's part of it, and the static schedule. The end-to-end push from several
-trainer processes is in tests/multihost/test_multi_sender.py."""
+and each sender's part of it, the send order. The end-to-end push from several trainer
+processes is in tests/multihost/test_multi_sender.py; the static schedule's tests are in
+tests/unit/test_static_schedule.py."""
 
 from __future__ import annotations
 
@@ -9,26 +10,19 @@ import json
 import pytest
 import torch
 
-from enginehooks.control.schedule import (
-    ScheduleError,
-    Slice,
-    Transfer,
-    floor_seconds,
-    link_bytes,
-    schedule,
-    view_slices,
-)
-from enginehooks.control.senders import (
-    assign_balanced,
-    decide_parts,
-    parts,
-    plan_senders,
-    sender_ranges,
-)
 from enginehooks.core.auth import AuthError
 from enginehooks.core.buckets import Unpacker, manifest_id, pack
 from enginehooks.core.errors import ManifestError, TransportError
 from enginehooks.core.manifest import Manifest, TensorSpec, plan
+from enginehooks.core.senders import (
+    assign_balanced,
+    decide_parts,
+    only,
+    order_of,
+    parts,
+    send_order,
+    sender_ranges,
+)
 
 SECRET = b"s" * 32
 
@@ -68,8 +62,8 @@ def test_decide_parts_shares_the_whole_model_and_keeps_owned_parts() -> None:
 
 
 def manifest_of(per: list[list[TensorSpec]], bucket_bytes: int = 256) -> Manifest:
-    return plan_senders(per, weight_version=7, bucket_bytes=bucket_bytes, checksum="crc32",
-                        meta={"transport": "gloo"})
+    return plan(parts=per, weight_version=7, bucket_bytes=bucket_bytes, checksum="crc32",
+                meta={"transport": "gloo"})
 
 
 def test_one_manifest_lists_each_senders_buckets_and_parts_are_standalone() -> None:
@@ -168,47 +162,6 @@ def test_the_senders_list_is_covered_by_the_manifest_id() -> None:
     assert manifest_id(Manifest.from_dict(d)) != manifest_id(m)
 
 
-# -- the static schedule ---------------------------------------------------------------
-def test_fsdp_shards_into_tensor_parallel_engine_ranks_each_get_only_their_slice() -> None:
-    # 4 trainer ranks hold dim-0 quarters of a 1024-byte weight; engine TP=2 ranks need halves
-    holds = {r: [Slice("w", 256 * r, 256 * (r + 1))] for r in range(4)}
-    needs = {0: [Slice("w", 0, 512)], 1: [Slice("w", 512, 1024)]}
-    ts = schedule(holds, needs)
-    assert ts == [Transfer(0, 0, "w", 0, 256), Transfer(1, 0, "w", 256, 512),
-                  Transfer(2, 1, "w", 512, 768), Transfer(3, 1, "w", 768, 1024)]
-    egress, ingress = link_bytes(ts)
-    assert ingress == {0: 512, 1: 512}  # nothing an engine rank drops
-    assert egress == {0: 256, 1: 256, 2: 256, 3: 256}
-
-
-def test_replicated_bytes_are_sent_once_per_engine_rank_by_the_least_loaded_holder() -> None:
-    # a norm every trainer rank holds, needed whole by 4 engine ranks
-    holds = {r: [Slice("norm", 0, 100)] for r in range(4)}
-    needs = {e: [Slice("norm", 0, 100)] for e in range(4)}
-    ts = schedule(holds, needs)
-    assert sorted((t.dst, t.nbytes) for t in ts) == [(e, 100) for e in range(4)]
-    egress, _ = link_bytes(ts)
-    assert egress == {0: 100, 1: 100, 2: 100, 3: 100}  # balanced, not all from rank 0
-
-
-def test_column_slices_of_a_matrix_and_missing_bytes() -> None:
-    # an engine rank reads columns 2..4 of a 4x6 float32 matrix: one run per row
-    runs = view_slices("m", 2, (4, 2), (6, 1), 4)
-    assert runs == [Slice("m", 8 + 24 * i, 16 + 24 * i) for i in range(4)]
-    assert view_slices("m", 6, (2, 6), (6, 1), 4) == [Slice("m", 24, 72)]  # rows 1-2: one run
-    holds = {0: [Slice("m", 0, 48)], 1: [Slice("m", 48, 96)]}
-    ts = schedule(holds, {0: runs})
-    assert sum(t.nbytes for t in ts) == 32 and {t.src for t in ts} == {0, 1}
-    with pytest.raises(ScheduleError, match="engine rank 0 needs bytes \\[96, 100\\) of 'm'"):
-        schedule(holds, {0: [Slice("m", 90, 100)]})
-
-
-def test_floor_is_the_busiest_link() -> None:
-    ts = [Transfer(0, 0, "a", 0, 1000), Transfer(1, 0, "b", 0, 3000)]
-    assert floor_seconds(ts, egress_bps=1000.0, ingress_bps=10000.0) == 3.0
-    assert floor_seconds(ts, egress_bps=1e6, ingress_bps=1000.0) == 4.0
-
-
 def test_several_senders_run_over_gloo_and_nccl_and_a_receiver_needs_its_senders() -> None:
     from enginehooks.control.multisend import MultiSenderSync
     from enginehooks.core.errors import ConfigError
@@ -222,7 +175,14 @@ def test_several_senders_run_over_gloo_and_nccl_and_a_receiver_needs_its_senders
         with pytest.raises(ConfigError, match="several senders run over"):
             MultiSenderSync(None, transport)  # type: ignore[arg-type]
     sync = MultiSenderSync(None, "nccl")  # type: ignore[arg-type]
-    assert sync.transport_options["trainer_ranks"] is None and sync.transport_name == "nccl"
+    assert sync.senders is None and sync.transport_name == "nccl"
+    # the one coordinator refuses them the same way (MultiSenderSync is its alias)
+    from enginehooks import WeightSync
+    from enginehooks.trainer_side import TrainerRanks
+
+    with pytest.raises(ConfigError, match="several senders run over"):
+        WeightSync("disk", senders=TrainerRanks())
+    assert WeightSync("gloo", senders=TrainerRanks()).senders is not None
     for bad in ("x", [], None):
         with pytest.raises(TransportError, match="lists its senders"):
             MultiReceiver({"senders": bad, "world_size": 2}, 1, torch.device("cpu"))
@@ -288,8 +248,8 @@ def lockstep_specs(vocab: int = 64, layers: int = 3) -> list[TensorSpec]:
 
 def lockstep_manifest(s: list[TensorSpec], senders: int, bucket: int,
                       direct_min: int | None = None) -> Manifest:
-    return plan_senders(decide_parts([s] * senders), weight_version=1, bucket_bytes=bucket,
-                        checksum="sum64", meta={}, direct_min=direct_min)
+    return plan(parts=decide_parts([s] * senders), weight_version=1, bucket_bytes=bucket,
+                checksum="sum64", meta={}, direct_min=direct_min)
 
 
 def trainer_programs(m: Manifest, s: list[TensorSpec]) -> list[list[tuple[str, object]]]:
@@ -298,8 +258,6 @@ def trainer_programs(m: Manifest, s: list[TensorSpec]) -> list[list[tuple[str, o
     of stream position i; ("end", n) the stream ended; ("wait", (j, k)) drain bucket k
     of its own part; ("send", (j, k)) post the broadcast of its bucket k; then it drains
     the last two."""
-    from enginehooks.transports.multisender import only
-
     progs: list[list[tuple[str, object]]] = []
     for j, part in enumerate(parts(m)):
         prog: list[tuple[str, object]] = []
@@ -332,8 +290,6 @@ def simulate(m: Manifest, s: list[TensorSpec], ordered: bool, in_launch_order: b
     for its peers), once every collective its members posted before it completed. The
     worker posts receives in the send order (`ordered`, one thread) or each part on its
     own thread (its next bucket posted as soon as the last arrived)."""
-    from enginehooks.transports.multisender import order_of, send_order
-
     senders = len(parts(m))
     order = send_order(m, [x.name for x in s])
     assert order is not None
@@ -400,8 +356,6 @@ def test_the_send_order_is_when_pack_seals_each_bucket() -> None:
     for bucket, direct_min in ((64, None), (256, None), (1000, None), (4096, None),
                                (1 << 20, None), (256, 512), (1000, 256)):
         m = lockstep_manifest(s, 2, bucket, direct_min)
-        from enginehooks.transports.multisender import send_order
-
         order = send_order(m, [x.name for x in s])
         sent = []
         firsts = [r[0] for r in sender_ranges(m)]
@@ -441,8 +395,6 @@ def test_concurrent_parts_deadlock_under_nccl_launch_order_and_the_send_order_do
 
 
 def test_a_send_order_is_checked() -> None:
-    from enginehooks.transports.multisender import order_of
-
     m = lockstep_manifest(lockstep_specs(), 2, 256)
     n = len(m.buckets)
     assert order_of(m) is None

@@ -356,7 +356,7 @@ def _killed_sender_main() -> None:
     import sys
 
     kill_at, at = int(sys.argv[1]), sys.argv[2]
-    real, sent = broadcast._bcast, []
+    real, sent = broadcast.bcast, []
 
     def bcast(pg: Any, buf: torch.Tensor, timeout_s: float) -> Any:
         if len(sent) + 1 == kill_at:
@@ -366,7 +366,7 @@ def _killed_sender_main() -> None:
         sent.append(real(pg, buf, timeout_s))
         return sent[-1]
 
-    broadcast._bcast = bcast
+    broadcast.bcast = bcast
     sender = GlooTransport().sender(timeout_s=30)
     print(json.dumps(sender.endpoint()), flush=True)
     sender.connect(2)

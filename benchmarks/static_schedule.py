@@ -1,6 +1,11 @@
 """The static schedule: which trainer rank sends which bytes to which engine rank, so that
 every engine rank receives only its slice (`docs/scale.md`, part 3). Pure functions.
 
+A design study, kept beside the benchmarks rather than in the package: no transport
+sends byte ranges per engine rank yet, so nothing on the data path uses it
+(`tests/unit/test_static_schedule.py` pins it; it moves back into the package with the
+data path that uses it).
+
 Inputs, both in checkpoint layout (the flat bytes of each checkpoint tensor):
 - what each trainer rank **holds** (`Slice`s): an FSDP2 rank its dim-0 shard of every
   parameter, a Megatron TP rank its partition (after the bridge's conversion), a
