@@ -146,11 +146,19 @@ def test_every_admin_route_is_refused_without_a_token(guarded: Any) -> None:
 
 
 def test_route_tokens_are_bound_to_body_and_used_once(guarded: Any) -> None:
+    from enginehooks.control.identity import ServerIdentity
     from enginehooks.engine.protocol import route_headers
 
     url = f"{guarded.url}/update_weight_version"
     body = {"new_version": "signed-1", "abort_all_requests": False}
-    headers = route_headers(SECRET, url, body)
+    me = ServerIdentity(guarded.url, "test").get(SECRET.encode(), {}, 60)
+    assert me and me.startswith("sglang-")
+    # a token for another server (issue 36: the audience is the server's identity, never
+    # the Host header) changes nothing here
+    status, text = post(url, body, {**route_headers(SECRET, url, body, "sglang-another"),
+                                    "Host": guarded.url.removeprefix("http://")})
+    assert status == 401 and "signed for another replica" in text, (status, text[:300])
+    headers = route_headers(SECRET, url, body, me)
     status, text = post(url, {**body, "new_version": "evil"}, headers)
     assert status == 401 and "does not match" in text, (status, text[:300])
     status, text = post(url, body, headers)
@@ -158,7 +166,7 @@ def test_route_tokens_are_bound_to_body_and_used_once(guarded: Any) -> None:
     assert served_version(guarded) == "signed-1"
     status, text = post(url, body, headers)  # the same token again
     assert status == 401 and "replay" in text.lower(), (status, text[:300])
-    wrong = route_headers("not-the-secret", url, body)
+    wrong = route_headers("not-the-secret", url, body, me)
     assert post(url, body, wrong)[0] == 401
 
 
