@@ -30,8 +30,8 @@ import torch.distributed as dist
 from enginehooks import WeightSync
 from enginehooks.control.multisend import MultiSenderSync
 from enginehooks.control.ranks import TrainerRanks
-from enginehooks.testing.tiny import load_tiny, perturb
 from enginehooks.trainer_side.contract import adapter_for
+from enginehooks_testkit.tiny import load_tiny, perturb
 from tests.multihost.trainer import handle_of
 
 
