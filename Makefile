@@ -25,6 +25,7 @@ soak:
 
 lint:
 	@bash scripts/run.sh vllm ruff check enginehooks enginehooks_testkit tests benchmarks
+	@bash scripts/run.sh vllm mypy
 
 bench-cpu:
 	@bash scripts/run.sh vllm python benchmarks/bench_gloo_cpu.py

@@ -207,7 +207,7 @@ def new_group(
     world_size: int,
     timeout_s: float,
     host: str | None = None,
-) -> dist.ProcessGroup:
+) -> dist.ProcessGroupGloo | dist.ProcessGroupNCCL:
     """A `Backend` object for `backend` ("gloo" or "nccl") over `store` under `prefix`.
 
     `host` is where the store listens (default: the store's own host), used only to
@@ -225,7 +225,7 @@ def new_group(
         devices = gloo_devices(store_host, store_port)
     try:
         if backend == "gloo":
-            opts = dist.ProcessGroupGloo._Options()
+            opts = dist.ProcessGroupGloo._Options()  # type: ignore[attr-defined]  # private
             opts._timeout = _td(timeout_s)
             opts._devices = devices
             return dist.ProcessGroupGloo(pstore, rank, world_size, opts)

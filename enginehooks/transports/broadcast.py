@@ -503,9 +503,9 @@ class BroadcastReceiver(Receiver):
                 unpacker.aborted(text)
             region = unpacker.landing(index)
             landed[slot] = region is not None
-            payloads[slot] = region if region is not None else (
-                bufs[slot][: manifest.buckets[index].nbytes])
-            return _bcast(pg, payloads[slot], left(f"receive of bucket {index}"))
+            payload = region if region is not None else bufs[slot][: manifest.buckets[index].nbytes]
+            payloads[slot] = payload
+            return _bcast(pg, payload, left(f"receive of bucket {index}"))
 
         work: Any = None
         try:
@@ -526,7 +526,9 @@ class BroadcastReceiver(Receiver):
                 if index + 1 < n:
                     work = post(index + 1)
                 if direct and landed[slot]:
-                    unpacker.verify_digest(index, payloads[slot], heads[slot])
+                    payload = payloads[slot]
+                    assert payload is not None  # landed: post() received it there
+                    unpacker.verify_digest(index, payload, heads[slot])
                     phases["check"] += (time.perf_counter() - t) * 1e3
                     yield from unpacker.unpack(index, buf, verified=True, landed=True)
                     continue

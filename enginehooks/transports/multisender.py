@@ -434,8 +434,9 @@ class MultiReceiver(Receiver):
                 u.aborted(text)
             region = u.landing(k)
             landed[j][slot] = region is not None
-            payloads[j][slot] = region if region is not None else bufs[j][slot][: m.buckets[k].nbytes]
-            return _bcast(pgs[j], payloads[j][slot], left(f"receive of bucket {k}"))
+            payload = region if region is not None else bufs[j][slot][: m.buckets[k].nbytes]
+            payloads[j][slot] = payload
+            return _bcast(pgs[j], payload, left(f"receive of bucket {k}"))
 
         work: Any = None
         try:
@@ -453,7 +454,9 @@ class MultiReceiver(Receiver):
                     work = post(g + 1)
                     j = order[g][0]  # errors below are this bucket's
                 if direct and landed[j][slot]:
-                    u.verify_digest(k, payloads[j][slot], heads[j][slot])
+                    payload = payloads[j][slot]
+                    assert payload is not None  # landed: post() received it there
+                    u.verify_digest(k, payload, heads[j][slot])
                     yield from u.unpack(k, buf, verified=True, landed=True)
                     continue
                 placed = None if direct else u.land(k, buf)

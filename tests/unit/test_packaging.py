@@ -27,6 +27,7 @@ def test_the_wheel_ships_the_library_and_demo_but_not_the_test_kit(tmp_path: Pat
                    check=True, timeout=300)
     (wheel,) = (tmp_path / "dist").glob("enginehooks-*.whl")
     names = set(zipfile.ZipFile(wheel).namelist())
+    assert "enginehooks/py.typed" in names
     assert {"enginehooks/cli.py", "enginehooks/demo/__init__.py", "enginehooks/demo/tiny.py",
             "enginehooks/demo/servers.py",
             "enginehooks/demo/sgl_kernel_stub/sgl_kernel/__init__.py"} <= names
