@@ -24,7 +24,8 @@ soak:
 	@bash scripts/run.sh vllm sh -c "pip install -q 'matplotlib>=3.7' && python benchmarks/plot_soak.py benchmarks/results/soak-vllm.json benchmarks/results/soak-sglang.json docs/img/soak.png"
 
 lint:
-	@bash scripts/run.sh vllm ruff check enginehooks tests benchmarks
+	@bash scripts/run.sh vllm ruff check enginehooks enginehooks_testkit tests benchmarks
+	@bash scripts/run.sh vllm mypy
 
 bench-cpu:
 	@bash scripts/run.sh vllm python benchmarks/bench_gloo_cpu.py

@@ -40,6 +40,8 @@ from typing import Any
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+# The checkout on the path: the test kit (enginehooks_testkit) is not installed.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch
 import torch.distributed as dist
@@ -79,7 +81,7 @@ def build_model(folder: Path, preset: str) -> Path:
         return folder
     from transformers import LlamaConfig, Qwen2Config
 
-    from enginehooks.testing.tiny import save_tiny
+    from enginehooks_testkit.tiny import save_tiny
 
     p = PRESETS[preset]
     cls = Qwen2Config if p["arch"] == "qwen2" else LlamaConfig
@@ -180,7 +182,7 @@ def run_rows(rows: list[str], args: argparse.Namespace, model_dir: Path) -> dict
                 replicas[row] = load_trainer(model_dir, dtype)
                 handles[row] = LocalEngine(replicas[row], name=row)
             elif row in ("vllm", "sglang"):
-                from enginehooks.testing.engines import SGLangInProcess, VLLMInProcess
+                from enginehooks_testkit.engines import SGLangInProcess, VLLMInProcess
 
                 name = f"{row}(plan {os.environ.get('ENGINEHOOKS_COPY_PLAN', 'on')})"
                 cls = VLLMInProcess if row == "vllm" else SGLangInProcess

@@ -37,6 +37,8 @@ from typing import Any
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+# The checkout on the path: the test kit (enginehooks_testkit) is not installed.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 
 def machine() -> dict[str, Any]:
@@ -61,7 +63,7 @@ def build(folder: Path, experts: int, args: argparse.Namespace) -> Path:
         return folder
     from transformers import Qwen3MoeConfig
 
-    from enginehooks.testing.tiny import save_tiny
+    from enginehooks_testkit.tiny import save_tiny
 
     config = Qwen3MoeConfig(
         vocab_size=256, hidden_size=args.hidden, intermediate_size=args.hidden * 2,
@@ -78,8 +80,8 @@ def measure(req: dict[str, Any]) -> dict[str, Any]:
     import torch
 
     from enginehooks import WeightSync
-    from enginehooks.testing.engines import start_engine
-    from enginehooks.testing.tiny import load_tiny, perturb
+    from enginehooks_testkit.engines import start_engine
+    from enginehooks_testkit.tiny import load_tiny, perturb
 
     os.environ["ENGINEHOOKS_COPY_PLAN"] = req["plan"]
     trainer = load_tiny(req["model"])

@@ -1,7 +1,7 @@
 """Scale past one sender (issue 23): 1, 2 and 4 trainer nodes into 1 and 2 replica nodes,
 one sender vs every trainer rank sending its part, each link rate-limited.
 
-Nodes are network namespaces on this machine (`enginehooks.testing.netns`: one switch,
+Nodes are network namespaces on this machine (`enginehooks_testkit.netns`: one switch,
 every host's link shaped with `tc tbf` each way). Trainer ranks run
 `tests/multihost/multi_trainer.py` (every rank holds the whole model, as FSDP ranks
 that gather in lockstep; the coordinator shares it out), replicas run
@@ -43,8 +43,8 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from enginehooks.testing.netns import Network, unavailable_reason  # noqa: E402
-from enginehooks.testing.tiny import load_tiny, make_tiny_model, perturb  # noqa: E402
+from enginehooks_testkit.netns import Network, unavailable_reason  # noqa: E402
+from enginehooks_testkit.tiny import load_tiny, make_tiny_model, perturb  # noqa: E402
 from tests.multihost.conftest import Lines, ModuleReplica  # noqa: E402
 
 LOG: list[str] = []

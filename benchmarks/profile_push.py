@@ -226,7 +226,7 @@ def inner(args: Any) -> int:
         engine: Any = None
         handle = LocalEngine(load_trainer(model_dir, getattr(torch, dtype_name)))
     else:
-        from enginehooks.testing.engines import SGLangInProcess, VLLMInProcess
+        from enginehooks_testkit.engines import SGLangInProcess, VLLMInProcess
 
         engine = (VLLMInProcess if args.engine == "vllm" else SGLangInProcess)(
             model_dir, dtype=dtype_name)

@@ -49,16 +49,19 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+# The checkout on the path: the test kit (enginehooks_testkit) is not installed.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
 import torch
 
 from enginehooks import EngineHooksError, WeightSync
 from enginehooks.core.auth import SECRET_ENV
 from enginehooks.core.errors import ManifestError
 from enginehooks.core.manifest import TensorSpec
-from enginehooks.testing.generation import NEW_TOKENS, PROMPTS
-from enginehooks.testing.servers import HANDLES, SERVERS
-from enginehooks.testing.tiny import hf_greedy, load_tiny, make_tiny_model, perturb
 from enginehooks.trainer_side import ModuleAdapter
+from enginehooks_testkit.generation import NEW_TOKENS, PROMPTS
+from enginehooks_testkit.servers import HANDLES, SERVERS
+from enginehooks_testkit.tiny import hf_greedy, load_tiny, make_tiny_model, perturb
 
 FAULTS = ("killed-trainer", "killed-connection", "bad-manifest")
 PROMPT = PROMPTS[0]
@@ -283,7 +286,7 @@ class Standby:
     the start-up."""
 
     def __init__(self, server: Any, model_dir: Path, args: argparse.Namespace) -> None:
-        self.argv = [sys.executable, "-m", "enginehooks.testing.stalling_trainer", args.engine,
+        self.argv = [sys.executable, "-m", "enginehooks_testkit.stalling_trainer", args.engine,
                      server.url, str(model_dir), "-", str(args.stall_timeout_s),
                      str(args.fault_after)]
         self.proc: subprocess.Popen[str] | None = None

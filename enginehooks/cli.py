@@ -36,10 +36,10 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     observers(args.progress, args.metrics_port)
     if args.engine == "sglang":
-        from enginehooks.testing.demo import run_sglang_demo
+        from enginehooks.demo import run_sglang_demo
 
         return run_sglang_demo(args)
-    from enginehooks.testing.demo import run_vllm_demo
+    from enginehooks.demo import run_vllm_demo
 
     return run_vllm_demo(args)
 

@@ -16,7 +16,9 @@ run_pytest() {  # env, pytest args...
   return "$rc"
 }
 
-bash scripts/run.sh vllm ruff check enginehooks tests benchmarks || status=1
+bash scripts/run.sh vllm ruff check enginehooks enginehooks_testkit tests benchmarks || status=1
+# The library's types ([tool.mypy] in pyproject.toml), in the environment CI tests in.
+bash scripts/run.sh vllm mypy || status=1
 # Both environments exist before any test runs: the Ray test in the vLLM environment
 # starts an SGLang actor with the SGLang one, and the mixed SGLang test a vLLM server.
 ENGINEHOOKS_SGLANG_PYTHON="$(bash scripts/setup-sglang-env.sh)/bin/python" || status=1

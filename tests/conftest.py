@@ -17,6 +17,10 @@ from typing import Any
 
 import pytest
 
+# The test kit (not in the wheel): importing it also puts this checkout on PYTHONPATH,
+# for the engine drivers, trainers and ranks that tests start (its docstring says why).
+import enginehooks_testkit  # noqa: F401
+
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # engine in-process: fast start
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
@@ -26,7 +30,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 @pytest.fixture(scope="session")
 def model_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     """Tiny checkpoints: a Llama (untied) and a Qwen2 with qkv bias and tied embeddings."""
-    from enginehooks.testing.tiny import make_test_models
+    from enginehooks_testkit.tiny import make_test_models
 
     return make_test_models(tmp_path_factory.mktemp("models"))
 

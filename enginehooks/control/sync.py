@@ -23,6 +23,7 @@ Phases of a push (each timed through the `run_phase` hook):
 from __future__ import annotations
 
 import contextlib
+import functools
 import threading
 from collections.abc import Callable
 from concurrent.futures import FIRST_COMPLETED, FIRST_EXCEPTION, Future, wait
@@ -613,6 +614,10 @@ class WeightSync:
 
         group = self._group_id() or ""
 
+        def abort_on_failure(name: str, f: Future[Any]) -> None:
+            if (e := f.exception()) is not None:
+                abort.fail(ReplicaError(name, f"{type(e).__name__}: {e}"))
+
         def start_receivers(m: Manifest) -> list[Future[Any]]:
             text = m.to_json()
             futs = [spawn(r.receive, text, group, self.timeout_s,
@@ -620,9 +625,7 @@ class WeightSync:
                           name=f"enginehooks-recv-{r.name}")
                     for r in reps]
             for r, f in zip(reps, futs):
-                f.add_done_callback(lambda f, r=r: abort.fail(
-                    ReplicaError(r.name, f"{type(f.exception()).__name__}: {f.exception()}"))
-                    if f.exception() is not None else None)
+                f.add_done_callback(functools.partial(abort_on_failure, r.name))
             return futs
 
         futs: list[Future[Any]] = []

@@ -79,7 +79,7 @@ def load_secret(env: dict[str, str] | None = None) -> bytes | None:
     if env is None:
         scoped = _SCOPED.get()
         if scoped is not _UNSET:
-            return scoped  # type: ignore[no-any-return]
+            return scoped if isinstance(scoped, bytes) else None
     env = dict(os.environ if env is None else env)
     value = env.get(SECRET_ENV)
     if value:

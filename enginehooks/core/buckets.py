@@ -493,9 +493,10 @@ class Unpacker:
                     whole = self._destination(entry, dt)
             else:  # the tensor itself, not a byte view of it: views cost microseconds,
                 # and a MoE bucket holds thousands of tensors
-                whole = dest = self.into(entry.name)
+                dest = self.into(entry.name)
                 if dest is None:
                     continue
+                whole = dest
                 if (dest.dtype != dt or tuple(dest.shape) != entry.shape
                         or not dest.is_contiguous()):
                     # the target casts or relays it: where it writes counts for overlaps
@@ -591,14 +592,13 @@ class Unpacker:
             if len(entry.pieces) == 1:
                 yield entry.name, src.view(dt).view(entry.shape)
                 continue
-            whole = self._partial.get(entry.name)
-            if whole is None:
-                whole = self._destination(entry, dt)
-                self._partial[entry.name] = whole
-            whole[piece.start : piece.start + piece.nbytes].copy_(src)
+            partial = self._partial.get(entry.name)
+            if partial is None:
+                partial = self._partial[entry.name] = self._destination(entry, dt)
+            partial[piece.start : piece.start + piece.nbytes].copy_(src)
             if piece is entry.pieces[-1]:
                 del self._partial[entry.name]
-                yield entry.name, whole.view(dt).view(entry.shape)
+                yield entry.name, partial.view(dt).view(entry.shape)
 
     def _destination(self, entry: TensorEntry, dt: torch.dtype) -> torch.Tensor:
         """Flat bytes to rejoin `entry` in: the target's own tensor where it offers a

@@ -27,11 +27,14 @@ from __future__ import annotations
 import re
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from enginehooks.core.errors import ManifestError
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 _LAYER = re.compile(r"^(.*?\.\d+)(\.|$)")
 
@@ -65,7 +68,7 @@ class LayoutPlan:
         return [o for g in self.groups for o in g.outputs]
 
 
-def pretrained_model(model: Any) -> Any | None:
+def pretrained_model(model: Any) -> PreTrainedModel | None:
     """The `transformers.PreTrainedModel` inside `model` (through DDP's `.module`,
     torch.compile's `._orig_mod`, FSDP1's `.module`), or None."""
     try:
@@ -131,7 +134,8 @@ class CheckpointFormat:
         meta = _meta(sources)
         for key in getattr(self.hf, "_keys_to_ignore_on_save", None) or ():
             meta.pop(key, None)
-        owner = self.hf if self.identity is None else _SharedBy(self.hf, self.identity)
+        # the model, or a stand-in that answers for it where the model cannot (`_SharedBy`)
+        owner: Any = self.hf if self.identity is None else _SharedBy(self.hf, self.identity)
         try:
             kept = remove_tied_weights_from_state_dict(meta, owner)
         except Exception as e:
@@ -164,6 +168,7 @@ class CheckpointFormat:
     def _revert(self, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         from transformers.core_model_loading import revert_weight_conversion
 
+        assert self.hf is not None  # a model that is not a PreTrainedModel converts nothing
         try:
             return dict(revert_weight_conversion(self.hf, state))
         except Exception as e:

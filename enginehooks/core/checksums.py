@@ -36,7 +36,7 @@ log = logging.getLogger(__name__)
 def _crc32(buf: torch.Tensor) -> int:
     if buf.device.type != "cpu":
         buf = buf.cpu()
-    return zlib.crc32(buf.numpy())
+    return zlib.crc32(buf.numpy().data)  # the array's buffer, as bytes (no copy)
 
 
 _weights: dict[torch.device, torch.Tensor] = {}
@@ -91,8 +91,10 @@ def _build_triton() -> Any:
     import triton
     import triton.language as tl
 
+    # Triton reads a kernel's annotations (tl.constexpr): the other parameters stay bare.
     @triton.jit
-    def sum64_kernel(words_ptr, partial_ptr, n_words, MOD: tl.constexpr, BLOCK: tl.constexpr):
+    def sum64_kernel(  # type: ignore[no-untyped-def]
+            words_ptr, partial_ptr, n_words, MOD: tl.constexpr, BLOCK: tl.constexpr):
         pid = tl.program_id(0)
         offs = pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK).to(tl.int64)
         mask = offs < n_words
@@ -157,7 +159,7 @@ def _xxh3(buf: torch.Tensor) -> int:
 
     if buf.device.type != "cpu":
         buf = buf.cpu()
-    return xxhash.xxh3_64_intdigest(buf.numpy())
+    return xxhash.xxh3_64_intdigest(buf.numpy().data)
 
 
 def _sum64(buf: torch.Tensor) -> int:

@@ -47,6 +47,7 @@ class Beacon:
     def read(path: str | os.PathLike[str]) -> dict[str, Any] | None:
         """The published state, or None if the file is gone (the worker exited)."""
         try:
-            return json.loads(Path(path).read_text())  # type: ignore[no-any-return]
+            state: dict[str, Any] = json.loads(Path(path).read_text())
+            return state
         except (OSError, ValueError):
             return None

@@ -231,7 +231,7 @@ class PlanRecorder(ByteTracer):
         super().mark(name, t)
         key = _storage_key(t)
         if key is not None:
-            self.fed[key] = (name, t.storage_offset(), ())
+            self.fed[key] = (name, int(t.storage_offset()), ())
             if not t.is_contiguous():
                 self._spoil(name, "the tensor fed to the loader is not contiguous")
 
@@ -240,10 +240,10 @@ class PlanRecorder(ByteTracer):
 
     def _relative(self, dest: torch.Tensor, owner: str) -> View:
         base = self._tensors.get(owner)
-        start = base.storage_offset() if base is not None else 0
+        start = int(base.storage_offset()) if base is not None else 0
         if base is not None:
             self.layouts.setdefault(owner, Layout.of(base))
-        return View(dest.storage_offset() - start, tuple(dest.shape), tuple(dest.stride()))
+        return View(int(dest.storage_offset()) - start, tuple(dest.shape), tuple(dest.stride()))
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
@@ -253,19 +253,22 @@ class PlanRecorder(ByteTracer):
         first = args[0] if args and isinstance(args[0], torch.Tensor) else None
         owner = self.owner.get(_storage_key(first) or -1) if first is not None else None
         recorded = False
-        src = args[1] if func is _COPY and len(args) >= 2 else None
-        key = _storage_key(src) if isinstance(src, torch.Tensor) else None
+        src = args[1] if func is _COPY and len(args) >= 2 and isinstance(args[1], torch.Tensor) \
+            else None
+        key = _storage_key(src) if src is not None else None
         for t in self._destinations(func, args, kwargs):
             k = _storage_key(t)
             if k is not None and k in self.fed:  # an in-place op on the tensor itself
                 self._spoil(self.fed[k][0], f"the loader modifies it in place ({func})")
-        if owner is not None and key is not None and key in self.fed:
+        # (an owner means a first tensor, a key a source tensor)
+        if owner is not None and first is not None and src is not None and key is not None \
+                and key in self.fed:
             name, start, pre = self.fed[key]
             # several copies of views of one tensor (a fused checkpoint tensor split into
             # the shards of a fused parameter) replay as they ran
             self.steps.setdefault(name, []).append(Step(
-                owner, self._relative(first, owner),  # type: ignore[arg-type]
-                View(src.storage_offset() - start, tuple(src.shape), tuple(src.stride())),
+                owner, self._relative(first, owner),
+                View(int(src.storage_offset()) - start, tuple(src.shape), tuple(src.stride())),
                 pre=pre))
             recorded = True
         elif func is _CLONE and len(fed_in) == 1 and first is not None \
@@ -276,13 +279,13 @@ class PlanRecorder(ByteTracer):
             out = super().__torch_dispatch__(func, types, args, kwargs)
             k = _storage_key(out)
             if k is not None:
-                view = View(first.storage_offset() - start, tuple(first.shape),
+                view = View(int(first.storage_offset()) - start, tuple(first.shape),
                             tuple(first.stride()))
                 self.fed[k] = (name, out.storage_offset(),
                                (*pre, (view, kwargs.get("memory_format"))))
                 self._keep.append(out)
             return out
-        elif func in _FILLS and owner is not None and not fed_in:
+        elif func in _FILLS and owner is not None and first is not None and not fed_in:
             value = 0 if func is torch.ops.aten.zero_.default else args[1]
             if self.current is not None and isinstance(value, (int, float, bool)):
                 self.steps.setdefault(self.current, []).append(
@@ -461,7 +464,7 @@ class PlanState:
         self.plan: CopyPlan | None = None
         self.state = "pending" if enabled else "off"
         self.reason: str | None = None if enabled else f"{PLAN_ENV}=off"
-        self.last: dict[str, int] = {}  # counts of the last update
+        self.last: dict[str, Any] = {}  # counts and seconds of the last update
         self.applied = 0                # updates applied through the plan
 
     @property

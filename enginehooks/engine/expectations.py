@@ -280,7 +280,7 @@ class LoaderExpectations(Expectations):
                 if w is not None:
                     for dest, n in w.into.items():
                         dt = w.dtypes.get(dest)
-                        landing.params[dest] = dtype_name(dt) if dt in _NAMED else ""
+                        landing.params[dest] = dtype_name(dt) if dt is not None and dt in _NAMED else ""
                         landing.numel[dest] = n
                 self._cache[(s.name, s.dtype, tuple(s.shape))] = landing
         return {s.name: self._cache[(s.name, s.dtype, tuple(s.shape))] for s in specs}

@@ -349,7 +349,7 @@ class EngineSide:
                 continue
             data = p.detach()[: spec.shape[0]].contiguous().cpu()
             out[name] = {"dtype": dtype_name(data.dtype), "shape": list(data.shape),
-                         "crc32": zlib.crc32(data.reshape(-1).view(torch.uint8).numpy())}
+                         "crc32": zlib.crc32(data.reshape(-1).view(torch.uint8).numpy().data)}
         return out
 
     def flush(self, auth: str | None = None) -> protocol.FlushReply:

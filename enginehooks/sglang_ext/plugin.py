@@ -136,7 +136,7 @@ def install_route(rpc_ipc_name: str, server_args: Any) -> None:
 
     if any(getattr(r, "path", None) == ROUTE for r in app.routes):
         return
-    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock: zmq.Socket[bytes] = zmq.Context.instance().socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
     sock.bind(rpc_ipc_name)
     client = SchedulerRpc(sock, who=f"sglang server :{getattr(server_args, 'port', '?')}")

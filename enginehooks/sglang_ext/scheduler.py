@@ -321,7 +321,8 @@ class SGLangBinding(EngineBinding):
             path = getattr(self.sched.server_args, "model_path", None) or \
                 mr.model_config.model_path
             self._expectations = LoaderExpectations(
-                self._skeleton, lambda model, weights: model.load_weights(weights),
+                self._skeleton,
+                lambda model, weights: model.load_weights(weights),  # type: ignore[operator]
                 checkpoint_specs(resolve_model_dir(path)), engine="SGLang",
                 live=lambda: _model_runner(self.sched).model)
         return self._expectations

@@ -71,7 +71,8 @@ class Message:
     @staticmethod
     def from_dict(raw: Any) -> Message:
         """The message `raw` (a decoded JSON object) is; `MalformedMessage` if none."""
-        cls = Message._types.get(raw.get("op")) if isinstance(raw, dict) else None
+        op = raw.get("op") if isinstance(raw, dict) else None
+        cls = Message._types.get(op) if isinstance(op, str) else None
         if cls is None:
             raise MalformedMessage(f"not a trainer-ranks message: {str(raw)[:200]}")
         values = {f.name: raw[f.name] for f in fields(cls) if f.name in raw}
@@ -290,6 +291,8 @@ class TrainerRanks:
         if timeout_s is not None:
             opts.timeout = _dt.timedelta(seconds=timeout_s)
         group = self.group if self.group is not None else dist.group.WORLD
+        if group is None:
+            raise TransportError("no process group: initialise torch.distributed first")
         group.broadcast([buf], opts).wait()
         return unframe(bytes(buf.cpu().numpy().tobytes()))
 

@@ -22,7 +22,7 @@ trainer never holds the whole model unsharded:
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 from torch import nn
@@ -31,8 +31,11 @@ from enginehooks.core.checkpoint_format import CheckpointFormat, Source
 from enginehooks.trainer_side.contract import CheckpointAdapter
 from enginehooks.trainer_side.lockstep import LockstepAdapter
 
+if TYPE_CHECKING:
+    from torch.distributed.tensor import DTensor
 
-def _dtensor_type() -> type | None:
+
+def _dtensor_type() -> type[DTensor] | None:
     try:
         from torch.distributed.tensor import DTensor
     except ImportError:  # torch built without distributed
@@ -84,7 +87,8 @@ class FSDP2Adapter(LockstepAdapter, CheckpointAdapter):
             t = state[name]
             wire = self.precast_dtype(t.dtype)
             if dt is not None and isinstance(t, dt):
-                local = t if t.dtype == wire else t.to(wire)  # local cast, then gather
+                # local cast, then gather (torch's stubs type a DTensor's `.to` as Tensor)
+                local = t if t.dtype == wire else cast("DTensor", t.to(wire))
                 out[name] = local.full_tensor()
                 del local
             else:
@@ -155,7 +159,7 @@ class FSDP1Adapter(LockstepAdapter, CheckpointAdapter):
         """Persistent buffers: FSDP1 does not shard them."""
         out = {}
         for mod_name, mod in self.model.named_modules():
-            skip = getattr(mod, "_non_persistent_buffers_set", set())
+            skip: set[str] = getattr(mod, "_non_persistent_buffers_set", set())
             for b_name, b in mod.named_buffers(recurse=False):
                 if b_name not in skip:
                     out[self.rename(f"{mod_name}.{b_name}".lstrip("."))] = b

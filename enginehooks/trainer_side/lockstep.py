@@ -76,7 +76,7 @@ class Lockstep:
     def __init__(self, group: Any = None, sender: int = 0, timeout_s: float | None = None,
                  start_timeout_s: float | None = None) -> None:
         self.active = dist.is_available() and dist.is_initialized()
-        self.group = group if group is not None else (dist.group.WORLD if self.active else None)
+        self.group: Any = group if group is not None else (dist.group.WORLD if self.active else None)
         self.sender = sender
         self.timeout_s = timeout_s
         self.start_timeout_s = start_timeout_s if start_timeout_s is not None else timeout_s

@@ -318,7 +318,7 @@ def arrive(store: dist.Store, prefix: str, world_size: int, timeout_s: float,
     reached the store can neither end the wait nor fake a rank's arrival."""
     pstore = dist.PrefixStore(prefix, store)
     channel = _barrier(prefix, secret, rank)
-    pstore.set(f"{ARRIVED_KEY}/{rank}", channel.seal(
+    pstore.set(f"{ARRIVED_KEY}/{rank}", channel.seal(  # type: ignore[arg-type]
         "arrived", 0, rank, rank, TO_TRAINER if rank else TRAINER_SELF, b"1"))
     keys = [f"{ARRIVED_KEY}/{r}" for r in range(world_size)]
     ignored = Ignored()
@@ -357,7 +357,7 @@ def call_off(store: dist.Store, prefix: str, reason: str, secret: bytes | None =
     """End the arrival wait of every rank of the group, with `reason` (signed with
     `secret` when there is one: only the sender's call-off is obeyed)."""
     channel = _barrier(prefix, secret, 0)
-    dist.PrefixStore(prefix, store).set(ABORT_KEY, channel.seal(
+    dist.PrefixStore(prefix, store).set(ABORT_KEY, channel.seal(  # type: ignore[arg-type]
         "abort", 0, 0, EVERY_RECEIVER, TO_ENGINE, reason[:2000].encode()))
 
 
@@ -370,7 +370,7 @@ def new_group(
     timeout_s: float,
     host: str | None = None,
     secret: bytes | None = None,
-) -> dist.ProcessGroup:
+) -> dist.ProcessGroupGloo | dist.ProcessGroupNCCL:
     """A `Backend` object for `backend` ("gloo" or "nccl") over `store` under `prefix`.
 
     `host` is where the store listens (default: the store's own host), used only to
@@ -388,7 +388,7 @@ def new_group(
         devices = gloo_devices(store_host, store_port)
     try:
         if backend == "gloo":
-            opts = dist.ProcessGroupGloo._Options()
+            opts = dist.ProcessGroupGloo._Options()  # type: ignore[attr-defined]  # private
             opts._timeout = _td(timeout_s)
             opts._devices = devices
             return dist.ProcessGroupGloo(pstore, rank, world_size, opts)

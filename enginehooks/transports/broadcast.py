@@ -550,8 +550,9 @@ def receive_in_order(
             u.aborted(text)
         region = u.landing(k)
         landed[j][slot] = region is not None
-        payloads[j][slot] = region if region is not None else bufs[j][slot][: m.buckets[k].nbytes]
-        return bcast(pgs[j], payloads[j][slot], left(f"receive of bucket {k}"))
+        payload = region if region is not None else bufs[j][slot][: m.buckets[k].nbytes]
+        payloads[j][slot] = payload
+        return bcast(pgs[j], payload, left(f"receive of bucket {k}"))
 
     work: Any = None
     try:
@@ -574,7 +575,9 @@ def receive_in_order(
                 work = post(g + 1)
                 j = order[g][0]  # errors below are this bucket's
             if direct and landed[j][slot]:
-                u.verify_digest(k, payloads[j][slot], heads[j][slot])
+                payload = payloads[j][slot]
+                assert payload is not None  # landed: post() received it there
+                u.verify_digest(k, payload, heads[j][slot])
                 times["check"] += (time.perf_counter() - t) * 1e3
                 yield from u.unpack(k, buf, verified=True, landed=True)
                 continue

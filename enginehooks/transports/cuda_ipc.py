@@ -50,7 +50,7 @@ import os
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Generator
 from dataclasses import dataclass
 from typing import Any, cast
 
@@ -500,7 +500,7 @@ class CudaIpcSender(ColocatedSender):
                                "aid": aid.tolist(), "off": off.tolist()},
                               separators=(",", ":")).encode()
             self.store.set(self._key(f"u{seq}", "ready", k),
-                           self.channel.seal("ready", seq, k, EVERY_RECEIVER, TO_ENGINE, body))
+                           self.channel.seal("ready", seq, k, EVERY_RECEIVER, TO_ENGINE, body))  # type: ignore[arg-type]
             self._announce = []
             published = k + 1
             done: torch.cuda.Event | None = None
@@ -575,7 +575,7 @@ class CudaIpcSender(ColocatedSender):
                         "vouched for; push again (or use checksum='sum64')")
             body = json.dumps({"mid": mid, "digests": final}).encode()
             self.store.set(self._key(f"u{seq}", "ready", n),
-                           self.channel.seal("ready", seq, n, EVERY_RECEIVER, TO_ENGINE, body))
+                           self.channel.seal("ready", seq, n, EVERY_RECEIVER, TO_ENGINE, body))  # type: ignore[arg-type]
             published = n + 1
             self._wait_acks(seq, n, abort)
             ph["final"] = clock() - c0
@@ -659,7 +659,7 @@ class CudaIpcReceiver(ColocatedReceiver):
     # -- single copy ---------------------------------------------------------------------
     def stream(
         self, manifest: Manifest, into: Callable[[str], torch.Tensor | None] | None = None
-    ) -> Iterator[tuple[str, torch.Tensor]]:
+    ) -> Generator[tuple[str, torch.Tensor], None, None]:
         n = len(manifest.buckets)
         if self.store is None or self._broken or n == 0:
             return super().stream(manifest, into)
@@ -714,7 +714,7 @@ class CudaIpcReceiver(ColocatedReceiver):
 
     def _stream_refs(
         self, manifest: Manifest, into: Callable[[str], torch.Tensor | None] | None
-    ) -> Iterator[tuple[str, torch.Tensor]]:
+    ) -> Generator[tuple[str, torch.Tensor], None, None]:
         fused = _fused()
         if not fused.available(self.device):
             raise TransportError(
@@ -877,7 +877,7 @@ class CudaIpcReceiver(ColocatedReceiver):
 
     def _ack(self, seq: int, index: int) -> None:
         self._store().set(self._key(f"u{seq}", "ack", index, self.rank),
-                          self.channel.seal("ack", seq, index, self.rank, TO_TRAINER, OK))
+                          self.channel.seal("ack", seq, index, self.rank, TO_TRAINER, OK))  # type: ignore[arg-type]
 
 
 class CudaIpcTransport(Transport):

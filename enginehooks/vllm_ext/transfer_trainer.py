@@ -356,7 +356,9 @@ class EnginehooksTrainerWeightTransferEngine(
             raise
         return cls(client=client, source=source, is_sender=True, sync=sync)
 
-    def send_weights(self, weight_version: int | str | None = None) -> PushReport | None:
+    # vLLM's base returns None; the push's report is returned here for callers who want it.
+    def send_weights(  # type: ignore[override]
+            self, weight_version: int | str | None = None) -> PushReport | None:
         source = self.source
         if source is None:
             raise ConfigError("no WeightSource: build this engine with trainer_init")

@@ -616,7 +616,7 @@ class VLLMBinding(EngineBinding):
         from vllm.config import set_current_vllm_config
 
         with set_current_vllm_config(private_config(self.worker.vllm_config)):
-            return model.load_weights(weights)
+            return model.load_weights(weights)  # type: ignore[operator]
 
     def readable(self) -> Mapping[str, torch.Tensor]:
         # On CPU linear layers are prepacked and not readable; embeddings and norms are.

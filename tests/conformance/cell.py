@@ -67,7 +67,7 @@ def trained(family: str, d0: Path) -> Any:
     import torch
     import transformers
 
-    from enginehooks.testing.tiny import perturb
+    from enginehooks_testkit.tiny import perturb
     from tests.conformance.families import family_named
 
     cls_name = family_named(family).model_class
@@ -117,8 +117,8 @@ def mutations(state: dict[str, Any]) -> list[tuple[str, dict[str, Any], str]]:
 def check_bad_updates(sync: Any, replica: Any, reference: Any, version: Any) -> list[str]:
     """Push each bad update; return what went wrong (empty: all refused cleanly)."""
     from enginehooks import ManifestError
-    from enginehooks.testing.engines import first_difference
     from enginehooks.trainer_side import StateDictAdapter, adapter_for
+    from enginehooks_testkit.engines import first_difference
 
     failures = []
     good = replica.generate()
@@ -147,12 +147,12 @@ def check_bad_updates(sync: Any, replica: Any, reference: Any, version: Any) -> 
 def run_in_process(req: dict[str, Any], work: Path) -> dict[str, Any]:
     """Plain and PEFT trainers pushing into an engine in this process."""
     from enginehooks import WeightSync
-    from enginehooks.testing.engines import (
+    from enginehooks_testkit.engines import (
         EngineUnavailable,
         fresh_generate,
         start_engine,
     )
-    from enginehooks.testing.tiny import perturb
+    from enginehooks_testkit.tiny import perturb
     from tests.conformance.families import family_named
 
     family, engine, dtype = req["family"], req["engine"], req["dtype"]
@@ -209,7 +209,7 @@ def copy_plan(handle: Any) -> dict[str, Any] | None:
 
 
 def verdict(before: Any, after: Any, oracle: Any, bad: list[str], report: Any) -> dict[str, Any]:
-    from enginehooks.testing.engines import first_difference
+    from enginehooks_testkit.engines import first_difference
 
     problems = list(bad)
     diff = first_difference(after, oracle)
@@ -225,8 +225,8 @@ def verdict(before: Any, after: Any, oracle: Any, bad: list[str], report: Any) -
 def run_fsdp2(req: dict[str, Any], work: Path) -> dict[str, Any]:
     """Two FSDP2 trainer ranks (gloo) push to the engine running as a server (a trainer
     and an engine sharing a process would share torch.distributed's default group)."""
-    from enginehooks.testing.engines import first_difference
-    from enginehooks.testing.servers import SERVERS, free_port
+    from enginehooks_testkit.engines import first_difference
+    from enginehooks_testkit.servers import SERVERS, free_port
     from tests.conformance.families import family_named
 
     family, engine, dtype = req["family"], req["engine"], req["dtype"]
@@ -286,8 +286,8 @@ def fsdp2_rank(rank: int) -> None:
     from torch.distributed.fsdp import fully_shard
 
     from enginehooks import WeightSync
-    from enginehooks.testing.servers import HANDLES
     from enginehooks.trainer_side import FSDP2Adapter, push
+    from enginehooks_testkit.servers import HANDLES
 
     job = json.loads(sys.stdin.read())
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{job['port']}", rank=rank,

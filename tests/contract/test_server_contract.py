@@ -51,10 +51,10 @@ from enginehooks.core.manifest import TensorSpec, plan
 from enginehooks.engine.beacon import Beacon
 from enginehooks.engine.contract import CHECK, method_name
 from enginehooks.plugins import register_plugin, unregister_plugin
-from enginehooks.testing.engines import NEW_TOKENS, PROMPTS, first_difference
-from enginehooks.testing.servers import HANDLES, SERVERS
-from enginehooks.testing.tiny import hf_greedy, load_tiny, perturb
 from enginehooks.trainer_side import ModuleAdapter, StateDictAdapter, adapter_for
+from enginehooks_testkit.engines import NEW_TOKENS, PROMPTS, first_difference
+from enginehooks_testkit.servers import HANDLES, SERVERS
+from enginehooks_testkit.tiny import hf_greedy, load_tiny, perturb
 from tests.support import have
 
 SECRET = "server-contract-secret"
@@ -105,7 +105,7 @@ def test_a_killed_trainer_leaves_the_server_refusing_until_the_next_push(
         server: Any, model_dirs: dict[str, Path]) -> None:
     signed_push(server, perturb(load_tiny(model_dirs["llama"]), seed=1), "ok-1")
     trainer = subprocess.Popen(
-        [sys.executable, "-m", "enginehooks.testing.stalling_trainer", server.engine, server.url,
+        [sys.executable, "-m", "enginehooks_testkit.stalling_trainer", server.engine, server.url,
          str(model_dirs["llama"]), "killed-2", "8"],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
         env=dict(os.environ, **{SECRET_ENV: SECRET}))

@@ -26,8 +26,8 @@ from typing import Any
 
 import pytest
 
-from enginehooks.testing.generation import Generation, first_difference
-from enginehooks.testing.megatron_cpu import LAYOUTS, megatron_python, run_ranks
+from enginehooks_testkit.generation import Generation, first_difference
+from enginehooks_testkit.megatron_cpu import LAYOUTS, megatron_python, run_ranks
 from tests.support import requires_vllm
 
 CACHE = Path(os.environ.get("ENGINEHOOKS_CACHE", Path.home() / ".cache" / "enginehooks"))
@@ -74,7 +74,7 @@ def checkpoints(family: str, root: Path) -> tuple[Path, Path]:
     """d0 and d1: two random checkpoints of the family (seeds 0 and 1)."""
     import transformers
 
-    from enginehooks.testing.tiny import save_tiny
+    from enginehooks_testkit.tiny import save_tiny
 
     case = CASES[family]
     config = getattr(transformers, case.config)(**case.kwargs)
@@ -83,7 +83,7 @@ def checkpoints(family: str, root: Path) -> tuple[Path, Path]:
 
 
 def server(engine: str, model: Path, log: Path) -> Any:
-    from enginehooks.testing.servers import SGLangServerProcess, VLLMServerProcess
+    from enginehooks_testkit.servers import SGLangServerProcess, VLLMServerProcess
 
     if engine == "vllm":
         return VLLMServerProcess(model, log)
@@ -97,8 +97,8 @@ def push_checkpoint(engine: str, url: str, folder: Path, version: str) -> None:
     from safetensors.torch import load_file
 
     from enginehooks import WeightSync
-    from enginehooks.testing.servers import HANDLES
     from enginehooks.trainer_side import StateDictAdapter
+    from enginehooks_testkit.servers import HANDLES
 
     with WeightSync("gloo", timeout_s=120) as sync:
         sync.add_replica(HANDLES[engine](url, name="server"))

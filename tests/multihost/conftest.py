@@ -1,5 +1,5 @@
 """Trainer and engines on different hosts: network namespaces on this machine
-(`enginehooks.testing.netns`), made and always torn down by these fixtures. The trainer
+(`enginehooks_testkit.netns`), made and always torn down by these fixtures. The trainer
 runs in host "trainer" (10.78.0.1), the engine in host "engine" (10.78.0.2); this test
 process stays on the machine's own network and talks to both through pipes and files.
 Skipped, with the reason, where namespaces cannot be made (not root, no iproute2)."""
@@ -18,8 +18,8 @@ from typing import IO, Any
 
 import pytest
 
-from enginehooks.testing.netns import Host, Network, unavailable_reason
-from enginehooks.testing.tiny import make_tiny_model
+from enginehooks_testkit.netns import Host, Network, unavailable_reason
+from enginehooks_testkit.tiny import make_tiny_model
 
 ROOT = Path(__file__).resolve().parents[2]
 TRAINER, ENGINE = "trainer", "engine"

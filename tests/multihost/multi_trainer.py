@@ -28,9 +28,9 @@ from typing import Any
 import torch.distributed as dist
 
 from enginehooks import WeightSync
-from enginehooks.testing.tiny import load_tiny, perturb
 from enginehooks.trainer_side import TrainerRanks
 from enginehooks.trainer_side.contract import adapter_for
+from enginehooks_testkit.tiny import load_tiny, perturb
 from tests.multihost.trainer import handle_of
 
 

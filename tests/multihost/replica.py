@@ -69,7 +69,7 @@ def read_state(path: str | os.PathLike[str]) -> dict[str, Any] | None:
 
 
 def serve(model_dir: str, host: str, port: int, state_file: str) -> None:
-    from enginehooks.testing.tiny import load_tiny
+    from enginehooks_testkit.tiny import load_tiny
 
     model = load_tiny(model_dir)
     engine = LocalEngine(model, name="module-replica")

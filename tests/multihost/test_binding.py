@@ -1,5 +1,5 @@
 """Which address each side of a gloo group binds (`transports/_rendezvous.py`), and the
-harness itself (`enginehooks/testing/netns.py`): always torn down, faults that act."""
+harness itself (`enginehooks_testkit/netns.py`): always torn down, faults that act."""
 
 from __future__ import annotations
 
@@ -12,7 +12,6 @@ import pytest
 import torch
 
 from enginehooks.core.errors import TransportError
-from enginehooks.testing.netns import PREFIX, Network, sweep_stale
 from enginehooks.transports._rendezvous import (
     GLOO_IFNAME_ENV,
     client_store,
@@ -21,6 +20,7 @@ from enginehooks.transports._rendezvous import (
     master_store,
     new_group,
 )
+from enginehooks_testkit.netns import PREFIX, Network, sweep_stale
 
 
 def test_local_address_is_this_hosts_end_of_the_route() -> None:

@@ -24,8 +24,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from enginehooks.testing.netns import Host, Network
-from enginehooks.testing.tiny import load_tiny, perturb
+from enginehooks_testkit.netns import Host, Network
+from enginehooks_testkit.tiny import load_tiny, perturb
 from tests.multihost.conftest import ENGINE, TRAINER, ModuleReplica, TrainerProcess
 
 #: Every data-plane wait of a push (`WeightSync(timeout_s=...)`).

@@ -31,8 +31,8 @@ from typing import Any
 import pytest
 import torch
 
-from enginehooks.testing.netns import Host, Network
-from enginehooks.testing.tiny import load_tiny, perturb
+from enginehooks_testkit.netns import Host, Network
+from enginehooks_testkit.tiny import load_tiny, perturb
 from tests.multihost.conftest import ROOT, Lines, ModuleReplica
 from tests.multihost.test_gloo_across_hosts import (
     REPLICA_MARGIN_S,
@@ -218,8 +218,8 @@ FULL_ENV = "ENGINEHOOKS_MULTIHOST_FULL"
                            "take minutes; the log is committed under benchmarks/results/")
 def test_two_senders_into_real_vllm_equal_a_fresh_load(model_dirs: dict[str, Path],
                                                         tmp_path: Path) -> None:
-    from enginehooks.testing.engines import first_difference
-    from enginehooks.testing.servers import VLLMServerProcess
+    from enginehooks_testkit.engines import first_difference
+    from enginehooks_testkit.servers import VLLMServerProcess
     from tests.contract.test_replica_contract import fresh_outputs
 
     like = model_dirs["llama"]

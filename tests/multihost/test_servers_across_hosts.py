@@ -1,7 +1,7 @@
 """Real engine servers on other hosts: the replica and server contracts, a mixed vLLM +
 SGLang push across three hosts, and network faults in the middle of a push.
 
-Three hosts (network namespaces, `enginehooks.testing.netns`): "trainer" 10.78.0.1,
+Three hosts (network namespaces, `enginehooks_testkit.netns`): "trainer" 10.78.0.1,
 "vllm" 10.78.0.2, "sglang" 10.78.0.3. This test process *is* the trainer host: its main
 thread runs in the trainer's namespace for the whole module (`Host.entered`), so every
 push, HTTP call and process it starts goes over the switch. Each engine server runs in
@@ -57,18 +57,18 @@ from enginehooks import EngineTorn, ReplicaError, WeightSync
 from enginehooks.control._futures import spawn
 from enginehooks.core.auth import SECRET_ENV
 from enginehooks.engine.beacon import Beacon
-from enginehooks.testing.engines import EngineUnavailable, Generation, first_difference
-from enginehooks.testing.generation import NEW_TOKENS, PROMPTS
-from enginehooks.testing.netns import Host, Network
-from enginehooks.testing.servers import (
+from enginehooks_testkit.engines import EngineUnavailable, Generation, first_difference
+from enginehooks_testkit.generation import NEW_TOKENS, PROMPTS
+from enginehooks_testkit.netns import Host, Network
+from enginehooks_testkit.servers import (
     HANDLES,
     EngineServerProcess,
     SGLangServerProcess,
     VLLMServerProcess,
     cpu_env,
 )
-from enginehooks.testing.stalling_trainer import HOST_ENV
-from enginehooks.testing.tiny import hf_greedy, load_tiny, perturb
+from enginehooks_testkit.stalling_trainer import HOST_ENV
+from enginehooks_testkit.tiny import hf_greedy, load_tiny, perturb
 from tests.contract import test_replica_contract as rc
 from tests.contract import test_server_contract as sc
 from tests.multihost.test_vllm_across_hosts import docs_argv, sglang_docs_argv
@@ -125,7 +125,7 @@ def fresh_generate(engine: str, model_dir: str | Path, *, dtype: str = "float32"
                    prompts: Sequence[Sequence[int]] = PROMPTS, max_tokens: int = NEW_TOKENS,
                    timeout_s: float = 400.0) -> list[Generation]:
     """The exact oracle's reference: `engine` freshly loaded from `model_dir`. vLLM: the
-    in-process engine in a child (`enginehooks.testing.engines.fresh_generate`; its
+    in-process engine in a child (`enginehooks_testkit.engines.fresh_generate`; its
     outputs equal the server's bit for bit, checked by the first vLLM test here). SGLang:
     a second SGLang server from the same docs line on the SGLang host (the in-process
     `sglang.Engine` differs from `launch_server` in the last bits of some logprobs,
@@ -153,7 +153,7 @@ def fresh_generate(engine: str, model_dir: str | Path, *, dtype: str = "float32"
     request = json.dumps({"engine": engine, "model_dir": str(model_dir), "dtype": dtype,
                           "engine_args": {}, "prompts": [list(p) for p in prompts],
                           "max_tokens": max_tokens})
-    out = subprocess.run([python, "-m", "enginehooks.testing.engines"], input=request,
+    out = subprocess.run([python, "-m", "enginehooks_testkit.engines"], input=request,
                          capture_output=True, text=True, timeout=timeout_s)
     lines = [ln for ln in out.stdout.splitlines() if ln.startswith("{")]
     reply = json.loads(lines[-1]) if lines else {"error": out.stderr[-3000:]}

@@ -17,8 +17,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from enginehooks.testing.netns import Network
-from enginehooks.testing.tiny import load_tiny, perturb
+from enginehooks_testkit.netns import Network
+from enginehooks_testkit.tiny import load_tiny, perturb
 from tests.multihost.conftest import ModuleReplica, TrainerProcess
 from tests.multihost.test_gloo_across_hosts import (
     REPLICA_MARGIN_S,

@@ -30,7 +30,7 @@ from typing import Any
 from enginehooks import WeightSync
 from enginehooks.control._http import request_json
 from enginehooks.control.handles import EngineHandle
-from enginehooks.testing.tiny import load_tiny, perturb
+from enginehooks_testkit.tiny import load_tiny, perturb
 
 
 def handle_of(spec: dict[str, Any]) -> EngineHandle:

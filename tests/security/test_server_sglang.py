@@ -75,7 +75,7 @@ def sglang_admin_routes() -> list[tuple[str, str]]:
 
 def launch(model_dirs: dict[str, Path], log: Path, **env: str) -> Any:
     from enginehooks.core.auth import SECRET_ENV
-    from enginehooks.testing.servers import SGLangServerProcess
+    from enginehooks_testkit.servers import SGLangServerProcess
 
     base = {k: v for k, v in os.environ.items()
             if k not in (SECRET_ENV, "ENGINEHOOKS_SECRET_FILE", "SGLANG_PLUGINS")}
@@ -88,7 +88,7 @@ def test_a_server_without_our_plugin_is_named_with_the_fix(
     trainer hears which setting to fix, in seconds."""
     from enginehooks import ConfigError, WeightSync
     from enginehooks.sglang_ext import SGLangServer
-    from enginehooks.testing.tiny import load_tiny, perturb
+    from enginehooks_testkit.tiny import load_tiny, perturb
 
     with launch(model_dirs, tmp_path / "sglang-no-plugin.log",
                 SGLANG_PLUGINS="not-enginehooks") as srv:
@@ -174,8 +174,8 @@ def test_a_signing_trainer_still_pushes_pauses_and_flushes(
         guarded: Any, model_dirs: dict[str, Path]) -> None:
     from enginehooks import WeightSync
     from enginehooks.sglang_ext import SGLangServer
-    from enginehooks.testing.engines import NEW_TOKENS, PROMPTS
-    from enginehooks.testing.tiny import hf_greedy, load_tiny, perturb
+    from enginehooks_testkit.engines import NEW_TOKENS, PROMPTS
+    from enginehooks_testkit.tiny import hf_greedy, load_tiny, perturb
 
     model = perturb(load_tiny(model_dirs["llama"]), seed=71)
     handle = SGLangServer(guarded.url, name="sglang-secret")  # adopts the sync's secret

@@ -28,9 +28,9 @@ from enginehooks import WeightSync
 from enginehooks.core.auth import SECRET_ENV, AuthError
 from enginehooks.core.errors import ConfigError, ManifestError, ReplicaError, TransportError
 from enginehooks.core.manifest import plan
-from enginehooks.testing.engines import NEW_TOKENS, PROMPTS
-from enginehooks.testing.tiny import hf_greedy, load_tiny, perturb
 from enginehooks.trainer_side import ModuleAdapter
+from enginehooks_testkit.engines import NEW_TOKENS, PROMPTS
+from enginehooks_testkit.tiny import hf_greedy, load_tiny, perturb
 from tests.support import have, requires_vllm
 
 pytestmark = [requires_vllm, pytest.mark.vllm, pytest.mark.slow]
@@ -44,7 +44,7 @@ if have("vllm"):  # backend "enginehooks" of vLLM's weight-transfer routes
 @pytest.fixture(scope="module")
 def server(model_dirs: dict[str, Path], tmp_path_factory: pytest.TempPathFactory
            ) -> Iterator[Any]:
-    from enginehooks.testing.servers import VLLMServerProcess
+    from enginehooks_testkit.servers import VLLMServerProcess
 
     env = {k: v for k, v in os.environ.items() if k not in (SECRET_ENV, "ENGINEHOOKS_SECRET_FILE")}
     log = tmp_path_factory.mktemp("logs") / "vllm-open.log"
@@ -257,7 +257,7 @@ def test_weight_info_says_torn_after_a_killed_trainer(
     as their receive gives up, and the next push repairs it."""
     env = {k: v for k, v in os.environ.items() if k not in (SECRET_ENV, "ENGINEHOOKS_SECRET_FILE")}
     trainer = subprocess.Popen(
-        [sys.executable, "-m", "enginehooks.testing.stalling_trainer", "vllm", server.url,
+        [sys.executable, "-m", "enginehooks_testkit.stalling_trainer", "vllm", server.url,
          str(model_dirs["llama"]), "killed-50", "8"],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
     lines: queue.Queue[str] = queue.Queue()

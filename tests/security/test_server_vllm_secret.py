@@ -21,8 +21,8 @@ import pytest
 from enginehooks import WeightSync
 from enginehooks.core.auth import SECRET_ENV, sign
 from enginehooks.engine.protocol import ROUTE_AUTH_HEADER, ROUTE_VERB, route_payload
-from enginehooks.testing.tiny import load_tiny, perturb
 from enginehooks.vllm_ext.fail_closed import CONTROL_ROUTES, route_kind
+from enginehooks_testkit.tiny import load_tiny, perturb
 from tests.support import requires_vllm
 
 pytestmark = [requires_vllm, pytest.mark.vllm, pytest.mark.slow]
@@ -41,7 +41,7 @@ GENERATING = {"/generative_scoring", "/invocations", "/v1/chat/completions",
 @pytest.fixture(scope="module")
 def server(model_dirs: dict[str, Path], tmp_path_factory: pytest.TempPathFactory
            ) -> Iterator[Any]:
-    from enginehooks.testing.servers import VLLMServerProcess
+    from enginehooks_testkit.servers import VLLMServerProcess
 
     env = dict(os.environ, **{SECRET_ENV: SECRET})
     log = tmp_path_factory.mktemp("logs") / "vllm-secret.log"
@@ -56,7 +56,7 @@ def server_b(model_dirs: dict[str, Path], tmp_path_factory: pytest.TempPathFacto
              ) -> Iterator[Any]:
     """A second server with the same secret (and API key): the replica B of issue 36,
     where requests captured on their way to `server` (A) are replayed."""
-    from enginehooks.testing.servers import VLLMServerProcess
+    from enginehooks_testkit.servers import VLLMServerProcess
 
     env = dict(os.environ, **{SECRET_ENV: SECRET})
     log = tmp_path_factory.mktemp("logs") / "vllm-secret-b.log"

@@ -21,7 +21,7 @@ import pytest
 from enginehooks import WeightSync
 from enginehooks.core.auth import SECRET_ENV
 from enginehooks.core.errors import ConfigError
-from enginehooks.testing.tiny import load_tiny, perturb
+from enginehooks_testkit.tiny import load_tiny, perturb
 from tests.support import have, requires_vllm
 
 pytestmark = [requires_vllm, pytest.mark.vllm, pytest.mark.slow]
@@ -35,7 +35,7 @@ if have("vllm"):  # backend "enginehooks" of vLLM's weight-transfer routes
 @pytest.fixture(scope="module")
 def plain_server(model_dirs: dict[str, Path], tmp_path_factory: pytest.TempPathFactory
                  ) -> Iterator[Any]:
-    from enginehooks.testing.servers import EngineServerProcess, free_port
+    from enginehooks_testkit.servers import EngineServerProcess, free_port
 
     env = {k: v for k, v in os.environ.items()
            if k not in (SECRET_ENV, "ENGINEHOOKS_SECRET_FILE", "VLLM_SERVER_DEV_MODE")}

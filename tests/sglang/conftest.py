@@ -3,7 +3,7 @@ tiny models built here (no model hub is reachable).
 
 Run in the SGLang environment (`scripts/run.sh sglang python -m pytest tests/sglang`).
 SGLang spawns its scheduler processes, which inherit the environment set below; the
-test-only `sgl_kernel` stand-in (`enginehooks/testing/sgl_kernel_stub`) must be
+test-only `sgl_kernel` stand-in (`enginehooks/demo/sgl_kernel_stub`) must be
 importable there too (it raises if any kernel is ever called, so a real kernel
 dependency fails a test instead of passing silently). Servers start in 30-40 s, so
 they are shared by the session: every test pushes the weights it then checks.
@@ -23,7 +23,7 @@ if not have("sglang"):
     pytest.skip("SGLang runs in its own environment (scripts/test.sh runs this there)",
                 allow_module_level=True)
 
-from enginehooks.testing.servers import cpu_env
+from enginehooks_testkit.servers import cpu_env
 from tests.sglang.helpers import SGLangServerProcess
 
 os.environ.update(cpu_env())

@@ -7,9 +7,9 @@ import os
 from pathlib import Path
 from typing import Any
 
-from enginehooks.testing.engines import NEW_TOKENS, PROMPTS
-from enginehooks.testing.servers import SGLangServerProcess as _SGLangServer
-from enginehooks.testing.servers import VLLMServerProcess as _VLLMServer
+from enginehooks_testkit.engines import NEW_TOKENS, PROMPTS
+from enginehooks_testkit.servers import SGLangServerProcess as _SGLangServer
+from enginehooks_testkit.servers import VLLMServerProcess as _VLLMServer
 
 # scripts/test.sh exports the vLLM environment's interpreter (built by setup-vllm-env.sh).
 VLLM_PYTHON = Path(os.environ.get(
@@ -19,7 +19,7 @@ VLLM_PYTHON = Path(os.environ.get(
 
 
 def hf_reference(model: Any) -> list[list[int]]:
-    from enginehooks.testing.tiny import hf_greedy
+    from enginehooks_testkit.tiny import hf_greedy
 
     return hf_greedy(model, PROMPTS, NEW_TOKENS)
 

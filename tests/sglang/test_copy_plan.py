@@ -15,7 +15,7 @@ from pathlib import Path
 
 from enginehooks import WeightSync
 from enginehooks.sglang_ext import SGLangServer
-from enginehooks.testing.tiny import load_tiny, perturb
+from enginehooks_testkit.tiny import load_tiny, perturb
 from tests.sglang.helpers import SGLangServerProcess, hf_reference
 
 

@@ -18,7 +18,7 @@ import sys
 import torch
 
 from enginehooks.sglang_ext.scheduler import flush_kwargs
-from enginehooks.testing.servers import cpu_env
+from enginehooks_testkit.servers import cpu_env
 
 #: run where SGLang's scheduler runs: its CPU environment, the kernel stand-in included
 CHILD = """

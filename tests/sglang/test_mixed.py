@@ -13,9 +13,9 @@ import pytest
 
 from enginehooks import WeightSync
 from enginehooks.sglang_ext import SGLangServer
-from enginehooks.testing.tiny import load_tiny as load_hf
-from enginehooks.testing.tiny import perturb
 from enginehooks.vllm_ext import VLLMServer
+from enginehooks_testkit.tiny import load_tiny as load_hf
+from enginehooks_testkit.tiny import perturb
 from tests.sglang.helpers import (
     VLLM_PYTHON,
     SGLangServerProcess,

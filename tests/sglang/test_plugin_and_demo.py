@@ -26,7 +26,7 @@ def test_entry_point_is_registered_and_idempotent() -> None:
 
 
 def test_demo_runs_and_matches_hf(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    from enginehooks.testing.demo import run_sglang_demo as run_demo
+    from enginehooks.demo import run_sglang_demo as run_demo
 
     args = argparse.Namespace(engine="sglang", transport="gloo", steps=5, lr=1e-2,
                               timeout=60.0, bucket_bytes=64 << 10, start_timeout=240.0,

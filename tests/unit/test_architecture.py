@@ -1,18 +1,27 @@
 """The architecture holds: no import cycle, every module imports on its own in a fresh
-interpreter in any order, the documented public names import from their documented
-paths, and every engine implements every verb of the engine contract."""
+interpreter in any order, the library imports neither the tests nor the test kit, the
+documented public names import from their documented paths, docs/architecture.md's file
+tree names every module and nothing else, and every engine implements every verb of the
+engine contract."""
 
 from __future__ import annotations
 
 import importlib
 import random
+import re
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
+import enginehooks_testkit
 from enginehooks.engine.contract import VERBS, method_name
-from enginehooks.testing.import_graph import LAYERS, cycles, edges, layer_of, modules, upward
+from enginehooks_testkit.import_graph import LAYERS, cycles, edges, layer_of, modules, upward
+from enginehooks_testkit.import_graph import ROOT as PACKAGE_DIR
+
+#: The test kit's own modules (they import on their own too).
+KIT_DIR = Path(enginehooks_testkit.__file__).resolve().parent
 
 #: documented import path -> public names (README, docs/*.md)
 PUBLIC: dict[str, list[str]] = {
@@ -71,7 +80,7 @@ def test_the_layer_check_sees_an_arrow_up() -> None:
 
 @pytest.mark.parametrize("seed", [0, 1, 2])
 def test_every_module_imports_in_any_order_in_a_fresh_interpreter(seed: int) -> None:
-    names = sorted(modules())
+    names = sorted(modules()) + sorted(modules(KIT_DIR))
     random.Random(seed).shuffle(names)
     script = f"import importlib\nfor m in {names!r}:\n    importlib.import_module(m)\nprint('ok')"
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
@@ -84,6 +93,14 @@ def test_the_library_never_imports_the_tests() -> None:
         assert not any(d.startswith("tests") for d in deps), mod
     for path in modules().values():
         assert "from tests" not in path.read_text() and "import tests" not in path.read_text(), path
+
+
+def test_the_library_never_imports_the_test_kit() -> None:
+    """The kit is not in the wheel: an import of it from the library would fail there."""
+    assert KIT_DIR.name == "enginehooks_testkit" and KIT_DIR.parent == PACKAGE_DIR.parent
+    for path in modules().values():
+        text = path.read_text()
+        assert not re.search(r"^\s*(from|import) enginehooks_testkit\b", text, re.M), path
 
 
 @pytest.mark.parametrize("path", sorted(PUBLIC))
@@ -102,3 +119,51 @@ def test_every_engine_implements_every_verb() -> None:
         assert callable(getattr(EngineSide, verb, None)), f"EngineSide lacks {verb}"
         assert callable(getattr(WorkerExtension, method_name(verb), None)), verb
     assert set(METHODS) == {method_name(v) for v in VERBS}
+
+
+def architecture_tree() -> dict[str, set[str]]:
+    """docs/architecture.md's file tree of the package: folder (relative to `enginehooks/`;
+    "" for the package's top) -> the names the tree gives in it, files `x.py` and
+    sub-folders `x/`. A line `  name/ ...` opens a folder, any other line at that indent
+    the top, deeper lines continue the one above; lines at column 0 are beside the package."""
+    doc = (PACKAGE_DIR.parent / "docs" / "architecture.md").read_text()
+    found = re.search(r"^```\nenginehooks/\n(.*?)^```", doc, re.M | re.S)
+    assert found, "docs/architecture.md has no file tree of enginehooks/"
+    tree: dict[str, set[str]] = {}
+    folder: str | None = None
+    for line in found.group(1).splitlines():
+        if not line.strip():
+            continue
+        rest = line
+        if not line.startswith(" "):
+            folder = None
+        elif head := re.match(r"^  (\w+)/", line):
+            folder, rest = head.group(1), line[head.end():]
+        elif re.match(r"^  \S", line):
+            folder = ""
+        if folder is not None:  # `x.py` and `x/`, not "go/no-go" nor a dotted path
+            names = re.findall(r"(?<![\w/.])(\w+(?:\.py|/))(?![\w-])", rest)
+            tree.setdefault(folder, set()).update(names)
+    return tree
+
+
+def test_the_architecture_tree_names_every_module_and_nothing_else() -> None:
+    tree = architecture_tree()
+    assert len(tree) > 8 and "" in tree, f"the tree was not read: {sorted(tree)}"
+    for folder, names in tree.items():
+        assert (PACKAGE_DIR / folder).is_dir(), f"the tree names {folder}/, which is not there"
+        for name in names:
+            assert (PACKAGE_DIR / folder / name).exists(), \
+                f"the tree names {folder}/{name}, which is not there"
+    packages = {p.parent.relative_to(PACKAGE_DIR).as_posix()
+                for p in PACKAGE_DIR.glob("*/__init__.py")}
+    assert packages <= set(tree), f"the tree lacks the folders {sorted(packages - set(tree))}"
+    for path in modules().values():
+        parts = path.relative_to(PACKAGE_DIR).parts
+        if len(parts) == 1:
+            assert parts[0] in tree[""], f"the tree lacks {parts[0]} at the package's top"
+        elif len(parts) == 2:
+            assert parts[1] == "__init__.py" or parts[1] in tree[parts[0]], \
+                f"the tree lacks {parts[0]}/{parts[1]}"
+        else:
+            assert f"{parts[1]}/" in tree[parts[0]], f"the tree lacks {parts[0]}/{parts[1]}/"

@@ -13,8 +13,8 @@ from safetensors.torch import load_file
 
 from enginehooks import ManifestError, WeightSync
 from enginehooks.engine.local import LocalEngine
-from enginehooks.testing.tiny import perturb
 from enginehooks.trainer_side import ModuleAdapter, adapter_for
+from enginehooks_testkit.tiny import perturb
 from tests.conformance.families import FAMILIES
 
 

@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from enginehooks.testing.engines import NEW_TOKENS, PROMPTS
-from enginehooks.testing.servers import VLLMServerProcess as _VLLMServer
+from enginehooks_testkit.engines import NEW_TOKENS, PROMPTS
+from enginehooks_testkit.servers import VLLMServerProcess as _VLLMServer
 from tests.support import have
 
 if not have("vllm"):

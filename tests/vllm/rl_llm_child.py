@@ -21,10 +21,10 @@ def main() -> None:
     os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "0|1")
     from vllm.distributed.weight_transfer import ModuleSource, WeightTransferTrainerFactory
 
-    from enginehooks.testing.engines import VLLMInProcess
-    from enginehooks.testing.tiny import load_tiny, perturb
     from enginehooks.vllm_ext import VLLMEngine
     from enginehooks.vllm_ext.transfer_trainer import EnginehooksTrainerInitInfo
+    from enginehooks_testkit.engines import VLLMInProcess
+    from enginehooks_testkit.tiny import load_tiny, perturb
 
     tp = int(req.get("tp", 2))
     model = perturb(load_tiny(req["model_dir"]), seed=int(req["seed"]))

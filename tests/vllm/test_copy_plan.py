@@ -26,8 +26,8 @@ import torch
 
 from enginehooks import WeightSync
 from enginehooks.core.errors import EngineHooksError
-from enginehooks.testing.engines import VLLMInProcess, first_difference, fresh_generate
-from enginehooks.testing.tiny import load_tiny, perturb
+from enginehooks_testkit.engines import VLLMInProcess, first_difference, fresh_generate
+from enginehooks_testkit.tiny import load_tiny, perturb
 from tests.support import requires_vllm
 
 pytestmark = [requires_vllm, pytest.mark.vllm, pytest.mark.slow]

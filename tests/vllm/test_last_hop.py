@@ -24,9 +24,9 @@ import torch
 from enginehooks import ManifestError
 from enginehooks.core.dtypes import dtype_name
 from enginehooks.core.manifest import TensorSpec, plan
-from enginehooks.testing.engines import VLLMInProcess, first_difference, fresh_generate
-from enginehooks.testing.tiny import load_tiny, perturb
 from enginehooks.vllm_ext import VLLMEngine
+from enginehooks_testkit.engines import VLLMInProcess, first_difference, fresh_generate
+from enginehooks_testkit.tiny import load_tiny, perturb
 from tests.support import requires_vllm
 
 pytestmark = [requires_vllm, pytest.mark.vllm, pytest.mark.slow]

@@ -11,10 +11,10 @@ import pytest
 import torch
 
 from enginehooks import WeightSync
-from enginehooks.testing.engines import NEW_TOKENS, PROMPTS
-from enginehooks.testing.tiny import hf_greedy, perturb
-from enginehooks.testing.tiny import load_tiny as load_hf
 from enginehooks.trainer_side import adapter_for
+from enginehooks_testkit.engines import NEW_TOKENS, PROMPTS
+from enginehooks_testkit.tiny import hf_greedy, perturb
+from enginehooks_testkit.tiny import load_tiny as load_hf
 from tests.support import have, requires_vllm
 
 pytestmark = [pytest.mark.skipif(not have("peft"), reason="peft is not installed here")]

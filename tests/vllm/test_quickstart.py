@@ -30,12 +30,12 @@ import torch
 
 from enginehooks import WeightSync
 from enginehooks.control._http import request_json
-from enginehooks.testing.engines import NEW_TOKENS, PROMPTS
-from enginehooks.testing.servers import EngineServerProcess, free_port
-from enginehooks.testing.tiny import load_tiny, perturb
 from enginehooks.trainer_side import adapter_for
 from enginehooks.vllm_ext import VLLMServer
 from enginehooks.vllm_ext.handles import checksum_mismatches
+from enginehooks_testkit.engines import NEW_TOKENS, PROMPTS
+from enginehooks_testkit.servers import EngineServerProcess, free_port
+from enginehooks_testkit.tiny import load_tiny, perturb
 from tests.support import requires_vllm
 from tests.support.readme import launch_lines
 

@@ -23,8 +23,8 @@ from typing import Any
 import pytest
 import torch
 
-from enginehooks.testing.engines import NEW_TOKENS, PROMPTS, SGLANG_ENGINE_ARGS
-from enginehooks.testing.tiny import hf_greedy, load_tiny, perturb
+from enginehooks_testkit.engines import NEW_TOKENS, PROMPTS, SGLANG_ENGINE_ARGS
+from enginehooks_testkit.tiny import hf_greedy, load_tiny, perturb
 from tests.support import requires_vllm
 
 ray = pytest.importorskip("ray", reason="Ray is not installed in this environment")
@@ -63,7 +63,7 @@ class Trainer:
     def __init__(self, model_dir: str, engines: dict[str, Any], timeout_s: float) -> None:
         from enginehooks import WeightSync
         from enginehooks.ray_ext import RayEngine
-        from enginehooks.testing.tiny import load_tiny
+        from enginehooks_testkit.tiny import load_tiny
 
         self.model = load_tiny(model_dir)
         self.sync = WeightSync("gloo", timeout_s=timeout_s, bucket_bytes=32 << 10)
@@ -75,7 +75,7 @@ class Trainer:
                        ) -> dict[str, Any]:
         from enginehooks import EngineHooksError, hookimpl
         from enginehooks.plugins import register_plugin, unregister_plugin
-        from enginehooks.testing.tiny import perturb
+        from enginehooks_testkit.tiny import perturb
 
         perturb(self.model, seed=seed)
 
@@ -187,7 +187,7 @@ def test_sglang_actor_in_its_own_interpreter(cluster: None, vllm_actor: Any,
     if problem:
         pytest.skip(problem)
     from enginehooks.ray_ext import SGLangActor
-    from enginehooks.testing.servers import cpu_env
+    from enginehooks_testkit.servers import cpu_env
 
     with contextlib.suppress(Exception):
         ray.kill(vllm_actor)

@@ -26,9 +26,9 @@ from typing import Any
 import pytest
 
 from enginehooks.control._http import request_json
-from enginehooks.testing.generation import Generation, first_difference
-from enginehooks.testing.tiny import load_tiny, perturb
 from enginehooks.vllm_ext import VLLMServer
+from enginehooks_testkit.generation import Generation, first_difference
+from enginehooks_testkit.tiny import load_tiny, perturb
 from tests.support import requires_vllm
 
 pytestmark = [requires_vllm, pytest.mark.vllm, pytest.mark.slow]
@@ -120,7 +120,7 @@ def test_llm_flow_fp32_trainer_into_bf16_tp2_llm_equals_fresh_load(
     import subprocess
     import sys
 
-    from enginehooks.testing.engines import fresh_generate
+    from enginehooks_testkit.engines import fresh_generate
 
     folder = tmp_path / "fresh"
     request = json.dumps({"model_dir": str(model_dirs["llama"]), "seed": 212, "tp": TP,

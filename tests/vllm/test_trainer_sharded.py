@@ -24,7 +24,7 @@ from typing import Any
 
 import pytest
 
-from enginehooks.testing.engines import NEW_TOKENS, PROMPTS
+from enginehooks_testkit.engines import NEW_TOKENS, PROMPTS
 from tests.support import requires_vllm
 
 HERE = Path(__file__).resolve().parent
@@ -35,7 +35,7 @@ PG_TIMEOUT_S = 4.0
 # -- the launcher (pytest side) ------------------------------------------------------------
 def run_ranks(scenario: str, out: Path, extra: dict[str, Any], timeout_s: float = 150.0,
               world: int = 2) -> list[dict[str, Any]]:
-    from enginehooks.testing.servers import free_port
+    from enginehooks_testkit.servers import free_port
 
     out.mkdir(parents=True, exist_ok=True)
     (out / "extra.json").write_text(json.dumps(extra))
@@ -135,9 +135,9 @@ def scenario_fsdp2(rank: int, extra: dict[str, Any], out: Path) -> dict[str, Any
     from torch.distributed.fsdp import fully_shard
 
     from enginehooks import ManifestError, WeightSync
-    from enginehooks.testing.tiny import load_tiny as load_hf
-    from enginehooks.testing.tiny import perturb
     from enginehooks.trainer_side import FSDP2Adapter, PushAborted, push
+    from enginehooks_testkit.tiny import load_tiny as load_hf
+    from enginehooks_testkit.tiny import perturb
 
     model = perturb(load_hf(Path(extra["model"])), seed=71)
     for layer in model.model.layers:
@@ -193,8 +193,8 @@ def scenario_stop(rank: int, extra: dict[str, Any], out: Path) -> dict[str, Any]
     from torch.distributed.fsdp import fully_shard
 
     from enginehooks import EngineHooksError, WeightSync
-    from enginehooks.testing.tiny import load_tiny as load_hf
     from enginehooks.trainer_side import FSDP2Adapter, push
+    from enginehooks_testkit.tiny import load_tiny as load_hf
 
     model = load_hf(Path(extra["model"]))
     for layer in model.model.layers:
@@ -233,9 +233,9 @@ def scenario_fsdp1(rank: int, extra: dict[str, Any], out: Path) -> dict[str, Any
 
     from enginehooks import WeightSync
     from enginehooks.engine.local import LocalEngine
-    from enginehooks.testing.tiny import load_tiny as load_hf
-    from enginehooks.testing.tiny import perturb
     from enginehooks.trainer_side import FSDP1Adapter, push
+    from enginehooks_testkit.tiny import load_tiny as load_hf
+    from enginehooks_testkit.tiny import perturb
 
     res: dict[str, Any] = {}
     path = Path(extra["model"])
@@ -298,8 +298,8 @@ def test_fsdp2_two_ranks_push_to_vllm_matches_hf(vllm_server: Any, model_dirs: d
                                                  tmp_path: Path) -> None:
     from safetensors.torch import load_file
 
-    from enginehooks.testing.tiny import hf_greedy
-    from enginehooks.testing.tiny import load_tiny as load_hf
+    from enginehooks_testkit.tiny import hf_greedy
+    from enginehooks_testkit.tiny import load_tiny as load_hf
 
     r0, r1 = run_ranks("fsdp2", tmp_path, {"model": str(model_dirs["llama"]),
                                            "url": vllm_server.url})

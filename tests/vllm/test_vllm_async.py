@@ -13,10 +13,10 @@ from typing import Any
 import pytest
 
 from enginehooks import WeightSync
-from enginehooks.testing.engines import NEW_TOKENS, PROMPTS
-from enginehooks.testing.tiny import hf_greedy, perturb
-from enginehooks.testing.tiny import load_tiny as load_hf
 from enginehooks.vllm_ext import VLLMAsyncEngine
+from enginehooks_testkit.engines import NEW_TOKENS, PROMPTS
+from enginehooks_testkit.tiny import hf_greedy, perturb
+from enginehooks_testkit.tiny import load_tiny as load_hf
 from tests.support import requires_vllm
 
 EXTENSION = "enginehooks.vllm_ext.WorkerExtension"

@@ -17,10 +17,10 @@ from typing import Any
 import pytest
 
 from enginehooks import ConfigError, WeightSync
-from enginehooks.testing.engines import NEW_TOKENS, PROMPTS
-from enginehooks.testing.generation import first_difference
-from enginehooks.testing.tiny import hf_greedy, load_tiny, perturb
 from enginehooks.vllm_ext import VLLMServer
+from enginehooks_testkit.engines import NEW_TOKENS, PROMPTS
+from enginehooks_testkit.generation import first_difference
+from enginehooks_testkit.tiny import hf_greedy, load_tiny, perturb
 from tests.support import requires_vllm
 
 pytestmark = [requires_vllm, pytest.mark.vllm, pytest.mark.slow]

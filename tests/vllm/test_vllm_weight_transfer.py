@@ -25,16 +25,16 @@ import pytest
 import torch
 
 from enginehooks import ConfigError, ManifestError, ReplicaError, WeightSync
-from enginehooks.testing.engines import (
+from enginehooks.vllm_ext import VLLMEngine
+from enginehooks.vllm_ext.handles import TORN, checksum_mismatches
+from enginehooks_testkit.engines import (
     NEW_TOKENS,
     PROMPTS,
     VLLMInProcess,
     first_difference,
     fresh_generate,
 )
-from enginehooks.testing.tiny import hf_greedy, load_tiny, perturb
-from enginehooks.vllm_ext import VLLMEngine
-from enginehooks.vllm_ext.handles import TORN, checksum_mismatches
+from enginehooks_testkit.tiny import hf_greedy, load_tiny, perturb
 from tests.support import requires_vllm
 
 pytestmark = [requires_vllm, pytest.mark.vllm, pytest.mark.slow]

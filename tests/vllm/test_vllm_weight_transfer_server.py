@@ -15,9 +15,9 @@ import torch
 
 from enginehooks import ManifestError
 from enginehooks.control._http import request_json
-from enginehooks.testing.engines import NEW_TOKENS, PROMPTS
-from enginehooks.testing.tiny import hf_greedy, load_tiny, perturb
 from enginehooks.vllm_ext import VLLMServer
+from enginehooks_testkit.engines import NEW_TOKENS, PROMPTS
+from enginehooks_testkit.tiny import hf_greedy, load_tiny, perturb
 from tests.support import requires_vllm
 
 pytestmark = [requires_vllm, pytest.mark.vllm, pytest.mark.slow]

@@ -1,11 +1,13 @@
-"""TEST-ONLY stand-in for SGLang's kernel package ``sgl_kernel`` (``sglang-kernel``).
+"""CPU-ONLY stand-in for SGLang's kernel package ``sgl_kernel`` (``sglang-kernel``), for the
+demo and the tests (shipped with ``enginehooks.demo``: ``enginehooks demo --engine sglang``
+starts SGLang on CPU).
 
 Why it exists: the registry has no CPU build of ``sgl_kernel``; the one that installs
 with ``sglang`` needs ``libcuda.so.1`` and fails to import on a machine without a GPU.
 With ``SGLANG_USE_CPU_ENGINE=1`` SGLang still imports a few of its names (9 at startup
 of SGLang 0.5.23), but calls none of them when decoding a small Llama with
 ``attention_backend="torch_native"``. Putting the folder that holds this package
-first on ``PYTHONPATH`` lets the real SGLang engine start on CPU in tests.
+first on ``PYTHONPATH`` lets the real SGLang engine start on CPU (the demo, the tests).
 
 It is deliberately loud: every attribute is a function that raises ``RuntimeError``
 naming itself when called. A code path that really needs a kernel thus
@@ -18,14 +20,19 @@ Its AMX CPU path is also off, since ``torch.ops.sgl_kernel`` has no ops here.
 """
 
 #: Names looked up so far in this process (for diagnostics only).
-touched: set = set()
+# Underscored: every public attribute of this module is a loud stand-in (below).
+from collections.abc import Callable as _Callable
+from typing import Any as _Any
+from typing import NoReturn as _NoReturn
+
+touched: set[str] = set()
 
 
-def _raiser(qualname: str):
-    def _missing(*args, **kwargs):
+def _raiser(qualname: str) -> _Callable[..., _NoReturn]:
+    def _missing(*args: _Any, **kwargs: _Any) -> _NoReturn:
         raise RuntimeError(
-            f"{qualname} was called, but sgl_kernel here is the test-only stub "
-            "(tests/support/sgl_kernel_stub): no real SGLang kernel is available on CPU"
+            f"{qualname} was called, but sgl_kernel here is the CPU-only stub "
+            "(enginehooks/demo/sgl_kernel_stub): no real SGLang kernel is available on CPU"
         )
 
     _missing.__name__ = qualname.rsplit(".", 1)[-1]
@@ -33,8 +40,8 @@ def _raiser(qualname: str):
     return _missing
 
 
-def _make_getattr(modname: str):
-    def __getattr__(name: str):
+def _make_getattr(modname: str) -> _Callable[[str], _Callable[..., _NoReturn]]:
+    def __getattr__(name: str) -> _Callable[..., _NoReturn]:
         if name.startswith("__"):  # keep Python's own protocol probes honest
             raise AttributeError(name)
         qualname = f"{modname}.{name}"

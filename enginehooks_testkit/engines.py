@@ -26,7 +26,7 @@ from typing import Any, ClassVar
 
 from enginehooks.control.handles import EngineHandle
 from enginehooks.sglang_ext.versions import answer_version
-from enginehooks.testing.generation import NEW_TOKENS, PROMPTS, Generation, first_difference
+from enginehooks_testkit.generation import NEW_TOKENS, PROMPTS, Generation, first_difference
 
 __all__ = ["NEW_TOKENS", "PROMPTS", "EngineUnavailable", "Generation", "RunningEngine",
            "first_difference", "fresh_generate", "start_engine"]
@@ -149,7 +149,7 @@ class SGLangInProcess(RunningEngine):
 
     def __init__(self, model_dir: str | Path, *, dtype: str = "float32",
                  engine_args: dict[str, Any] | None = None, start_timeout_s: float = 240.0) -> None:
-        from enginehooks.testing.servers import cpu_env
+        from enginehooks_testkit.servers import cpu_env
 
         # SGLang's CPU engine, and the sgl_kernel stand-in where no kernels import:
         # in this process's path and in the environment its children inherit.
@@ -305,7 +305,7 @@ def fresh_generate(engine: str, model_dir: str | Path, *, dtype: str = "float32"
                           "engine_args": engine_args or {}, "prompts": [list(p) for p in prompts],
                           "max_tokens": max_tokens})
     try:
-        out = subprocess.run([sys.executable, "-m", "enginehooks.testing.engines"], input=request,
+        out = subprocess.run([sys.executable, "-m", "enginehooks_testkit.engines"], input=request,
                              capture_output=True, text=True, timeout=timeout_s)
     except subprocess.TimeoutExpired as e:
         raise EngineUnavailable(f"{engine} on {model_dir}: no answer within {timeout_s}s") from e
@@ -318,7 +318,7 @@ def fresh_generate(engine: str, model_dir: str | Path, *, dtype: str = "float32"
 
 
 def _serve_one_request() -> None:
-    """`python -m enginehooks.testing.engines`: read one JSON request on stdin, start the
+    """`python -m enginehooks_testkit.engines`: read one JSON request on stdin, start the
     engine, print its generations as one JSON line (floats round-trip exactly)."""
     import json
 

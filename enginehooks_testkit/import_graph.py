@@ -1,6 +1,6 @@
 """The import graph of the `enginehooks` package, read from the source (nothing imported).
 
-`python -m enginehooks.testing.import_graph` prints every edge `module -> module` (all
+`python -m enginehooks_testkit.import_graph` prints every edge `module -> module` (all
 explicit imports of enginehooks modules, at module level or inside functions; imports
 under `if TYPE_CHECKING:` are left out, since they never run, unless asked for) and then
 the cycles and the arrows against the layers (`LAYERS`), if any. The architecture test
@@ -14,15 +14,17 @@ import sys
 from collections.abc import Iterator
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+#: The package the graph is of: the checkout's `enginehooks/`, beside this kit.
+ROOT = Path(__file__).resolve().parents[1] / "enginehooks"
 PACKAGE = ROOT.name
 
 
-def modules() -> dict[str, Path]:
-    """Dotted module name -> file, for every module of the package."""
+def modules(root: Path = ROOT) -> dict[str, Path]:
+    """Dotted module name -> file, for every module of the package at `root` (by default
+    the library; the kit's own folder gives the kit's modules)."""
     out = {}
-    for path in sorted(ROOT.rglob("*.py")):
-        rel = path.relative_to(ROOT.parent).with_suffix("")
+    for path in sorted(root.rglob("*.py")):
+        rel = path.relative_to(root.parent).with_suffix("")
         parts = list(rel.parts)
         if parts[-1] == "__init__":
             parts = parts[:-1]

@@ -1,5 +1,5 @@
 """A trainer that stops in the middle of a push and waits to be killed: the fault the
-fail-closed tests and the soak inject. `python -m enginehooks.testing.stalling_trainer
+fail-closed tests and the soak inject. `python -m enginehooks_testkit.stalling_trainer
 ENGINE URL MODEL_DIR VERSION TIMEOUT_S [AFTER]` pushes the model at MODEL_DIR (moved by a
 seeded perturbation) to the server at URL, stalls after AFTER tensors (default 3) and
 prints "stalled" once the engine is receiving. The secret, if any, comes from
@@ -25,9 +25,9 @@ def main() -> None:
     engine, url, model_dir, version, timeout_s = sys.argv[1:6]
     after = int(sys.argv[6]) if len(sys.argv) > 6 else 3
     from enginehooks import WeightSync
-    from enginehooks.testing.servers import HANDLES
-    from enginehooks.testing.tiny import load_tiny, perturb
     from enginehooks.trainer_side import ModuleAdapter
+    from enginehooks_testkit.servers import HANDLES
+    from enginehooks_testkit.tiny import load_tiny, perturb
 
     class StallingAdapter(ModuleAdapter):
         def stream(self) -> Iterator[tuple[str, torch.Tensor]]:

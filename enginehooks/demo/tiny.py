@@ -1,8 +1,9 @@
-"""Tiny Hugging Face models built offline, for the demo, tests and benchmarks.
+"""Tiny Hugging Face checkpoints built offline: what `enginehooks demo` starts an engine
+on, and what the tests and benchmarks build theirs from (`enginehooks_testkit.tiny`).
 
-No model hub is reachable from CI, and the engines only need a real architecture:
-these are real Llama / Qwen2 checkpoints with random weights and a word-level
-tokenizer over a small vocabulary. vLLM's CPU attention needs head_dim >= 32.
+Shipped in the wheel for the demo. No model hub is needed: these are real Llama / Qwen2
+checkpoints with random weights and a word-level tokenizer over a small vocabulary (the
+engines only need a real architecture). vLLM's CPU attention needs head_dim >= 32.
 """
 
 from __future__ import annotations
@@ -76,6 +77,7 @@ def make_tiny_model(
         tie_word_embeddings=tie_word_embeddings, bos_token_id=1, eos_token_id=2,
         pad_token_id=0, dtype=dtype,
     )
+    config: Any
     if arch == "llama":
         from transformers import LlamaConfig
 
@@ -104,34 +106,3 @@ def hf_greedy(model: Any, prompts: list[list[int]], max_new_tokens: int) -> list
             )
             outs.append(y[0, len(ids):].tolist())
     return outs
-
-
-def make_test_models(root: str | os.PathLike[str]) -> dict[str, Path]:
-    """The two checkpoints every engine test uses: a Llama (untied) and a Qwen2 with qkv
-    bias and tied embeddings (the layout where a stale output head hides)."""
-    root = Path(root)
-    return {
-        "llama": make_tiny_model(root / "llama", arch="llama", seed=0),
-        "qwen2": make_tiny_model(root / "qwen2", arch="qwen2", tie_word_embeddings=True, seed=1),
-    }
-
-
-def load_tiny(path: str | os.PathLike[str]) -> Any:
-    """The HF model of a tiny checkpoint in fp32: the trainer side of a test."""
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
-
-
-def perturb(model: Any, seed: int, scale: float = 0.3) -> Any:
-    """'Train' a model: a reproducible change to every floating weight (parameters and
-    persistent buffers, such as a router's correction bias)."""
-    import torch
-
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for t in model.state_dict().values():
-            if t.is_floating_point():
-                t.add_(torch.randn(t.shape, generator=g).to(t.dtype) * scale)
-    return model

@@ -14,7 +14,7 @@ in docs/trainers.md):
 Two halves:
 
 * the ranks: `python -m torch.distributed.run --standalone --nproc-per-node 2 -m
-  enginehooks.testing.megatron_cpu JOB.json` in the Megatron environment
+  enginehooks_testkit.megatron_cpu JOB.json` in the Megatron environment
   (`scripts/setup-megatron-env.sh`); each rank writes `rank<N>.json` beside the job;
 * the launcher: `run_ranks(job, folder)` from any environment (the tests run it from the
   vLLM one), bounded by a timeout that kills the whole process group.
@@ -333,8 +333,8 @@ def rank_main(job_path: Path) -> None:
     t0 = time.monotonic()
     try:
         from enginehooks import EngineHooksError, WeightSync
-        from enginehooks.testing.servers import HANDLES
         from enginehooks.trainer_side import MegatronBridgeAdapter, push
+        from enginehooks_testkit.servers import HANDLES
 
         layout = LAYOUTS[job["layout"]]
         bridge, model = build(job["checkpoint"], layout)
@@ -412,7 +412,7 @@ def run_ranks(job: dict[str, Any], folder: Path, *, python: str | None = None,
     env = dict(os.environ, **CPU_ENV)
     env["PYTHONPATH"] = os.pathsep.join([root, *filter(None, [os.environ.get("PYTHONPATH")])])
     argv = [python, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-            "-m", "enginehooks.testing.megatron_cpu", str(job_path)]
+            "-m", "enginehooks_testkit.megatron_cpu", str(job_path)]
     log_path = folder / "ranks.log"
     with open(log_path, "wb") as log:
         proc = subprocess.Popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT,

@@ -1,5 +1,7 @@
-"""Real engine servers started as child processes: for the demo, tests and local
-experiments (production users start their engines their own way).
+"""Real engine servers started as child processes: what `enginehooks demo` runs its push
+against (shipped in the wheel for it), and what the tests' launchers build on
+(`enginehooks_testkit.servers` adds the exact oracle's generations). Production users
+start their engines their own way.
 
 Each server runs in its own process group, so a test can SIGSTOP / SIGCONT all of it
 and `stop()` leaves nothing behind; readiness is a bounded probe of `/health`. Servers
@@ -23,11 +25,10 @@ from typing import IO, Any
 from enginehooks.control._http import request_json
 from enginehooks.control.identity import ServerIdentity
 from enginehooks.core.auth import load_secret
-from enginehooks.sglang_ext.versions import answer_version
-from enginehooks.testing.generation import NEW_TOKENS, PROMPTS, Generation
 
 
 def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port free on `host` now (the kernel's pick), for a server about to start."""
     with socket.socket() as s:
         s.bind((host, 0))
         return int(s.getsockname()[1])
@@ -120,36 +121,35 @@ class VLLMServerProcess(EngineServerProcess):
             env, log, f"http://{host}:{self.port}",
         )
 
-    def generations(self, prompts: list[list[int]] | None = None,
-                    max_tokens: int | None = None, *, cold: bool = True) -> list[Generation]:
-        """Greedy tokens of each prompt (one request each) and their logprobs, from a cold
+    def completions(self, prompts: list[list[int]], max_tokens: int, *, cold: bool = True
+                    ) -> list[tuple[dict[str, Any], dict[str, str]]]:
+        """Each prompt's greedy completion (one request each: vLLM's choice, with token ids
+        and the logprob of every chosen token) and its response headers, from a cold
         prefix cache (cached prefixes change the last bits of logprobs) unless `cold` is
         false (traffic beside a push, which flushes the cache itself)."""
         if cold:
             ServerIdentity(self.url, self.url).post(
                 "/reset_prefix_cache", {}, secret=self.secret, headers={}, timeout_s=60)
         out = []
-        for p in prompts or PROMPTS:
-            body = {"model": self.model, "prompt": p, "max_tokens": max_tokens or NEW_TOKENS,
+        for p in prompts:
+            body = {"model": self.model, "prompt": p, "max_tokens": max_tokens,
                     "temperature": 0, "ignore_eos": True, "return_token_ids": True, "logprobs": 0}
             headers: dict[str, str] = {}
             r = request_json(f"{self.url}/v1/completions", body, timeout_s=60, who=self.url,
                              response_headers=headers)
-            choice = r["choices"][0]
-            out.append(Generation(tuple(choice["token_ids"]),
-                                  tuple(float(x) for x in choice["logprobs"]["token_logprobs"]),
-                                  headers.get("x-enginehooks-weight-version")))
+            out.append((r["choices"][0], headers))
         return out
 
     def greedy(self, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
-        return [list(g.tokens) for g in self.generations(prompts, max_tokens)]
+        """Greedy tokens of each prompt, from a cold prefix cache."""
+        return [list(choice["token_ids"]) for choice, _ in self.completions(prompts, max_tokens)]
 
 
 # -- SGLang --------------------------------------------------------------------
 #: The test-only `sgl_kernel` stand-in (no CPU build of SGLang's kernel package exists;
 #: SGLang's CPU engine imports it but, on the paths used here, never calls it: the
-#: stand-in raises if it ever does). Shipped with `enginehooks.testing`, never put on a
-#: path unless the real kernels cannot be imported.
+#: stand-in raises if it ever does). Shipped with the demo, never put on a path unless
+#: the real kernels cannot be imported.
 STUB_DIR = Path(__file__).resolve().parent / "sgl_kernel_stub"
 
 
@@ -192,49 +192,25 @@ class SGLangServerProcess(EngineServerProcess):
              "--host", host, "--port", str(self.port), "--device", "cpu", "--dtype", dtype,
              "--attention-backend", "torch_native", "--mem-fraction-static", "0.2",
              "--max-total-tokens", "4096", "--log-level", "warning", "--random-seed", "0",
-             "--sleep-on-idle",  # no busy loop while idle (testing/engines.py says why)
+             "--sleep-on-idle",  # no busy loop while idle (enginehooks_testkit/engines.py says why)
              *(extra_args or [])],
             cpu_env(env), log, f"http://{host}:{self.port}",
         )
 
-    def generations(self, prompts: list[list[int]] | None = None,
-                    max_tokens: int | None = None, *, cold: bool = True) -> list[Generation]:
-        """Greedy tokens of each prompt, their logprobs and the weight version, from a
-        cold prefix cache (cached prefixes change the last bits of logprobs) unless
-        `cold` is false."""
-        if cold:
-            request_json(f"{self.url}/flush_cache", {}, timeout_s=60, who=self.url)
-        sp = {"temperature": 0.0, "max_new_tokens": max_tokens or NEW_TOKENS, "ignore_eos": True}
-        out = []
-        for p in prompts or PROMPTS:
-            r = request_json(f"{self.url}/generate", {"input_ids": p, "sampling_params": sp,
-                                                      "return_logprob": True},
-                             timeout_s=60, who=self.url)
-            lps = r["meta_info"]["output_token_logprobs"]
-            out.append(Generation(tuple(r["output_ids"]), tuple(float(x[0]) for x in lps),
-                                  answer_version(r["meta_info"])))
-        return out
+    def flush_cache(self) -> None:
+        """Empty the prefix cache (cached prefixes change the last bits of logprobs)."""
+        request_json(f"{self.url}/flush_cache", {}, timeout_s=60, who=self.url)
 
-    def generate(self, prompts: list[list[int]], max_tokens: int) -> list[dict[str, Any]]:
+    def generate(self, prompts: list[list[int]], max_tokens: int, *,
+                 logprobs: bool = False) -> list[dict[str, Any]]:
+        """SGLang's answer to a greedy `/generate` of each prompt (one request each), with
+        the logprob of every chosen token in its `meta_info` when `logprobs`."""
         sp = {"temperature": 0.0, "max_new_tokens": max_tokens, "ignore_eos": True}
-        return [request_json(f"{self.url}/generate", {"input_ids": p, "sampling_params": sp},
+        extra = {"return_logprob": True} if logprobs else {}
+        return [request_json(f"{self.url}/generate",
+                             {"input_ids": p, "sampling_params": sp, **extra},
                              timeout_s=60, who=self.url) for p in prompts]
 
     def greedy(self, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
+        """Greedy tokens of each prompt."""
         return [list(o["output_ids"]) for o in self.generate(prompts, max_tokens)]
-
-
-#: engine -> its server launcher, and the trainer-side handle to such a server
-SERVERS: dict[str, type[EngineServerProcess]] = {
-    "vllm": VLLMServerProcess, "sglang": SGLangServerProcess,
-}
-
-
-def _handles() -> dict[str, Any]:
-    from enginehooks.sglang_ext import SGLangServer
-    from enginehooks.vllm_ext import VLLMServer
-
-    return {"vllm": VLLMServer, "sglang": SGLangServer}
-
-
-HANDLES = _handles()

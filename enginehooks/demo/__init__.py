@@ -6,6 +6,13 @@ objective (answer each training prompt with its own token, repeated), pushes the
 weights, and shows
 generation before and after. Exits non-zero unless the engine's greedy tokens after the
 push equal HF transformers' on the trainer's new weights.
+
+Shipped in the wheel on purpose: `enginehooks demo` is the first command a user runs,
+from an installed package as from a checkout. The package carries what the demo needs
+and nothing the tests need beyond it: the tiny checkpoint (`tiny.py`), the engine
+server launchers (`servers.py`) and the CPU stand-in for SGLang's kernels
+(`sgl_kernel_stub/`). The test kit (`enginehooks_testkit`, in the repository, not in
+the wheel) builds on these; no other part of the library imports this package.
 """
 
 from __future__ import annotations
@@ -62,7 +69,7 @@ def run_demo(
     from transformers import AutoModelForCausalLM
 
     from enginehooks import WeightSync
-    from enginehooks.testing.tiny import hf_greedy, make_tiny_model
+    from enginehooks.demo.tiny import hf_greedy, make_tiny_model
 
     work = Path(args.workdir or tempfile.mkdtemp(prefix="enginehooks-demo-"))
     model_dir = make_tiny_model(work / "model", arch="llama", seed=0)
@@ -95,7 +102,7 @@ def run_demo(
 
 
 def run_vllm_demo(args: argparse.Namespace) -> int:
-    from enginehooks.testing.servers import VLLMServerProcess
+    from enginehooks.demo.servers import VLLMServerProcess
     from enginehooks.vllm_ext import VLLMServer
 
     return run_demo(
@@ -127,8 +134,8 @@ def show_outcome(engine: str, before: list[list[int]], after: list[list[int]],
 
 
 def run_sglang_demo(args: argparse.Namespace) -> int:
+    from enginehooks.demo.servers import SGLangServerProcess
     from enginehooks.sglang_ext import SGLangServer, answer_version
-    from enginehooks.testing.servers import SGLangServerProcess
 
     def observe(server: SGLangServerProcess, prompts: list[list[int]]
                 ) -> tuple[list[list[int]], list[str]]:
