@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from enginehooks.core.errors import ManifestError
+from enginehooks.core.errors import ChecksumError, ManifestError
 
 _MASK64 = (1 << 64) - 1
 _MOD = 65521  # weights are ((word index + 1) % _MOD) + 1, so they stay below 2**16
@@ -136,7 +136,7 @@ def _use_triton(device: torch.device) -> bool:
             for size in (3, 4 * _BLOCK + 7, 3 * 65536 + 1):
                 probe = torch.randint(0, 256, (size,), dtype=torch.uint8, generator=g).to(device)
                 if int(_sum64_triton(probe)) != int(_sum64_torch(probe)):
-                    raise RuntimeError(f"triton sum64 disagrees with torch on {size} bytes")
+                    raise ChecksumError(f"triton sum64 disagrees with torch on {size} bytes")
         finally:
             _weights.pop(device, None)  # the torch path's table: not needed from now on
         _triton_state = "ok"

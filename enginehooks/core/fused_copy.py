@@ -25,6 +25,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from enginehooks.core.errors import ChecksumError, ConfigError
+
 log = logging.getLogger(__name__)
 
 MOD = 65521
@@ -205,7 +207,7 @@ def copy_digest(dst: torch.Tensor, src: torch.Tensor, word_base: int = 0,
     4-byte aligned) and return their digest term as a 0-dim int64 device tensor, the
     run starting at word `word_base` of its bucket. Digest only when `copy` is False."""
     if not available(src.device):
-        raise RuntimeError(f"fused copy+digest is not available on {src.device}: {_state_reason}")
+        raise ConfigError(f"fused copy+digest is not available on {src.device}: {_state_reason}")
     return _copy_digest(dst, src, word_base, copy)
 
 
@@ -253,4 +255,4 @@ def _self_check(device: torch.device) -> None:
         padded[base * 4:] = src
         want = int(sum64_tensor(padded))
         if got != want or not torch.equal(dst, src):
-            raise RuntimeError(f"fused kernel disagrees with sum64 on {size} bytes at word {base}")
+            raise ChecksumError(f"fused kernel disagrees with sum64 on {size} bytes at word {base}")

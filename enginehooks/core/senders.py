@@ -32,7 +32,7 @@ from collections.abc import Iterable, Iterator, Sequence
 import torch
 
 from enginehooks.core.buckets import manifest_id
-from enginehooks.core.errors import ManifestError
+from enginehooks.core.errors import ConfigError, ManifestError
 from enginehooks.core.manifest import SENDERS_KEY, Manifest, TensorSpec
 
 #: The manifest's `meta` key listing its buckets (global indices) in the send order.
@@ -50,7 +50,7 @@ def assign_balanced(specs: Sequence[TensorSpec], senders: int) -> list[int]:
     order, so a run of layers is dealt round robin and the senders' parts interleave
     along the stream (ranks that gather in lockstep all have something to send)."""
     if senders < 1:
-        raise ValueError(f"senders must be >= 1, got {senders}")
+        raise ConfigError(f"senders must be >= 1, got {senders}")
     loads = [0] * senders
     owners = [0] * len(specs)
     for i in sorted(range(len(specs)), key=lambda i: -specs[i].nbytes):
@@ -64,11 +64,11 @@ def split_specs(specs: Sequence[TensorSpec], owners: Sequence[int],
                 senders: int) -> list[list[TensorSpec]]:
     """`specs` grouped by owner, each group in stream order."""
     if len(owners) != len(specs):
-        raise ValueError(f"{len(owners)} owners for {len(specs)} tensors")
+        raise ConfigError(f"{len(owners)} owners for {len(specs)} tensors")
     out: list[list[TensorSpec]] = [[] for _ in range(senders)]
     for s, j in zip(specs, owners):
         if not 0 <= j < senders:
-            raise ValueError(f"tensor {s.name!r}: sender {j} is outside 0..{senders - 1}")
+            raise ConfigError(f"tensor {s.name!r}: sender {j} is outside 0..{senders - 1}")
         out[j].append(s)
     return out
 

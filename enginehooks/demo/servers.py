@@ -25,6 +25,7 @@ from typing import IO, Any
 from enginehooks.control._http import request_json
 from enginehooks.control.identity import ServerIdentity
 from enginehooks.core.auth import load_secret
+from enginehooks.core.errors import PushTimeout, ReplicaError
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -50,7 +51,7 @@ class EngineServerProcess:
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
                 tail = Path(self.log.name).read_text(errors="replace")[-3000:]
-                raise RuntimeError(f"{self.kind} exited with {self.proc.returncode}; see "
+                raise ReplicaError(self.kind, f"exited with {self.proc.returncode}; see "
                                    f"{self.log.name}:\n{tail}")
             try:
                 with urllib.request.urlopen(f"{self.url}/health", timeout=2) as r:
@@ -59,7 +60,7 @@ class EngineServerProcess:
             except OSError:
                 pass
             time.sleep(1.0)  # readiness probe of a process we started, bounded above
-        raise TimeoutError(f"{self.kind} not ready in {timeout_s}s; see {self.log.name}")
+        raise PushTimeout(f"{self.kind} not ready in {timeout_s}s; see {self.log.name}")
 
     def __enter__(self) -> EngineServerProcess:
         """`with Server(...) as srv:` waits until it is ready and always stops it."""

@@ -12,6 +12,8 @@ import os
 from pathlib import Path
 from typing import Any
 
+from enginehooks.core.errors import ConfigError
+
 
 def save_tokenizer(folder: str | os.PathLike[str], vocab_size: int = 256) -> None:
     """A word-level tokenizer over `vocab_size` ids (prompts are token ids anyway)."""
@@ -87,7 +89,7 @@ def make_tiny_model(
 
         config = Qwen2Config(**common)
     else:
-        raise ValueError(f"unknown tiny architecture {arch!r} (llama or qwen2)")
+        raise ConfigError(f"unknown tiny architecture {arch!r} (llama or qwen2)")
     return save_tiny(folder, config, seed=seed, dtype=dtype)
 
 
