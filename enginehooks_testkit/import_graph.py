@@ -44,7 +44,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("hookspecs", "plugins", "defaults", "metrics", "transports", "trainer_side"),
     ("engine", "control"),
     ("vllm_ext", "sglang_ext", "ray_ext"),
-    ("", "cli", "testing"),  # "": the package's own `__init__`
+    ("", "cli", "demo"),  # "": the package's own `__init__`
 )
 
 
