@@ -333,10 +333,13 @@ class ApplyBinding(EngineBinding):
     the host without an RPC, which would queue behind an update). An engine adds its
     dtype and, where it has them, readable weights, a flush and `after_update`."""
 
-    def __init__(self, target: ApplyTarget, beacon: str, worker_rank: int = 0) -> None:
+    def __init__(self, target: ApplyTarget, worker_rank: int = 0,
+                 beacon: str | None = None) -> None:
+        """`worker_rank`: this worker's index in its replica; `beacon`: the name of its
+        state file (default `<engine>-<worker_rank>`)."""
         self._target = target
         self.worker_rank = worker_rank
-        self.beacon = Beacon.create(beacon)
+        self.beacon = Beacon.create(beacon or f"{self.engine}-{worker_rank}")
 
     def target(self) -> ApplyTarget:
         return self._target

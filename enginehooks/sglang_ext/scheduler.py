@@ -186,7 +186,7 @@ class SGLangBinding(ApplyBinding):
         rank = _tp(sched)[0]
         # The state, readable on the host without an RPC (which would queue behind
         # the update this scheduler is applying).
-        super().__init__(SGLangTarget(sched), f"sglang-tp{rank}", rank)
+        super().__init__(SGLangTarget(sched), rank, beacon=f"sglang-tp{rank}")
 
     def dtype(self) -> str:
         return dtype_name(_model_runner(self.sched).model_config.dtype)

@@ -538,7 +538,7 @@ class VLLMBinding(ApplyBinding):
     def __init__(self, worker: Any) -> None:
         self.worker = worker
         rank = int(getattr(worker, "rank", 0))
-        super().__init__(VLLMTarget(worker), f"worker-{rank}", rank)
+        super().__init__(VLLMTarget(worker), rank, beacon=f"worker-{rank}")
 
     def dtype(self) -> str:
         return dtype_name(self.worker.vllm_config.model_config.dtype)
