@@ -29,7 +29,7 @@ from enginehooks.sglang_ext.versions import answer_version
 from enginehooks_testkit.generation import NEW_TOKENS, PROMPTS, Generation, first_difference
 
 __all__ = ["NEW_TOKENS", "PROMPTS", "EngineUnavailable", "Generation", "RunningEngine",
-           "first_difference", "fresh_generate", "start_engine"]
+           "first_difference", "fresh_generate", "hf_generate", "register_driver", "start_engine"]
 
 class EngineUnavailable(RuntimeError):
     """The engine cannot run this model here; the message carries the engine's error."""
@@ -251,8 +251,6 @@ class LocalModule(RunningEngine):
 
     def generate(self, prompts: Sequence[Sequence[int]] = PROMPTS,
                  max_tokens: int = NEW_TOKENS) -> list[Generation]:
-        import torch
-
         from enginehooks.core.errors import EngineTorn
 
         side = self.handle().side  # type: ignore[attr-defined]
@@ -262,28 +260,44 @@ class LocalModule(RunningEngine):
         state = side.public_state()
         label = (f"torn:{state['failed_version']}" if state["state"] == "torn"
                  else str(state["version"]))
-        gens = []
-        with torch.no_grad():
-            for ids in prompts:
-                x = torch.tensor([list(ids)])
-                out = self.model.generate(
-                    x, attention_mask=torch.ones_like(x), max_new_tokens=max_tokens,
-                    min_new_tokens=max_tokens, do_sample=False, pad_token_id=0, eos_token_id=None,
-                    output_scores=True, return_dict_in_generate=True)
-                tokens = out.sequences[0, len(ids):].tolist()
-                lps = [float(torch.log_softmax(s[0].float(), -1)[t])
-                       for s, t in zip(out.scores, tokens)]
-                gens.append(Generation(tuple(tokens), tuple(lps), label))
-        return gens
+        return hf_generate(self.model, prompts, max_tokens, label)
 
     def close(self) -> None:
         self.model = None
         gc.collect()
 
 
+def hf_generate(model: Any, prompts: Sequence[Sequence[int]], max_tokens: int,
+                label: str | None) -> list[Generation]:
+    """Greedy generation by transformers with the logprob of every chosen token, each
+    answer marked `label` (the weight version): how a torch module replica generates."""
+    import torch
+
+    gens = []
+    with torch.no_grad():
+        for ids in prompts:
+            x = torch.tensor([list(ids)])
+            out = model.generate(
+                x, attention_mask=torch.ones_like(x), max_new_tokens=max_tokens,
+                min_new_tokens=max_tokens, do_sample=False, pad_token_id=0, eos_token_id=None,
+                output_scores=True, return_dict_in_generate=True)
+            tokens = out.sequences[0, len(ids):].tolist()
+            lps = [float(torch.log_softmax(s[0].float(), -1)[t])
+                   for s, t in zip(out.scores, tokens)]
+            gens.append(Generation(tuple(tokens), tuple(lps), label))
+    return gens
+
+
 DRIVERS: dict[str, type[RunningEngine]] = {
     "vllm": VLLMInProcess, "sglang": SGLangInProcess, "local": LocalModule,
 }
+
+
+def register_driver(driver: type[RunningEngine]) -> None:
+    """Add a driver under its `engine` name: an engine a test suite brings (the one
+    written from docs/engines.md). Its module must be importable by name: the exact
+    oracle starts it again in a child process (`fresh_generate`)."""
+    DRIVERS[driver.engine] = driver
 
 
 def start_engine(engine: str, model_dir: str | Path, *, dtype: str = "float32",
@@ -301,7 +315,9 @@ def fresh_generate(engine: str, model_dir: str | Path, *, dtype: str = "float32"
     import json
     import subprocess
 
-    request = json.dumps({"engine": engine, "model_dir": str(model_dir), "dtype": dtype,
+    driver = DRIVERS[engine]
+    request = json.dumps({"engine": engine, "driver": f"{driver.__module__}:{driver.__qualname__}",
+                          "model_dir": str(model_dir), "dtype": dtype,
                           "engine_args": engine_args or {}, "prompts": [list(p) for p in prompts],
                           "max_tokens": max_tokens})
     try:
@@ -320,10 +336,14 @@ def fresh_generate(engine: str, model_dir: str | Path, *, dtype: str = "float32"
 def _serve_one_request() -> None:
     """`python -m enginehooks_testkit.engines`: read one JSON request on stdin, start the
     engine, print its generations as one JSON line (floats round-trip exactly)."""
+    import importlib
     import json
 
     req = json.loads(sys.stdin.read())
     try:
+        if req["engine"] not in DRIVERS:  # a driver registered by the parent's suite
+            module, _, qualname = req["driver"].partition(":")
+            register_driver(getattr(importlib.import_module(module), qualname))
         with start_engine(req["engine"], req["model_dir"], dtype=req["dtype"],
                           engine_args=req["engine_args"]) as running:
             gens = running.generate(req["prompts"], req["max_tokens"])

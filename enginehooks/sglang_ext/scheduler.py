@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import json
 import logging
-import time
 import traceback
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
@@ -33,28 +32,11 @@ import torch
 
 from enginehooks.core.dtypes import dtype_name
 from enginehooks.core.errors import ConfigError
-from enginehooks.core.manifest import Manifest, TensorSpec
-from enginehooks.engine.beacon import Beacon
-from enginehooks.engine.contract import PREFIX, VERBS, EngineBinding, method_name
-from enginehooks.engine.copy_plan import (
-    CopyPlan,
-    Layout,
-    PlanState,
-    Route,
-    named_tensors,
-    replay,
-)
-from enginehooks.engine.expectations import (
-    Expectations,
-    LoaderExpectations,
-    checkpoint_specs,
-    resolve_model_dir,
-    skeleton_on_meta,
-)
+from enginehooks.engine.apply import ApplyBinding, ApplyTarget
+from enginehooks.engine.contract import PREFIX, VERBS, method_name
+from enginehooks.engine.expectations import skeleton_on_meta
 from enginehooks.engine.side import EngineSide
-from enginehooks.engine.transplant import transplant
-from enginehooks.engine.verify import Verifier, ensure_room
-from enginehooks.transports.base import Target
+from enginehooks.engine.verify import ensure_room
 
 log = logging.getLogger("enginehooks.sglang")
 
@@ -103,158 +85,63 @@ def _device(sched: Any) -> torch.device:
     return torch.device(kind)
 
 
-class SGLangTarget(Target):
+class SGLangTarget(ApplyTarget):
     """Applies received tensors with the model's own `load_weights`, inside SGLang's
     weight-update session; then flushes the cache and records the version. Updates are
     verified against a fresh-load shadow (`engine.verify`) as the policy asks. Once a
     copy plan is recorded and verified (`engine.copy_plan`), planned tensors are written
     straight into the parameters inside the same session, and only the rest goes
-    through `load_weights`."""
+    through `load_weights`. The apply routine itself is `engine.apply.ApplyTarget`'s;
+    what is SGLang's is below."""
 
-    def __init__(self, sched: Any, landed: Callable[[list[TensorSpec]], set[str]],
-                 record: Callable[[list[TensorSpec]], CopyPlan] | None = None,
-                 fresh_needed: Callable[[list[TensorSpec]], list[str]] | None = None) -> None:
+    engine = "SGLang"
+    # MiniCPM3's loader removes `kv_b_proj` from the live model (`engine.transplant`)
+    loader_may_remove = True
+
+    def __init__(self, sched: Any) -> None:
+        super().__init__(_device(sched))
         self.sched = sched
-        self.device = _device(sched)
-        self.flushed: bool | None = None
-        self.landed = landed
-        self.record = record
-        self.verifier = Verifier("SGLang")
-        self.plan = PlanState("SGLang")
-        self.requested = False  # the trainer asked this update to be verified
-        self.routes: dict[str, Route] = {}
-        self._live: dict[str, torch.Tensor] | None = None  # during apply: name -> tensor
-        self.fresh_needed = fresh_needed
-        self.by_fresh_load: list[str] = []  # this update: parameters only a fresh load fills
 
-    def prepare(self, manifest: Manifest) -> None:
-        self.requested = bool(manifest.meta.get("verify"))
-        self.routes = {}
-        self.by_fresh_load = self.fresh_needed(manifest.specs()) if self.fresh_needed else []
-        if self.by_fresh_load:
-            self.plan.disable(f"the loader removed {self.by_fresh_load[:3]} from the live "
-                              "model after its first load; updates go through a fresh load")
-            return
-        plan = self.plan.plan
-        if self.plan.usable and plan is not None:
-            for spec in manifest.specs():
-                r = plan.route_for_spec(spec)
-                if r is not None:
-                    self.routes[spec.name] = r
+    def model(self) -> torch.nn.Module:
+        return _model_runner(self.sched).model
 
-    def destination(self, name: str) -> torch.Tensor | None:
-        """The parameter a planned plain full copy lands in, while `apply` holds the
-        weight-update session (the parameters are in the loader's layout then)."""
-        plan, live = self.plan.plan, self._live
-        if live is None or plan is None or name not in self.routes:
-            return None
-        step = plan.full_copy(name)
-        if step is None:
-            return None
-        t = live.get(step.dest)
-        if t is None or Layout.of(t) != plan.layouts.get(step.dest) or not t.is_contiguous():
-            return None
-        return t.data
-
-    def apply(self, tensors: Iterator[tuple[str, torch.Tensor]]) -> None:
-        if self.by_fresh_load:
-            self._apply_by_fresh_load(tensors)
-            return
+    def checkpoint_dir(self) -> str:
         mr = _model_runner(self.sched)
-        updater = mr.weight_updater
-        model = mr.model
-        routes, self.routes = self.routes, {}
-        checking = self.plan.state == "verifying" and bool(routes)
-        verify = self.verifier.wanted(self.requested) or checking
-        recording = self.plan.state == "pending" and self.record is not None
-        fed: list[TensorSpec] = []
-        kept: list[tuple[str, torch.Tensor]] = []
-        planned = 0
+        return str(getattr(self.sched.server_args, "model_path", None)
+                   or mr.model_config.model_path)
 
-        def watched() -> Iterator[tuple[str, torch.Tensor]]:
-            nonlocal planned
-            live = self._live or {}
-            for name, t in tensors:
-                fed.append(TensorSpec(name, dtype_name(t.dtype), tuple(t.shape)))
-                if verify or recording:  # the buffer is reused: the shadow needs a copy
-                    kept.append((name, t.to("cpu", copy=True)))
-                route = routes.get(name)
-                if route is not None:
-                    replay(route, t, live)
-                    planned += 1
-                    continue
-                yield name, t
+    def skeleton(self) -> torch.nn.Module:
+        # SGLang's DefaultModelLoader.load_model minus the weights, on the meta device.
+        from sglang.srt.configs.load_config import LoadConfig
+        from sglang.srt.model_loader.loader import _get_quantization_config, _initialize_model
+        from sglang.srt.model_loader.utils import set_default_torch_dtype
 
-        t0, c0 = time.perf_counter(), time.thread_time()
-        updater.begin_weight_update()
-        try:
-            if routes:
-                # inside the session the parameters are in the loader's layout; a
-                # tensor whose destination is not (yet) goes to the loader
-                live = dict(named_tensors(model))
-                layouts = self.plan.plan.layouts if self.plan.plan is not None else {}
-                routes = {n: r for n, r in routes.items()
-                          if all(st.dest in live and Layout.of(live[st.dest]) == layouts.get(st.dest)
-                                 for st in r.steps)}
-                self.routes, self._live = routes, live
-            # `load_weights` copies each tensor into its (fused) parameter as it goes,
-            # so views into the transport's reusable buffers are safe to pass through.
-            with torch.no_grad():
-                model.load_weights(watched())
-        finally:
-            self._live, self.routes = None, {}
-            # After a load, SGLang's own request path ends with run_post_load=False
-            # (post-load already ran inside load_weights where the model needs it).
-            # Always end the session, even after a failed load, so the model's
-            # repacked / quantised weights are put back in their serving layout.
-            updater.end_weight_update(run_post_load=False)
-        if routes:
-            self.plan.applied += 1
-        # wall and this thread's CPU seconds (the latter is what the apply costs when
-        # other processes share the cores)
-        self.plan.last = {"seconds": round(time.perf_counter() - t0, 4),
-                          "cpu_seconds": round(time.thread_time() - c0, 4),
-                          "planned_last": planned, "loader_last": len(fed) - planned}
-        landed = self.landed(fed)
-        plan: CopyPlan | None = None
-        if recording and fed:
-            try:
-                plan = self.record(fed)  # type: ignore[misc]
-            except Exception as e:
-                self.plan.disable(f"recording failed: {type(e).__name__}: {e}")
-        if plan is not None:
-            self.plan.check_on_shadow(plan, self.verifier, model,
-                                      lambda hook: self.fresh_load(kept, before_processing=hook),
-                                      dict(kept), landed, verify)
-        elif verify:
-            dests = {st.dest for r in routes.values() for st in r.steps}
-            self._verify(model, kept, landed, checking and planned > 0, dests)
+        mr = _model_runner(self.sched)
+        load_config = getattr(mr, "load_config", None) or LoadConfig(load_format="auto")
+        quant = _get_quantization_config(mr.model_config, load_config)
 
-    def _apply_by_fresh_load(self, tensors: Iterator[tuple[str, torch.Tensor]]) -> None:
-        """The update through SGLang's fresh-load path, copied into the live model's
-        storage (`engine.transplant`): for a model whose loader removed parameters it
-        needs from the live model. Nothing is written until the fresh model is built and
-        matches the live one tensor for tensor."""
-        model = _model_runner(self.sched).model
-        t0, c0 = time.perf_counter(), time.thread_time()
-        kept = [(name, t.to("cpu", copy=True)) for name, t in tensors]
-        fresh = self.fresh_load(kept)
-        nbytes = transplant(fresh, model)
-        del fresh
-        self.plan.last = {"seconds": round(time.perf_counter() - t0, 4),
-                          "cpu_seconds": round(time.thread_time() - c0, 4),
-                          "planned_last": 0, "loader_last": len(kept),
-                          "fresh_load": {"removed": self.by_fresh_load[:8], "bytes": nbytes}}
-        fed = [TensorSpec(n, dtype_name(t.dtype), tuple(t.shape)) for n, t in kept]
-        if self.verifier.wanted(self.requested):
-            self._verify(model, kept, self.landed(fed) - set(self.by_fresh_load), False, set())
+        def build(device: torch.device) -> torch.nn.Module:
+            with set_default_torch_dtype(mr.model_config.dtype), device:
+                return _initialize_model(mr.model_config, load_config, quant)
 
-    def _verify(self, model: torch.nn.Module, kept: list[tuple[str, torch.Tensor]],
-                landed: set[str], checking: bool, planned: set[str]) -> None:
-        """Verify after apply; the first update applied through the plan is always
-        verified, and any difference from a fresh load turns the plan off."""
-        self.plan.verify_update(self.verifier, model, lambda: self.fresh_load(kept), landed,
-                                checking, planned)
+        # to_meta inside: SGLang's Transformers backend (GPT-NeoX) builds on the CPU
+        return skeleton_on_meta(build, engine="SGLang")
+
+    def begin(self) -> None:
+        _model_runner(self.sched).weight_updater.begin_weight_update()
+
+    def load(self, weights: Iterator[tuple[str, torch.Tensor]]) -> None:
+        # `load_weights` copies each tensor into its (fused) parameter as it goes,
+        # so views into the transport's reusable buffers are safe to pass through.
+        with torch.no_grad():
+            self.model().load_weights(weights)  # type: ignore[operator]
+
+    def end(self) -> None:
+        # After a load, SGLang's own request path ends with run_post_load=False
+        # (post-load already ran inside load_weights where the model needs it).
+        # Always end the session, even after a failed load, so the model's
+        # repacked / quantised weights are put back in their serving layout.
+        _model_runner(self.sched).weight_updater.end_weight_update(run_post_load=False)
 
     def fresh_load(self, weights: list[tuple[str, torch.Tensor]],
                    before_processing: Callable[[torch.nn.Module], None] | None = None
@@ -289,68 +176,20 @@ class SGLangTarget(Target):
     # `apply` uses the same loader instead.
 
 
-class SGLangBinding(EngineBinding):
+class SGLangBinding(ApplyBinding):
     """What an SGLang scheduler (one TP rank) supplies to the engine contract."""
 
     engine = "sglang"
 
     def __init__(self, sched: Any) -> None:
         self.sched = sched
-        self.worker_rank = _tp(sched)[0]
-        self._target = SGLangTarget(sched, self._landed, self._record_plan,
-                                    lambda specs: self._loader_expectations().fresh_load_needed(specs))
-        self._expectations: LoaderExpectations | None = None
+        rank = _tp(sched)[0]
         # The state, readable on the host without an RPC (which would queue behind
         # the update this scheduler is applying).
-        self.beacon = Beacon.create(f"sglang-tp{self.worker_rank}")
-
-    def target(self) -> Target:
-        return self._target
+        super().__init__(SGLangTarget(sched), rank, beacon=f"sglang-tp{rank}")
 
     def dtype(self) -> str:
         return dtype_name(_model_runner(self.sched).model_config.dtype)
-
-    def expectations(self) -> Expectations:
-        return self._loader_expectations()
-
-    def _loader_expectations(self) -> LoaderExpectations:
-        """SGLang's own `load_weights`, dry-run on a meta-device copy of the model
-        (built as SGLang's loader builds it), against the checkpoint it started from."""
-        if self._expectations is None:
-            mr = _model_runner(self.sched)
-            path = getattr(self.sched.server_args, "model_path", None) or \
-                mr.model_config.model_path
-            self._expectations = LoaderExpectations(
-                self._skeleton,
-                lambda model, weights: model.load_weights(weights),  # type: ignore[operator]
-                checkpoint_specs(resolve_model_dir(path)), engine="SGLang",
-                live=lambda: _model_runner(self.sched).model)
-        return self._expectations
-
-    def _landed(self, fed: list[TensorSpec]) -> set[str]:
-        """Parameter names the update's tensors land in (from the loader dry run)."""
-        return {p for landing in self._loader_expectations().landings(fed).values()
-                for p in landing.params}
-
-    def _record_plan(self, fed: list[TensorSpec]) -> CopyPlan:
-        return self._loader_expectations().record_plan(fed)
-
-    def _skeleton(self) -> torch.nn.Module:
-        # SGLang's DefaultModelLoader.load_model minus the weights, on the meta device.
-        from sglang.srt.configs.load_config import LoadConfig
-        from sglang.srt.model_loader.loader import _get_quantization_config, _initialize_model
-        from sglang.srt.model_loader.utils import set_default_torch_dtype
-
-        mr = _model_runner(self.sched)
-        load_config = getattr(mr, "load_config", None) or LoadConfig(load_format="auto")
-        quant = _get_quantization_config(mr.model_config, load_config)
-
-        def build(device: torch.device) -> torch.nn.Module:
-            with set_default_torch_dtype(mr.model_config.dtype), device:
-                return _initialize_model(mr.model_config, load_config, quant)
-
-        # to_meta inside: SGLang's Transformers backend (GPT-NeoX) builds on the CPU
-        return skeleton_on_meta(build, engine="SGLang")
 
     def readable(self) -> Mapping[str, torch.Tensor]:
         # qkv / gate_up are fused; embeddings and norms keep their checkpoint layout.
@@ -371,12 +210,10 @@ class SGLangBinding(EngineBinding):
     def info(self) -> dict[str, Any]:
         from sglang.srt.runtime_context import get_serving
 
-        return {"engine_weight_version": get_serving().weight_version,
-                "beacon": str(self.beacon.path), "verification": self._target.verifier.state(),
-                "copy_plan": self._target.plan.info()}
+        return {"engine_weight_version": get_serving().weight_version, **super().info()}
 
     def state_changed(self, state: dict[str, Any]) -> None:
-        self.beacon.publish(state)
+        super().state_changed(state)
         # Every answer's meta_info["weight_version"] says which weights produced it: a
         # torn engine (policy "serve") marks its answers so they can be discarded.
         if state["state"] == "torn":

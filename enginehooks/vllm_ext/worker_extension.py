@@ -36,27 +36,19 @@ import torch
 from enginehooks.core.dtypes import dtype_name
 from enginehooks.core.errors import EngineHooksError
 from enginehooks.core.manifest import Manifest, TensorSpec
-from enginehooks.engine.beacon import Beacon
-from enginehooks.engine.contract import VERBS, EngineBinding, method_name
+from enginehooks.engine.apply import ApplyBinding, ApplyTarget
+from enginehooks.engine.contract import VERBS, method_name
 from enginehooks.engine.copy_plan import (
     CopyPlan,
     Layout,
-    PlanState,
     Route,
     coverage,
     named_tensors,
     replay,
 )
-from enginehooks.engine.expectations import (
-    Expectations,
-    LoaderExpectations,
-    checkpoint_specs,
-    resolve_model_dir,
-    skeleton_on_meta,
-)
+from enginehooks.engine.expectations import skeleton_on_meta
 from enginehooks.engine.side import EngineSide
-from enginehooks.engine.verify import Verifier, ensure_room
-from enginehooks.transports.base import Target
+from enginehooks.engine.verify import ensure_room
 from enginehooks.vllm_ext.cpu_amx import allow_amx
 
 # vLLM imports this module in each worker before its first forward: a worker whose
@@ -74,147 +66,126 @@ def private_config(vllm_config: Any) -> Any:
     return cfg
 
 
-class VLLMTarget(Target):
+class VLLMTarget(ApplyTarget):
     """Applies tensors to the worker's model through vLLM's own reload path, or, once a
     copy plan is recorded and verified (`engine.copy_plan`), writes planned tensors
-    straight into vLLM's layers (`PlannedLayers`) and reloads only the rest."""
+    straight into vLLM's layers (`PlannedLayers`) and reloads only the rest. The apply
+    routine itself (routes, bookkeeping, recording, verification, statistics) is
+    `engine.apply.ApplyTarget`'s; what is vLLM's is below."""
 
-    def __init__(self, worker: Any, landed: Callable[[list[TensorSpec]], set[str]],
-                 record: Callable[[list[TensorSpec]], CopyPlan] | None = None) -> None:
+    engine = "vLLM"
+
+    def __init__(self, worker: Any) -> None:
+        super().__init__(torch.device(worker.device) if hasattr(worker, "device")
+                         else torch.device("cpu"))
         self.worker = worker
-        self.landed = landed
-        self.record = record
-        self.verifier = Verifier("vLLM")
-        self.plan = PlanState("vLLM")
-        self.requested = False  # the trainer asked this update to be verified
-        self.routes: dict[str, Route] = {}  # this update's planned tensors
-        self.loader_too = False  # ...and some go through the loader
+        self.loader_too = False  # some of this update's tensors go through the loader
         self.layers: PlannedLayers | None = None  # during `apply`: where planned bytes land
-        self.device = torch.device(worker.device) if hasattr(worker, "device") else torch.device("cpu")
+
+    def model(self) -> torch.nn.Module:
+        return self.worker.model_runner.get_model()
+
+    def checkpoint_dir(self) -> str:
+        return str(self.worker.vllm_config.model_config.model)
+
+    def skeleton(self) -> torch.nn.Module:
+        from vllm.config import set_current_vllm_config
+        from vllm.model_executor.model_loader.utils import initialize_model
+        from vllm.utils.torch_utils import set_default_torch_dtype
+
+        def build(device: torch.device) -> torch.nn.Module:
+            cfg = private_config(self.worker.vllm_config)  # fresh for each attempt
+            with set_current_vllm_config(cfg), set_default_torch_dtype(cfg.model_config.dtype), \
+                    device:
+                return initialize_model(vllm_config=cfg)
+
+        # Never `model.to(...)`: vLLM caches modules such as rotary embeddings and shares
+        # them with the live model, whose parameters must stay where they are.
+        live = {id(p) for p in self.model().parameters()}
+        return skeleton_on_meta(build, keep=live, engine="vLLM")
+
+    def dry_load(self, model: torch.nn.Module, weights: Iterator[tuple[str, torch.Tensor]]) -> Any:
+        from vllm.config import set_current_vllm_config
+
+        with set_current_vllm_config(private_config(self.worker.vllm_config)):
+            return model.load_weights(weights)  # type: ignore[operator]
 
     def prepare(self, manifest: Manifest) -> None:
-        self.requested = bool(manifest.meta.get("verify"))
-        self.routes, self.loader_too, self.layers = {}, False, None
-        if self.plan.usable and self.plan.plan is not None:
-            try:
-                self.routes = plannable(self.worker.model_runner.get_model(), self.plan.plan,
-                                        manifest.specs())
-            except Exception as e:  # an enginehooks limitation: the loader takes it all
-                self.plan.disable(f"routing failed: {type(e).__name__}: {e}")
-            # some tensors stay on the loader: planned layers are then rebuilt inside
-            # vLLM's reload (no update-sized temporaries, one reload)
-            self.loader_too = len(self.routes) < len(manifest.tensors)
+        self.loader_too, self.layers = False, None
+        super().prepare(manifest)
+        # some tensors stay on the loader: planned layers are then rebuilt inside
+        # vLLM's reload (no update-sized temporaries, one reload)
+        self.loader_too = len(self.routes) < len(manifest.tensors)
 
-    def apply(self, tensors: Iterator[tuple[str, torch.Tensor]]) -> None:
-        routes, self.routes = self.routes, {}
-        fed: list[TensorSpec] = []
-        checking = self.plan.state == "verifying" and bool(routes)
-        verify = self.verifier.wanted(self.requested) or checking
-        recording = self.plan.state == "pending" and self.record is not None
-        kept: list[tuple[str, torch.Tensor]] = []
-        rest: list[tuple[str, torch.Tensor]] = []
-        model = self.worker.model_runner.get_model()
+    def plan_routes(self, plan: CopyPlan, specs: list[TensorSpec]) -> dict[str, Route]:
+        return plannable(self.model(), plan, specs)
+
+    def writable(self, routes: dict[str, Route]) -> dict[str, Route]:
         # post-load processing on a thread of its own on CPU only, where it is oneDNN's
         # prepacking on the cores; on GPUs it is queued on the receiving thread's stream
-        layers = self.layers = PlannedLayers(
-            model, routes, background=self.device.type == "cpu") if routes else None
+        self.layers = PlannedLayers(self.model(), routes, background=self.device.type == "cpu")
+        return routes
 
-        def keep(name: str, t: torch.Tensor, c: torch.Tensor | None = None) -> None:
-            if verify or recording:  # on the host: the shadow never costs the engine memory
-                kept.append((name, c if c is not None and c.device.type == "cpu"
-                             else t.to("cpu", copy=True)))
+    def write_planned(self, name: str, t: torch.Tensor, route: Route) -> None:
+        assert self.layers is not None
+        self.layers.write(name, t)
 
-        def copies() -> Iterator[tuple[str, torch.Tensor]]:
-            # Layerwise reload keeps the tensors it is given until their whole layer has
-            # arrived, and the transport reuses bucket buffers: hand it copies, so at
-            # most one layer's worth is held, never views into a buffer being overwritten.
-            for name, t in tensors:
-                fed.append(TensorSpec(name, dtype_name(t.dtype), tuple(t.shape)))
-                c = t.clone()
-                keep(name, t, c)
-                yield name, c
+    def loader_copy(self, t: torch.Tensor) -> torch.Tensor:
+        # Layerwise reload keeps the tensors it is given until their whole layer has
+        # arrived, and the transport reuses bucket buffers: hand it copies, so at most
+        # one layer's worth is held, never views into a buffer being overwritten.
+        return t.clone()
 
-        def mixed() -> Iterator[tuple[str, torch.Tensor]]:
-            # Inside vLLM's layerwise reload: planned layers are rebuilt here as they
-            # arrive (and leave the reload's bookkeeping), the loader takes the rest.
-            assert layers is not None
-            for name, t in tensors:
-                fed.append(TensorSpec(name, dtype_name(t.dtype), tuple(t.shape)))
-                keep(name, t)
-                if name in routes:
-                    layers.write(name, t)
-                else:
-                    yield name, t.clone()
-            layers.finish()
-
-        t0, c0 = time.perf_counter(), time.thread_time()
-        if layers is None or self.loader_too:
+    def load(self, weights: Iterator[tuple[str, torch.Tensor]]) -> None:
+        layers = self.layers
+        if layers is None:  # nothing planned: all through vLLM's reload
             try:
-                self.worker.reload_weights(
-                    weights_iterator=copies() if layers is None else mixed(),
-                    is_checkpoint_format=True)
+                self.worker.reload_weights(weights_iterator=weights, is_checkpoint_format=True)
             except BaseException:
-                if layers is not None:  # its thread must not process while vLLM unwinds
-                    layers.unwind()
                 self._unwind_reload()
                 raise
-            if layers is not None:
-                self.plan.applied += 1
+        elif self.loader_too:
+            def mixed() -> Iterator[tuple[str, torch.Tensor]]:
+                # Inside vLLM's layerwise reload: planned layers are rebuilt here as they
+                # arrive (and leave the reload's bookkeeping), the loader takes the rest.
+                yield from weights
+                layers.finish()
+
+            try:
+                self.worker.reload_weights(weights_iterator=mixed(), is_checkpoint_format=True)
+            except BaseException:
+                layers.unwind()  # its thread must not process while vLLM unwinds
+                self._unwind_reload()
+                raise
         else:
             from vllm.config import set_current_vllm_config
 
             try:
                 with set_current_vllm_config(self.worker.vllm_config), torch.no_grad():
-                    for name, t in tensors:
-                        fed.append(TensorSpec(name, dtype_name(t.dtype), tuple(t.shape)))
-                        keep(name, t)
-                        if name in routes:
-                            layers.write(name, t)
-                        else:  # the loader's, after the stream (buffers are reused)
-                            rest.append((name, t.clone()))
+                    # names the manifest did not announce: the loader's, after the stream
+                    rest = list(weights)
                     layers.finish()
             except BaseException:
                 layers.unwind()
                 raise
-            if rest:  # names the manifest did not announce: the loader's, after all
+            if rest:
                 try:
                     self.worker.reload_weights(weights_iterator=iter(rest),
                                                is_checkpoint_format=True)
                 except BaseException:
                     self._unwind_reload()
                     raise
-                rest.clear()
-            self.plan.applied += 1
-        self.layers = None
-        landed = self.landed(fed)
-        _repair_after_reload(model, landed)
-        # wall and this thread's CPU seconds (the latter is what the apply costs when
-        # other processes share the cores)
-        self.plan.last = {"seconds": round(time.perf_counter() - t0, 4),
-                          "cpu_seconds": round(time.thread_time() - c0 + (
-                              layers.worker_cpu if layers is not None else 0.0), 4),
-                          "planned_last": len(routes), "loader_last": len(fed) - len(routes),
-                          "in_place_last": layers.in_place if layers is not None else 0}
-        plan: CopyPlan | None = None
-        if recording and fed:
-            try:
-                plan = self.record(fed)  # type: ignore[misc]
-            except Exception as e:
-                self.plan.disable(f"recording failed: {type(e).__name__}: {e}")
-        if plan is not None:
-            self.plan.check_on_shadow(plan, self.verifier, self.worker.model_runner.get_model(),
-                                      lambda hook: self.fresh_load(kept, before_processing=hook),
-                                      dict(kept), landed, verify)
-        elif verify:
-            planned = {st.dest for r in routes.values() for st in r.steps}
-            self._verify(model, kept, landed, checking, planned)
 
-    def _verify(self, model: torch.nn.Module, kept: list[tuple[str, torch.Tensor]],
-                landed: set[str], checking: bool, planned: set[str]) -> None:
-        """Verify after apply; the first update applied through the plan is always
-        verified, and any difference from a fresh load turns the plan off."""
-        self.plan.verify_update(self.verifier, model, lambda: self.fresh_load(kept), landed,
-                                checking, planned)
+    def end(self) -> None:
+        self.layers = None
+
+    def session_stats(self) -> tuple[float, dict[str, Any]]:
+        layers = self.layers
+        return ((layers.worker_cpu, {"in_place_last": layers.in_place}) if layers is not None
+                else (0.0, {"in_place_last": 0}))
+
+    def after_load(self, model: torch.nn.Module, landed: set[str]) -> None:
+        _repair_after_reload(model, landed)
 
     def fresh_load(self, weights: list[tuple[str, torch.Tensor]],
                    before_processing: Callable[[torch.nn.Module], None] | None = None
@@ -559,75 +530,22 @@ def _repair_after_reload(model: torch.nn.Module, loaded: set[str]) -> None:
                 kernel.fused_experts.process_weights_after_loading(module)
 
 
-class VLLMBinding(EngineBinding):
+class VLLMBinding(ApplyBinding):
     """What a vLLM worker supplies to the engine contract."""
 
     engine = "vllm"
 
     def __init__(self, worker: Any) -> None:
         self.worker = worker
-        self.worker_rank = int(getattr(worker, "rank", 0))
-        self._expectations: LoaderExpectations | None = None
-        self._target = VLLMTarget(worker, self._landed, self._record_plan)
-        self.beacon = Beacon.create(f"worker-{self.worker_rank}")
-
-    def target(self) -> Target:
-        return self._target
+        rank = int(getattr(worker, "rank", 0))
+        super().__init__(VLLMTarget(worker), rank, beacon=f"worker-{rank}")
 
     def dtype(self) -> str:
         return dtype_name(self.worker.vllm_config.model_config.dtype)
 
-    def expectations(self) -> Expectations:
-        return self._loader_expectations()
-
-    def _loader_expectations(self) -> LoaderExpectations:
-        if self._expectations is None:
-            mc = self.worker.vllm_config.model_config
-            self._expectations = LoaderExpectations(
-                self._skeleton, self._dry_load, checkpoint_specs(resolve_model_dir(mc.model)),
-                engine="vLLM")
-        return self._expectations
-
-    def _landed(self, fed: list[TensorSpec]) -> set[str]:
-        """Parameter names the update's tensors land in (from the loader dry run)."""
-        return {p for landing in self._loader_expectations().landings(fed).values()
-                for p in landing.params}
-
-    def _record_plan(self, fed: list[TensorSpec]) -> CopyPlan:
-        return self._loader_expectations().record_plan(fed)
-
-    def _skeleton(self) -> torch.nn.Module:
-        from vllm.config import set_current_vllm_config
-        from vllm.model_executor.model_loader.utils import initialize_model
-        from vllm.utils.torch_utils import set_default_torch_dtype
-
-        def build(device: torch.device) -> torch.nn.Module:
-            cfg = private_config(self.worker.vllm_config)  # fresh for each attempt
-            with set_current_vllm_config(cfg), set_default_torch_dtype(cfg.model_config.dtype), \
-                    device:
-                return initialize_model(vllm_config=cfg)
-
-        # Never `model.to(...)`: vLLM caches modules such as rotary embeddings and shares
-        # them with the live model, whose parameters must stay where they are.
-        live = {id(p) for p in self.worker.model_runner.get_model().parameters()}
-        return skeleton_on_meta(build, keep=live, engine="vLLM")
-
-    def _dry_load(self, model: torch.nn.Module, weights: Iterator[tuple[str, torch.Tensor]]) -> Any:
-        from vllm.config import set_current_vllm_config
-
-        with set_current_vllm_config(private_config(self.worker.vllm_config)):
-            return model.load_weights(weights)  # type: ignore[operator]
-
     def readable(self) -> Mapping[str, torch.Tensor]:
         # On CPU linear layers are prepacked and not readable; embeddings and norms are.
         return dict(self.worker.model_runner.get_model().named_parameters())
-
-    def state_changed(self, state: dict[str, Any]) -> None:
-        self.beacon.publish(state)
-
-    def info(self) -> dict[str, Any]:
-        return {"beacon": str(self.beacon.path), "verification": self._target.verifier.state(),
-                "copy_plan": self._target.plan.info()}
 
     def deployment(self) -> str | None:
         # vLLM draws `instance_id` once per engine and hands the same config to every

@@ -1,6 +1,7 @@
-"""The replica contract runs against every engine driver installed here: vLLM and the
-module replica in the vLLM environment, SGLang in the SGLang environment. Engines start
-once per module and engine, one engine kind at a time (2-core machines)."""
+"""The replica contract runs against every engine driver installed here: vLLM, the
+module replica and the engine written from docs/engines.md ("minimal") in the vLLM
+environment, SGLang in the SGLang environment. Engines start once per module and
+engine, one engine kind at a time (2-core machines)."""
 
 from __future__ import annotations
 
@@ -9,11 +10,17 @@ from pathlib import Path
 
 import pytest
 
-from enginehooks_testkit.engines import DRIVERS, RunningEngine, start_engine
+from enginehooks_testkit.engines import DRIVERS, RunningEngine, register_driver, start_engine
 from tests.support import have
 
+if have("transformers"):  # the engine of docs/engines.md, run from the page
+    from tests.support.engine_page import MinimalEngine
+
+    register_driver(MinimalEngine)
+
 #: engine -> the module it needs
-NEEDS = {"vllm": "vllm", "sglang": "sglang", "local": "transformers"}
+NEEDS = {"vllm": "vllm", "sglang": "sglang", "local": "transformers",
+         "minimal": "transformers"}
 
 
 @pytest.fixture(scope="module", params=sorted(DRIVERS))

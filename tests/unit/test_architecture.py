@@ -41,6 +41,7 @@ PUBLIC: dict[str, list[str]] = {
                                "DiskTransport"],
     "enginehooks.engine.contract": ["VERBS", "EngineBinding", "method_name", "dispatch"],
     "enginehooks.engine.local": ["LocalEngine"],
+    "enginehooks.engine.apply": ["ApplyTarget", "ApplyBinding"],
     "enginehooks.engine.expectations": ["Expectations", "LoaderExpectations"],
     "enginehooks.plugins": ["get_plugin_manager", "register_plugin", "unregister_plugin",
                             "transports", "get_transport", "trainer_adapters", "DEFAULT_PLUGINS"],

@@ -1,0 +1,355 @@
+"""How an update is applied inside an engine worker, written once for every engine.
+
+Applying an update is the same routine whatever the engine: route the tensors a
+recorded copy plan can write (`engine.copy_plan`), stream the rest through the
+engine's own loader, keep what the fed tensors were (and host copies of them when a
+shadow will be built), record the plan on the first update, verify against the
+engine's fresh-load path (`engine.verify`), and count what went which way. vLLM and
+SGLang each carried a copy of it; a copy drifts, and a third engine would have made a
+third. `ApplyTarget` owns the routine; an engine subclasses it and supplies a handful
+of small methods that only it can write:
+
+- required: `model` (the live model), `load` (its loader on the live model),
+  `fresh_load` (a model of its own built from given tensors, the oracle's path),
+  `skeleton` (its model class on the meta device, for the loader dry run) and
+  `checkpoint_dir` (the folder it started from);
+- optional: `begin` / `end` (a weight-update session around the load), `dry_load`
+  (its loader on another model, default `model.load_weights`), `plan_routes`,
+  `writable`, `write_planned` and `destination` (how planned tensors land, default:
+  replayed into the live tensors when their layout is the recorded one),
+  `loader_copy` (what the loader is handed), `after_load` (repairs the engine's load
+  path needs) and `session_stats`.
+
+`ApplyBinding` is the matching `EngineBinding`: its expectations are the target's loader
+dry run, and its `info` reports the verification and copy plan. docs/engines.md walks
+through adding an engine with both.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any, ClassVar
+
+import torch
+
+from enginehooks.core.dtypes import dtype_name
+from enginehooks.core.manifest import Manifest, TensorSpec
+from enginehooks.engine.beacon import Beacon
+from enginehooks.engine.contract import EngineBinding
+from enginehooks.engine.copy_plan import CopyPlan, Layout, PlanState, Route, named_tensors, replay
+from enginehooks.engine.expectations import (
+    Expectations,
+    LoaderExpectations,
+    checkpoint_specs,
+    resolve_model_dir,
+)
+from enginehooks.engine.transplant import transplant
+from enginehooks.engine.verify import Verifier
+from enginehooks.transports.base import Target
+
+__all__ = ["ApplyBinding", "ApplyTarget", "Update"]
+
+
+class Update:
+    """One update's bookkeeping while it streams: which tensors were fed (their specs:
+    what the loader dry run says they land in), host copies of them when a shadow will
+    be built from them (the transport reuses its buffers, and the shadow must never cost
+    the engine's device memory), and how many went through the plan.
+
+    `routes` are the planned tensors writable in this update (`ApplyTarget.writable`)."""
+
+    def __init__(self, routes: Mapping[str, Route], keeping: bool) -> None:
+        self.routes = routes
+        self.keeping = keeping
+        self.fed: list[TensorSpec] = []
+        self.kept: list[tuple[str, torch.Tensor]] = []
+        self.planned = 0
+
+    def feed(self, name: str, t: torch.Tensor) -> None:
+        self.fed.append(TensorSpec(name, dtype_name(t.dtype), tuple(t.shape)))
+
+    def keep(self, name: str, t: torch.Tensor, copy: torch.Tensor | None = None) -> None:
+        """Keep a host copy of `t` if a shadow will be built; `copy` is one the engine
+        made already (reused when it is on the host, instead of copying twice)."""
+        if self.keeping:
+            self.kept.append((name, copy if copy is not None and copy is not t
+                              and copy.device.type == "cpu" else t.to("cpu", copy=True)))
+
+
+class ApplyTarget(Target, ABC):
+    """Applies an update with the engine's own loader, or, once a copy plan is recorded
+    and verified, writes the planned tensors straight into the engine's tensors and
+    hands only the rest to the loader. See the module docstring for what a subclass
+    supplies; everything else (routes, bookkeeping, recording, verification, statistics,
+    the fresh-load fallback) lives here, once."""
+
+    #: the engine's name in messages and logs ("vLLM", "SGLang")
+    engine: ClassVar[str] = "engine"
+    #: whether the engine's loader may remove parameters from the live model after its
+    #: first load (SGLang's MiniCPM3): an update that needs one is then applied by a
+    #: fresh load copied into the live model (`engine.transplant`)
+    loader_may_remove: ClassVar[bool] = False
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.verifier = Verifier(self.engine)
+        self.plan = PlanState(self.engine)
+        self.requested = False  # the trainer asked this update to be verified
+        self.routes: dict[str, Route] = {}  # this update's planned tensors
+        self.live: dict[str, torch.Tensor] | None = None  # during `apply`: name -> tensor
+        self.by_fresh_load: list[str] = []  # this update: parameters only a fresh load fills
+        self._expectations: LoaderExpectations | None = None
+
+    # -- what an engine supplies ---------------------------------------------------------
+    @abstractmethod
+    def model(self) -> torch.nn.Module:
+        """The live model the engine serves from."""
+
+    @abstractmethod
+    def load(self, weights: Iterator[tuple[str, torch.Tensor]]) -> None:
+        """Load `weights` into the live model with the engine's own loader (inside the
+        session `begin` opened). The tensors may be views into the transport's reused
+        buffers: a loader that keeps them past the next one must copy (`loader_copy`)."""
+
+    @abstractmethod
+    def fresh_load(self, weights: list[tuple[str, torch.Tensor]],
+                   before_processing: Callable[[torch.nn.Module], None] | None = None
+                   ) -> torch.nn.Module:
+        """A model of its own built by the engine's fresh-load path from `weights` (what
+        a fresh start from a checkpoint of them holds). `before_processing(model)`, when
+        given, is called after the loader and before any post-load processing: the copy
+        plan is checked there against what the loader alone wrote."""
+
+    @abstractmethod
+    def skeleton(self) -> torch.nn.Module:
+        """The engine's model class built on the meta device, exactly as the engine
+        builds it (`expectations.skeleton_on_meta`): the loader dry run's model."""
+
+    @abstractmethod
+    def checkpoint_dir(self) -> str | os.PathLike[str]:
+        """The checkpoint (folder or hub name) the engine started from: what a complete
+        update covers."""
+
+    def dry_load(self, model: torch.nn.Module, weights: Iterator[tuple[str, torch.Tensor]]) -> Any:
+        """The engine's loader on `model` (the meta skeleton), as its update path runs it.
+        Default: `model.load_weights(weights)`, the vLLM / SGLang model convention."""
+        return model.load_weights(weights)  # type: ignore[operator]
+
+    def begin(self) -> None:
+        """Open the engine's weight-update session (SGLang's `begin_weight_update`)."""
+
+    def end(self) -> None:
+        """Close it; called even when the load failed, so the model is put back in its
+        serving layout."""
+
+    def plan_routes(self, plan: CopyPlan, specs: list[TensorSpec]) -> dict[str, Route]:
+        """The tensors of an update the plan may write. Default: every planned tensor
+        whose spec is the recorded one."""
+        routes: dict[str, Route] = {}
+        for spec in specs:
+            r = plan.route_for_spec(spec)
+            if r is not None:
+                routes[spec.name] = r
+        return routes
+
+    def writable(self, routes: dict[str, Route]) -> dict[str, Route]:
+        """Inside the session: the routes that can be written now. Default: those whose
+        every destination is a live tensor in the layout the plan was recorded for
+        (inside a session the tensors are in the loader's layout; one that is not
+        goes to the loader)."""
+        live = dict(named_tensors(self.model()))
+        layouts = self.plan.plan.layouts if self.plan.plan is not None else {}
+        self.live = live
+        return {n: r for n, r in routes.items()
+                if all(st.dest in live and Layout.of(live[st.dest]) == layouts.get(st.dest)
+                       for st in r.steps)}
+
+    def write_planned(self, name: str, t: torch.Tensor, route: Route) -> None:
+        """Write planned `name` through its route. Default: replayed into the live tensors."""
+        replay(route, t, self.live or {})
+
+    def destination(self, name: str) -> torch.Tensor | None:
+        """The live tensor a planned plain full copy lands in, while `apply` holds the
+        session: the transport receives straight into it (the replay's copy is then
+        skipped). None otherwise."""
+        plan, live = self.plan.plan, self.live
+        if live is None or plan is None or name not in self.routes:
+            return None
+        step = plan.full_copy(name)
+        if step is None:
+            return None
+        t = live.get(step.dest)
+        if t is None or Layout.of(t) != plan.layouts.get(step.dest) or not t.is_contiguous():
+            return None
+        return t.data
+
+    def loader_copy(self, t: torch.Tensor) -> torch.Tensor:
+        """What the loader is handed for `t`. Default: `t` itself (a loader that copies
+        each tensor into its parameter as it goes)."""
+        return t
+
+    def after_load(self, model: torch.nn.Module, landed: set[str]) -> None:
+        """Repairs the engine's load path needs after an update that loaded parameters
+        `landed` (vLLM's tied heads and CPU experts). Default: none."""
+
+    def session_stats(self) -> tuple[float, dict[str, Any]]:
+        """CPU seconds spent on other threads for this update, and extra counts for the
+        copy plan's `info`. Default: none."""
+        return 0.0, {}
+
+    # -- the loader dry run --------------------------------------------------------------
+    def expectations(self) -> LoaderExpectations:
+        """What the engine's loader accepts and where each tensor lands: its `dry_load`
+        on the `skeleton`, against the checkpoint it started from (built once)."""
+        if self._expectations is None:
+            self._expectations = LoaderExpectations(
+                self.skeleton, self.dry_load,
+                checkpoint_specs(resolve_model_dir(str(self.checkpoint_dir()))),
+                engine=self.engine, live=self.model if self.loader_may_remove else None)
+        return self._expectations
+
+    def landed(self, fed: list[TensorSpec]) -> set[str]:
+        """Parameter names the update's tensors land in (from the loader dry run)."""
+        return {p for landing in self.expectations().landings(fed).values()
+                for p in landing.params}
+
+    # -- the routine ---------------------------------------------------------------------
+    def prepare(self, manifest: Manifest) -> None:
+        self.requested = bool(manifest.meta.get("verify"))
+        self.routes, self.live = {}, None
+        specs = manifest.specs()
+        self.by_fresh_load = self.expectations().fresh_load_needed(specs)
+        if self.by_fresh_load:
+            self.plan.disable(f"the loader removed {self.by_fresh_load[:3]} from the live "
+                              "model after its first load; updates go through a fresh load")
+            return
+        plan = self.plan.plan
+        if self.plan.usable and plan is not None:
+            try:
+                self.routes = self.plan_routes(plan, specs)
+            except Exception as e:  # an enginehooks limitation: the loader takes it all
+                self.plan.disable(f"routing failed: {type(e).__name__}: {e}")
+
+    def apply(self, tensors: Iterator[tuple[str, torch.Tensor]]) -> None:
+        if self.by_fresh_load:
+            self._apply_by_fresh_load(tensors)
+            return
+        model = self.model()
+        routes, self.routes = self.routes, {}
+        checking = self.plan.state == "verifying" and bool(routes)
+        verify = self.verifier.wanted(self.requested) or checking
+        recording = self.plan.state == "pending"
+        update = Update({}, keeping=verify or recording)
+
+        t0, c0 = time.perf_counter(), time.thread_time()
+        self.begin()
+        try:
+            if routes:
+                update.routes = self.routes = self.writable(routes)
+            self.load(self._stream(tensors, update))
+            other_cpu, extra = self.session_stats()
+        finally:
+            self.live, self.routes = None, {}
+            self.end()
+        if update.routes:
+            self.plan.applied += 1
+        landed = self.landed(update.fed)
+        self.after_load(model, landed)
+        # wall and this thread's CPU seconds (the latter is what the apply costs when
+        # other processes share the cores)
+        self.plan.last = {"seconds": round(time.perf_counter() - t0, 4),
+                          "cpu_seconds": round(time.thread_time() - c0 + other_cpu, 4),
+                          "planned_last": update.planned,
+                          "loader_last": len(update.fed) - update.planned, **extra}
+        self._record_and_verify(model, update, landed, checking, verify, recording)
+
+    def _stream(self, tensors: Iterator[tuple[str, torch.Tensor]],
+                update: Update) -> Iterator[tuple[str, torch.Tensor]]:
+        """The update as the loader sees it: planned tensors are written on the way (as
+        the engine's `load` pulls them, so inside whatever context it holds), the rest
+        yielded to the loader; every tensor is counted and, if wanted, kept."""
+        for name, t in tensors:
+            update.feed(name, t)
+            route = update.routes.get(name)
+            if route is not None:
+                update.keep(name, t)
+                self.write_planned(name, t, route)
+                update.planned += 1
+                continue
+            c = self.loader_copy(t)
+            update.keep(name, t, c)
+            yield name, c
+
+    def _record_and_verify(self, model: torch.nn.Module, update: Update, landed: set[str],
+                           checking: bool, verify: bool, recording: bool) -> None:
+        """Record the plan on the first update (and check it on the fresh-load shadow,
+        which then verifies the update too), or verify as the policy asks; the first
+        update through the plan is always verified, and a difference from a fresh load
+        in what the plan wrote turns the plan off."""
+        kept = update.kept
+        plan: CopyPlan | None = None
+        if recording and update.fed:
+            try:
+                plan = self.expectations().record_plan(update.fed)
+            except Exception as e:
+                self.plan.disable(f"recording failed: {type(e).__name__}: {e}")
+        if plan is not None:
+            self.plan.check_on_shadow(plan, self.verifier, model,
+                                      lambda hook: self.fresh_load(kept, before_processing=hook),
+                                      dict(kept), landed, verify)
+        elif verify:
+            planned = {st.dest for r in update.routes.values() for st in r.steps}
+            self.plan.verify_update(self.verifier, model, lambda: self.fresh_load(kept), landed,
+                                    checking and update.planned > 0, planned)
+
+    def _apply_by_fresh_load(self, tensors: Iterator[tuple[str, torch.Tensor]]) -> None:
+        """The update through the engine's fresh-load path, copied into the live model's
+        storage (`engine.transplant`): for a model whose loader removed parameters it
+        needs from the live model. Nothing is written until the fresh model is built and
+        matches the live one tensor for tensor."""
+        model = self.model()
+        t0, c0 = time.perf_counter(), time.thread_time()
+        kept = [(name, t.to("cpu", copy=True)) for name, t in tensors]
+        fresh = self.fresh_load(kept)
+        nbytes = transplant(fresh, model)
+        del fresh
+        self.plan.last = {"seconds": round(time.perf_counter() - t0, 4),
+                          "cpu_seconds": round(time.thread_time() - c0, 4),
+                          "planned_last": 0, "loader_last": len(kept),
+                          "fresh_load": {"removed": self.by_fresh_load[:8], "bytes": nbytes}}
+        fed = [TensorSpec(n, dtype_name(t.dtype), tuple(t.shape)) for n, t in kept]
+        if self.verifier.wanted(self.requested):
+            self.plan.verify_update(self.verifier, model, lambda: self.fresh_load(kept),
+                                    self.landed(fed) - set(self.by_fresh_load), False, set())
+
+
+class ApplyBinding(EngineBinding):
+    """The `EngineBinding` of an engine that applies with an `ApplyTarget`: its
+    expectations are the target's loader dry run, its `info` reports the verification
+    and the copy plan, and every state change is published in a `Beacon` (readable on
+    the host without an RPC, which would queue behind an update). An engine adds its
+    dtype and, where it has them, readable weights, a flush and `after_update`."""
+
+    def __init__(self, target: ApplyTarget, worker_rank: int = 0,
+                 beacon: str | None = None) -> None:
+        """`worker_rank`: this worker's index in its replica; `beacon`: the name of its
+        state file (default `<engine>-<worker_rank>`)."""
+        self._target = target
+        self.worker_rank = worker_rank
+        self.beacon = Beacon.create(beacon or f"{self.engine}-{worker_rank}")
+
+    def target(self) -> ApplyTarget:
+        return self._target
+
+    def expectations(self) -> Expectations:
+        return self._target.expectations()
+
+    def state_changed(self, state: dict[str, Any]) -> None:
+        self.beacon.publish(state)
+
+    def info(self) -> dict[str, Any]:
+        return {"beacon": str(self.beacon.path), "verification": self._target.verifier.state(),
+                "copy_plan": self._target.plan.info()}
