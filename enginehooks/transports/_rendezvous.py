@@ -335,9 +335,9 @@ def arrive(store: dist.Store, prefix: str, world_size: int, timeout_s: float,
                 raise TransportError(f"group {prefix!r} was called off by the sender: "
                                      f"{reason.decode('utf-8', 'replace')}")
         missing = [r for r in range(world_size) if r not in arrived]
-        present = [r for r in missing if pstore.check([keys[r]])]
-        if present:
-            for r, raw in zip(present, pstore.multi_get([keys[r] for r in present])):
+        # one round trip a poll: read (and verify) the missing keys once all are there
+        if pstore.check([keys[r] for r in missing]):
+            for r, raw in zip(missing, pstore.multi_get([keys[r] for r in missing])):
                 try:
                     channel.open("arrived", 0, r, r, (TO_TRAINER, TRAINER_SELF), raw)
                 except ControlMessageRefused as e:
@@ -347,6 +347,14 @@ def arrive(store: dist.Store, prefix: str, world_size: int, timeout_s: float,
         if len(arrived) >= world_size:
             return
         if time.monotonic() >= deadline:
+            for r in (r for r in range(world_size) if r not in arrived):  # who did come
+                if pstore.check([keys[r]]):
+                    try:
+                        channel.open("arrived", 0, r, r, (TO_TRAINER, TRAINER_SELF),
+                                     pstore.get(keys[r]))
+                        arrived.add(r)
+                    except ControlMessageRefused as e:
+                        ignored.note(barrier_key(prefix, keys[r]), pstore.get(keys[r]), e)
             raise TransportError(f"group {prefix!r} did not form within {timeout_s}s: "
                                  f"{len(arrived)} of {world_size} ranks arrived"
                                  f"{ignored.says()}")

@@ -75,12 +75,16 @@ CONTROL_ROUTES = frozenset({
     "/v1/unload_lora_adapter",
 })
 WEIGHT_INFO = "/weight_info"
+#: What the workers hold, read from their state files without an RPC (never waits).
+STATE_ROUTE = "/enginehooks/state"
 
 
 def route_kind(path: str) -> str:
     """"control", "read" (never generates), "weight_info", or "generate" (everything
     else: an unknown route is treated as one that generates)."""
     path = path.rstrip("/") or "/"
+    if path == STATE_ROUTE:
+        return "read"
     if path in CONTROL_ROUTES or path.startswith("/enginehooks/"):
         return "control"
     if path in READ_ONLY_ROUTES:
@@ -250,6 +254,11 @@ class EnginehooksEndpoints:
             path = request.url.path
             kind = route_kind(path)
             beacons: Sequence[str] = getattr(request.app.state, "enginehooks_beacons", ())
+            if path.rstrip("/") == STATE_ROUTE:
+                # the workers' published state files: answers at once, also while the
+                # engine core applies an update (vLLM's /weight_info waits for it)
+                return JSONResponse(content={"weights": label(beacons) if beacons else None,
+                                             "workers": states(beacons)})
             if path.rstrip("/") == IDENTITY_ROUTE:
                 return JSONResponse(content=identity_answer(
                     secret, server_id(request.app.state), request.query_params.get("nonce", "")))

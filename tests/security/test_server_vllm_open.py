@@ -270,6 +270,12 @@ def test_weight_info_says_torn_after_a_killed_trainer(
             line = lines.get(timeout=max(0.1, deadline - time.monotonic()))
             if line.strip() == "stalled":
                 break
+        # mid-update (the workers wait in their receive): the state route answers at
+        # once from the workers' state files, where /weight_info would wait
+        t0 = time.monotonic()
+        status, text = get(f"{server.url}/enginehooks/state")
+        assert status == 200 and time.monotonic() - t0 < 5, (status, text[:300])
+        assert json.loads(text)["weights"] == "updating", text[:300]
         trainer.send_signal(signal.SIGKILL)
     finally:
         trainer.kill()
@@ -282,6 +288,8 @@ def test_weight_info_says_torn_after_a_killed_trainer(
         assert time.monotonic() < deadline, info
         time.sleep(0.5)
     assert "killed-50" in info["enginehooks"], info
+    state = json.loads(get(f"{server.url}/enginehooks/state")[1])
+    assert state["weights"].startswith("torn:") and state["workers"][0]["state"] == "torn"
     model = perturb(load_tiny(model_dirs["llama"]), seed=47)
     push(server, model, "after-kill")
     assert json.loads(get(f"{server.url}/weight_info")[1])["weight_version"] == "after-kill"
