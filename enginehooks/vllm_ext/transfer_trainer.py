@@ -40,7 +40,7 @@ from enginehooks.control.report import PushReport
 from enginehooks.control.sync import DEFAULT_BUCKET_BYTES, WeightSync
 from enginehooks.core.auth import AuthError
 from enginehooks.core.dtypes import torch_dtype
-from enginehooks.core.errors import ConfigError, ManifestError, ReplicaError
+from enginehooks.core.errors import ConfigError, EngineHooksError, ManifestError, ReplicaError
 from enginehooks.core.manifest import TensorSpec
 from enginehooks.engine import protocol
 from enginehooks.trainer_side.contract import TrainerAdapter
@@ -146,6 +146,11 @@ def _refused(who: str, verb: str, e: BaseException) -> Exception:
     vLLM not in dev mode); anything else is a `ReplicaError`."""
     detail = _detail(e)
     found = protocol.relayed_envelope(detail)
+    if found is None and isinstance(e, EngineHooksError) and not isinstance(e, ReplicaError):
+        # raised by the client itself (enginehooks' own VLLMServer / VLLMEngine): its class
+        # is the answer (a route the server lacks is already a ConfigError saying the fix)
+        e.replica = who
+        return e
     if found is not None:
         kind, message = found
         restored = protocol.restore_error(kind, f"replica {who!r}: {verb}: {message}", who)
