@@ -29,7 +29,8 @@ class ServerIdentity:
         self._known = False
         self._lock = threading.Lock()
 
-    def _learn(self, secret: bytes, headers: dict[str, str], timeout_s: float) -> str | None:
+    def _learn(self, secret: bytes | str, headers: dict[str, str],
+               timeout_s: float) -> str | None:
         nonce = secrets.token_hex(16)
         try:
             answer = request_json(f"{self.url}{IDENTITY_ROUTE}?nonce={nonce}", None,
@@ -40,21 +41,22 @@ class ServerIdentity:
             raise
         return read_identity(secret, answer, nonce)
 
-    def get(self, secret: bytes, headers: dict[str, str], timeout_s: float) -> str | None:
+    def get(self, secret: bytes | str, headers: dict[str, str],
+            timeout_s: float) -> str | None:
         with self._lock:
             if not self._known:
                 self.server, self._known = self._learn(secret, headers, timeout_s), True
             return self.server
 
-    def refresh(self, secret: bytes, headers: dict[str, str], timeout_s: float) -> bool:
+    def refresh(self, secret: bytes | str, headers: dict[str, str], timeout_s: float) -> bool:
         """Learn the identity again; whether it changed (the server restarted)."""
         with self._lock:
             before = self.server
             self.server, self._known = self._learn(secret, headers, timeout_s), True
             return self.server != before
 
-    def post(self, path: str, body: Any, *, secret: bytes | None, headers: dict[str, str],
-             timeout_s: float) -> Any:
+    def post(self, path: str, body: Any, *, secret: bytes | str | None,
+             headers: dict[str, str], timeout_s: float) -> Any:
         """POST JSON `body` to `path`, signed for this server when there is a secret."""
         url = f"{self.url}{path}"
         for attempt in (0, 1):

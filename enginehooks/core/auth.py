@@ -187,9 +187,10 @@ class Verifier:
         self._seen: OrderedDict[str, float] = OrderedDict()
         self._lock = threading.Lock()
 
-    def verify(self, verb: str, payload: str, token: Any) -> None:
+    def verify(self, verb: str, payload: str, token: Any, anonymous_ok: bool = False) -> None:
         """Raise `AuthError` (and log it) unless `token` signs `verb` + `payload`, fresh
-        and never seen before."""
+        and never seen before, for one of this side's names (`anonymous_ok`: or for
+        nobody, where the signer cannot learn them)."""
         try:
             data = json.loads(token) if isinstance(token, str) else token
             nonce, ts, mac = str(data["nonce"]), float(data["ts"]), str(data["mac"])
@@ -202,7 +203,8 @@ class Verifier:
         if not hmac.compare_digest(mac, _mac(self.secret, verb, nonce, ts, payload, aud)):
             self._refuse(verb, "the authentication token does not match (wrong secret or "
                                "altered message)")
-        if self.audiences is not None and not self.audiences.intersection(aud):
+        if (self.audiences is not None and not self.audiences.intersection(aud)
+                and not (anonymous_ok and not aud)):
             mine = sorted(self.audiences)
             me = f"is {mine[0]!r}" if len(mine) == 1 else f"answers to {mine[:4]}"
             self._refuse(verb, "the authentication token was signed for another replica "

@@ -170,12 +170,6 @@ def unwrap(reply: Any, call_id: str, who: str) -> Any:
 RELAY_MARK = "[enginehooks-error:"
 
 
-class DeploymentIdentity(EngineHooksError):
-    """The answer of a worker of backend "enginehooks" to an identify probe through
-    vLLM's own weight-transfer calls, which can answer only with an error: its message is
-    JSON `{"deployment": id}`, the audience a trainer's tokens for that deployment name."""
-
-
 class RelayedError(EngineHooksError):
     """A worker's error raised through a channel that keeps only text; its message ends
     with the envelope (`relay_text`) that `relayed_error` reads back."""
@@ -266,9 +260,11 @@ def token(secret: bytes, verb: str, audience: Sequence[str] = (), **fields: Any)
     return sign(secret, verb, signed_payload(verb, **fields), audience=audience)
 
 
-def verify_token(verifier: Verifier, verb: str, auth: str | None, **fields: Any) -> None:
-    """Raise `AuthError` unless `auth` signs `verb`'s payload (`signed_payload`)."""
-    verifier.verify(verb, signed_payload(verb, **fields), auth)
+def verify_token(verifier: Verifier, verb: str, auth: str | None, anonymous_ok: bool = False,
+                 **fields: Any) -> None:
+    """Raise `AuthError` unless `auth` signs `verb`'s payload (`signed_payload`) for this
+    worker (`anonymous_ok`: or for nobody, see `EngineSide.anonymous_audience`)."""
+    verifier.verify(verb, signed_payload(verb, **fields), auth, anonymous_ok)
 
 
 # -- typed requests ----------------------------------------------------------------------
@@ -554,15 +550,16 @@ def route_headers(secret: bytes | str | None, url: str, body: Any,
         audience=[server] if server else ())}
 
 
-def _identity_mac(secret: bytes, server: str, nonce: str) -> str:
+def _identity_mac(secret: bytes | str, server: str, nonce: str) -> str:
     import hashlib
     import hmac
 
-    return hmac.new(secret, f"{_IDENTITY}\n{server}\n{nonce}".encode(),
+    key = secret.encode() if isinstance(secret, str) else secret
+    return hmac.new(key, f"{_IDENTITY}\n{server}\n{nonce}".encode(),
                     hashlib.sha256).hexdigest()
 
 
-def identity_answer(secret: bytes | None, server: str, nonce: str) -> dict[str, Any]:
+def identity_answer(secret: bytes | str | None, server: str, nonce: str) -> dict[str, Any]:
     """A server's answer to `GET IDENTITY_ROUTE?nonce=...`: its identity, with a MAC over
     it and the client's nonce (so a stranger cannot hand the client another identity)."""
     nonce = nonce[:128]
@@ -570,7 +567,7 @@ def identity_answer(secret: bytes | None, server: str, nonce: str) -> dict[str, 
             "mac": _identity_mac(secret, server, nonce) if secret else None}
 
 
-def read_identity(secret: bytes | None, answer: Any, nonce: str) -> str:
+def read_identity(secret: bytes | str | None, answer: Any, nonce: str) -> str:
     """The identity in `answer` to the client's `nonce`; `AuthError` unless it is signed
     with `secret` (when the client has one) and answers this nonce."""
     import hmac

@@ -142,9 +142,23 @@ class EngineSide:
             return None
         return refusal_of(self.public_state())
 
+    @contextlib.contextmanager
+    def anonymous_audience(self) -> Iterator[None]:
+        """Within this block a token that names no worker is taken (one that names
+        others is still refused). Only vLLM's own weight-transfer calls use it: their
+        trainer cannot ask the workers for their ids (those calls answer nothing), and
+        where they travel over HTTP the server's route guard binds each request to this
+        server (`fail_closed.py`); in-process and through Ray no network is in between."""
+        self._anonymous_ok = True
+        try:
+            yield
+        finally:
+            self._anonymous_ok = False
+
     def _authorize(self, verb: str, token: str | None, **fields: Any) -> None:
         if self.verifier is not None:
-            protocol.verify_token(self.verifier, verb, token, **fields)
+            protocol.verify_token(self.verifier, verb, token,
+                                  getattr(self, "_anonymous_ok", False), **fields)
             return
         protocol.signed_payload(verb, **fields)  # a verb that is not signed is a bug
         if token is not None:

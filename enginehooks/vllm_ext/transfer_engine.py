@@ -35,7 +35,6 @@ reports the same version and state (`WorkerExtension._enginehooks_side`).
 from __future__ import annotations
 
 import functools
-import json
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -48,7 +47,7 @@ from vllm.distributed.weight_transfer.base import (
 )
 
 from enginehooks.core.errors import ConfigError, EngineHooksError, ManifestError
-from enginehooks.engine.protocol import DeploymentIdentity, relayed
+from enginehooks.engine.protocol import relayed
 from enginehooks.engine.side import EngineSide
 from enginehooks.vllm_ext.worker_extension import VLLMBinding
 
@@ -90,14 +89,7 @@ class EnginehooksInitInfo(WeightTransferInitInfo):
     #: how many workers the trainer counts for this deployment (its `world_size` minus
     #: the sender): a count that differs from the deployment's is refused at once
     workers: int | None = None
-    #: a probe, not a join: the workers answer with their deployment's id (raised as
-    #: `DeploymentIdentity`, the only answer vLLM's calls carry), which the trainer's
-    #: tokens then name, so a join captured for this server is refused by another
-    identify: bool = False
-
     def __post_init__(self) -> None:
-        if self.identify:
-            return
         if not isinstance(self.endpoint, dict) or "transport" not in self.endpoint:
             raise ConfigError("init_info.endpoint must be an enginehooks endpoint (a dict "
                               f"with 'transport', 'world_size', ...), got {self.endpoint!r}")
@@ -201,10 +193,10 @@ class EnginehooksWeightTransferEngine(
 
     @relays_errors
     def init_transfer_engine(self, init_info: EnginehooksInitInfo) -> None:
-        if init_info.identify:
-            raise DeploymentIdentity(json.dumps({"deployment": self.side.deployment}))
-        self.side.join(init_info.endpoint, init_info.rank_offset, init_info.auth,
-                       replica_workers=self.worker.workers, expected_workers=init_info.workers)
+        with self.side.anonymous_audience():  # see `EngineSide.anonymous_audience`
+            self.side.join(init_info.endpoint, init_info.rank_offset, init_info.auth,
+                           replica_workers=self.worker.workers,
+                           expected_workers=init_info.workers)
 
     def start_weight_update(self) -> None:
         self.in_session = True
@@ -220,12 +212,14 @@ class EnginehooksWeightTransferEngine(
             raise ConfigError("update_weights outside a weight update: call "
                               "start_weight_update first")
         if update_info.phase == "check":
-            problems = self.side.check(update_info.manifest, update_info.auth)
+            with self.side.anonymous_audience():
+                problems = self.side.check(update_info.manifest, update_info.auth)
             if problems:
                 raise ManifestError("refused before any data moved: " + "; ".join(problems))
             return
-        self.side.receive(update_info.manifest, update_info.group or self.side.group or "",
-                          update_info.auth)
+        with self.side.anonymous_audience():
+            self.side.receive(update_info.manifest, update_info.group or self.side.group or "",
+                              update_info.auth)
 
     def finish_weight_update(self) -> None:
         self.in_session = False

@@ -38,7 +38,6 @@ from vllm.distributed.weight_transfer.base import (
 from enginehooks.control.handles import EngineHandle
 from enginehooks.control.report import PushReport
 from enginehooks.control.sync import DEFAULT_BUCKET_BYTES, WeightSync
-from enginehooks.core.auth import AuthError
 from enginehooks.core.dtypes import torch_dtype
 from enginehooks.core.errors import ConfigError, EngineHooksError, ManifestError, ReplicaError
 from enginehooks.core.manifest import TensorSpec
@@ -203,9 +202,6 @@ class ClientReplica(EngineHandle):
         self._in_session = False
         self._updates = 0
         self._group: str | None = None
-        #: the deployment's id (`_identify`), the audience of this trainer's tokens
-        self._deployment: str | None = None
-        self._identified = False
 
     def rpc(self, method: str, *args: Any, timeout_s: float) -> list[Any]:
         raise ConfigError(f"replica {self.name!r} is reached through vLLM's weight-sync calls "
@@ -218,30 +214,10 @@ class ClientReplica(EngineHandle):
         # the signed join itself (EngineSide._authorize), so a trainer with a secret
         # still never pushes into an engine that would accept anyone's push. The dtype
         # is the init info's (the workers refuse one their loader would not take).
-        info: dict[str, Any] = {"group": self._group, "authenticated": None,
-                                "instance": self._identify()}
+        info: dict[str, Any] = {"group": self._group, "authenticated": None}
         if self.dtype is not None:
             info.update(dtype=self.dtype, wire_dtypes={})
         return [dict(info, rank=i) for i in range(self.workers)]
-
-    def _identify(self) -> str | None:
-        """The deployment's id, asked once (an identify probe through vLLM's own
-        `init_weight_transfer_engine`, answered with the error `DeploymentIdentity`): the
-        audience of this trainer's tokens, so a join captured on its way to this
-        deployment is refused by every other. None when its workers do not answer one."""
-        if not self._identified:
-            self._identified = True
-            try:
-                self.client.init_weight_transfer_engine({"identify": True})
-            except Exception as e:
-                found = protocol.relayed_envelope(_detail(e))
-                if found is not None and found[0] == protocol.DeploymentIdentity.__name__:
-                    try:
-                        deployment = json.loads(found[1]).get("deployment")
-                    except (ValueError, AttributeError):
-                        deployment = None
-                    self._deployment = deployment if isinstance(deployment, str) else None
-        return self._deployment
 
     def join(self, endpoint: dict[str, Any], rank_offset: int, timeout_s: float,
              auth: str | None = None) -> None:
@@ -253,10 +229,7 @@ class ClientReplica(EngineHandle):
                 "endpoint": endpoint, "rank_offset": rank_offset, "auth": auth,
                 "workers": self.workers})
         except Exception as e:
-            refused = _refused(self.name, "join", e)
-            if isinstance(refused, AuthError):
-                self._identified = False  # e.g. restarted under a new id: ask again
-            raise refused from e
+            raise _refused(self.name, "join", e) from e
         self._group = str(endpoint.get("group") or endpoint.get("root") or "")
 
     def leave(self, timeout_s: float, auth: str | None = None) -> None:

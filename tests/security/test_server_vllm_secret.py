@@ -214,12 +214,17 @@ def test_a_join_captured_for_one_deployment_is_refused_by_another(
     assert hb.info(60)[0]["group"] is None
 
 
-def test_a_signed_push_through_vllms_own_api_names_the_deployment(
+def test_a_signed_push_through_vllms_own_api_lands_and_its_tokens_bind_elsewhere(
         server: Any, model_dirs: dict[str, Path], monkeypatch: pytest.MonkeyPatch) -> None:
-    """Through vLLM's weight-transfer calls the trainer learns the deployment's id once
-    (an identify probe) and signs for it; the push lands and the version is recorded."""
+    """Through vLLM's weight-transfer calls the trainer cannot ask the workers for their
+    ids, so its tokens name nobody: the workers take such a token on that path only
+    (`EngineSide.anonymous_audience`), where the route guard binds the HTTP request to
+    this server. The same kind of token sent through the worker extension's verbs is
+    refused."""
     from vllm.distributed.weight_transfer import ModuleSource, WeightTransferTrainerFactory
 
+    from enginehooks.core.auth import AuthError
+    from enginehooks.engine import protocol
     from enginehooks.vllm_ext.transfer_trainer import EnginehooksTrainerInitInfo
 
     monkeypatch.setenv(SECRET_ENV, SECRET)
@@ -233,9 +238,11 @@ def test_a_signed_push_through_vllms_own_api_names_the_deployment(
         engine.shutdown()
     assert report.ok
     assert get(f"{server.url}/weight_info") == {"weight_version": "api-53"}
-    assert engine.sync is not None
-    deployment = handle(server).info(60)[0]["deployment"]
-    assert [r._deployment for r in engine.sync._replicas] == [deployment]
+    endpoint = {"transport": "gloo", "host": "127.0.0.1", "port": 1, "group": "g-any",
+                "timeout_s": 5, "world_size": 2}
+    nameless = protocol.token(SECRET.encode(), "join", endpoint=endpoint, rank_offset=1)
+    with pytest.raises(AuthError, match="signed for another replica"):
+        handle(server).call("join", json.dumps(endpoint), 1, nameless, timeout_s=60)
 
 
 def test_the_handle_signs_vllms_native_controls(server: Any) -> None:

@@ -120,3 +120,14 @@ def test_nonces_are_forgotten_oldest_first_after_twice_the_window(clock: list[fl
 def test_the_signed_text_is_key_sorted_compact_json() -> None:
     assert canonical('{"b": 1, "a": [1, 2]}') == '{"a":[1,2],"b":1}'
     assert canonical({"b": {"d": 1, "c": 2}}) == '{"b":{"c":2,"d":1}}'
+
+
+def test_a_nameless_token_is_taken_only_where_the_caller_allows_it(clock: list[float]) -> None:
+    """`anonymous_ok` (vLLM's own weight-transfer path) takes a token that names nobody,
+    never one that names another worker."""
+    v = Verifier(SECRET, audience="w1")
+    v.verify("check", "{}", sign(SECRET, "check", "{}"), anonymous_ok=True)
+    with pytest.raises(AuthError, match="signed for another replica"):
+        v.verify("check", "{}", sign(SECRET, "check", "{}", ["w2"]), anonymous_ok=True)
+    with pytest.raises(AuthError, match="signed for another replica"):
+        v.verify("check", "{}", sign(SECRET, "check", "{}"))
