@@ -35,12 +35,14 @@ def modules(root: Path = ROOT) -> dict[str, Path]:
 
 
 #: The package's layers, lowest first, by top-level module or sub-package: a module may
-#: import its own layer and the layers below it, never one above. `engine/` sits with
-#: `control/` for now: it holds both the wire that `control/` speaks (`protocol.py`,
-#: `contract.py`, below it) and `LocalEngine` (`local.py`, a handle built on
-#: `control/handles.py`, above it); issue 35's wire floor splits it.
+#: import its own layer and the layers below it, never one above. `wire/` (the messages
+#: between trainer and workers) sits on its own floor, right above `core/`: both sides
+#: and the transports (a group's endpoint) speak it, and it speaks of none of them.
+#: `engine/` sits with `control/`: it holds both the engine contract and `LocalEngine`
+#: (`local.py`, a handle built on `control/handles.py`).
 LAYERS: tuple[tuple[str, ...], ...] = (
     ("markers", "core"),
+    ("wire",),
     ("hookspecs", "plugins", "defaults", "metrics", "transports", "trainer_side"),
     ("engine", "control"),
     ("vllm_ext", "sglang_ext", "ray_ext"),

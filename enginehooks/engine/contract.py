@@ -4,7 +4,7 @@ A replica is reached through the engine's own RPC (vLLM `collective_rpc` to work
 methods, SGLang's scheduler RPC, a local call) under the method names
 `enginehooks_<verb>`: vLLM asserts on names its worker already has, hence the prefix.
 Arguments and results are JSON-able; over HTTP they may arrive as strings, so they
-are decoded once, into the verb's typed request (`engine/protocol.py`). Every engine
+are decoded once, into the verb's typed request (`wire/`). Every engine
 plugin exposes exactly `VERBS`, each forwarding to one `EngineSide` (`engine/side.py`)
 with `dispatch`; what differs per engine is the `EngineBinding` it supplies: the
 target that applies tensors, the expectations it derives from its own loader, its
@@ -19,8 +19,8 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 
+from enginehooks import wire
 from enginehooks.core.errors import ConfigError
-from enginehooks.engine import protocol
 
 if TYPE_CHECKING:
     from enginehooks.engine.expectations import Expectations
@@ -60,8 +60,8 @@ def verb_of(method: str) -> str:
 
 def dispatch(side: EngineSide, verb: str, args: tuple[Any, ...] | list[Any]) -> Any:
     """Run `verb` on `side` with `args` decoded into the verb's typed request
-    (`protocol.REQUESTS`): what every engine's RPC method does."""
-    request = protocol.REQUESTS[verb].from_args(args)
+    (`wire.REQUESTS`): what every engine's RPC method does."""
+    request = wire.REQUESTS[verb].from_args(args)
     return getattr(side, verb)(*request.values())
 
 

@@ -1,0 +1,69 @@
+"""The typed replies of the verbs (`WorkerInfo`, `JoinReply`, `LeaveReply`,
+`ReceiveReply`, `FlushReply`) and the check of a replica's `info` answers.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, TypedDict
+
+from enginehooks.core.auth import AuthError
+from enginehooks.core.errors import ConfigError
+
+
+class JoinReply(TypedDict):
+    rank: int
+    transport: str
+    group: str
+
+
+class LeaveReply(TypedDict, total=False):
+    left: bool
+    group: str | None
+    reason: str
+
+
+class ReceiveReply(TypedDict, total=False):
+    """One worker's stats of an applied update (transport stats plus these)."""
+
+    seconds: float
+    version: int | str
+    flushed: bool
+
+
+class FlushReply(TypedDict):
+    flushed: bool | None
+
+
+# -- info -------------------------------------------------------------------------------
+class WorkerInfo(TypedDict, total=False):
+    """What `info` answers for one worker (`authenticated` and `instance` required)."""
+
+    rank: int
+    version: int | str | None
+    state: str
+    group: str | None
+    authenticated: bool | None
+    instance: str | None
+    dtype: str
+    param_dtypes: dict[str, str]
+    wire_dtypes: dict[str, str]
+
+
+def check_infos(infos: Sequence[Any], who: str, secret: bool) -> list[WorkerInfo]:
+    """Validate a replica's `info` answers: a JSON object per worker that says whether it
+    verifies signed updates. With a secret on the trainer, a worker that says it does
+    not is refused (it would accept anyone's push)."""
+    out: list[WorkerInfo] = []
+    for i in infos:
+        if not isinstance(i, dict) or "authenticated" not in i:
+            raise ConfigError(f"replica {who!r}: a worker's info does not say whether it "
+                              f"verifies signed updates ({str(i)[:200]}): run the same "
+                              "enginehooks version on the trainer and the engines")
+        out.append(i)  # type: ignore[arg-type]
+    if secret and any(i.get("authenticated") is False for i in out):
+        raise AuthError(
+            f"replica {who!r} runs without the shared secret and would accept anyone's "
+            "push: set ENGINEHOOKS_SECRET or ENGINEHOOKS_SECRET_FILE in its environment "
+            "too (docs/security.md)")
+    return out
