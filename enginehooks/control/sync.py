@@ -57,7 +57,7 @@ from enginehooks.core.senders import decide_parts
 from enginehooks.plugins import get_plugin_manager, get_transport, transports
 from enginehooks.trainer_side.channel import Bye, End, RanksBroken, TrainerRanks
 from enginehooks.trainer_side.contract import TrainerAdapter, adapter_for
-from enginehooks.transports.base import Abort, GroupRequest, Sender
+from enginehooks.transports.base import Abort, JoinSender, LeaveSender, Sender
 
 DEFAULT_BUCKET_BYTES = 256 << 20
 #: How long, after a failure that another party caused, the replicas get to report their
@@ -552,13 +552,10 @@ class WeightSync:
         """This rank's sender, from the transport (the `update_group` hook)."""
         options = {"host": self.host, "port": self.port, "timeout_s": self.timeout_s,
                    "device": self.device, "secret": self.secret, **self.transport_options}
-        sender: Sender = self._pm.hook.update_group(
-            request=GroupRequest.join_sender(self.transport_name, options))
-        return sender
+        return JoinSender(self.transport_name, options).ask(self._pm)
 
     def _leave_sender(self, sender: Sender) -> None:
-        self._pm.hook.update_group(
-            request=GroupRequest.leave(self.transport_name, "sender", sender))
+        LeaveSender(self.transport_name, sender).ask(self._pm)
 
     def _connect(self, sender: Sender, world: int, joins: list[Future[Any]]) -> None:
         """Form the group, ending at once when a replica refuses its join (a missing

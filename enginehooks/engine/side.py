@@ -56,7 +56,12 @@ from enginehooks.core.manifest import Manifest
 from enginehooks.engine.contract import EngineBinding, dispatch
 from enginehooks.engine.expectations import Expectations
 from enginehooks.plugins import get_plugin_manager
-from enginehooks.transports.base import GroupRequest, Receiver, data_plane_error
+from enginehooks.transports.base import (
+    JoinReceiver,
+    LeaveReceiver,
+    Receiver,
+    data_plane_error,
+)
 
 ON_TORN_ENV = "ENGINEHOOKS_ON_TORN"
 POLICIES = ("refuse", "serve")
@@ -243,9 +248,8 @@ class EngineSide:
             rank = rank_offset + self.worker_rank
             transport = str(endpoint["transport"])
             with secret_scope(self.secret):  # the receiver signs with this worker's secret
-                self.receiver = get_plugin_manager().hook.update_group(
-                    request=GroupRequest.join_receiver(transport, endpoint, rank,
-                                                       str(self.device)))
+                self.receiver = JoinReceiver(transport, dict(endpoint), rank,
+                                             str(self.device)).ask(get_plugin_manager())
             self.transport = transport
             self.group = wire.group_id(endpoint) or ""
             self.on_torn = policy
@@ -276,8 +280,7 @@ class EngineSide:
 
     def _leave(self) -> None:
         if self.receiver is not None and self.transport is not None:
-            get_plugin_manager().hook.update_group(request=GroupRequest.leave(
-                self.transport, "receiver", self.receiver))
+            LeaveReceiver(self.transport, self.receiver).ask(get_plugin_manager())
         self.receiver, self.transport, self.group = None, None, None
 
     def check(self, manifest_json: str, auth: str | None = None) -> list[str]:
