@@ -56,7 +56,8 @@ from enginehooks.core.report import PushReport, ReplicaResult
 from enginehooks.core.senders import decide_parts
 from enginehooks.plugins import get_plugin_manager, get_transport, transports
 from enginehooks.trainer_side.channel import Bye, End, RanksBroken, TrainerRanks
-from enginehooks.trainer_side.contract import TrainerAdapter, adapter_for
+from enginehooks.trainer_side.choose import adapter_for
+from enginehooks.trainer_side.contract import TrainerAdapter
 from enginehooks.transports.base import Abort, JoinSender, LeaveSender, Sender
 
 DEFAULT_BUCKET_BYTES = 256 << 20

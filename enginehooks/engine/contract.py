@@ -24,7 +24,6 @@ from enginehooks.core.errors import ConfigError
 
 if TYPE_CHECKING:
     from enginehooks.engine.expectations import Expectations
-    from enginehooks.engine.side import EngineSide
     from enginehooks.transports.base import Target
 
 PREFIX = "enginehooks_"
@@ -58,9 +57,11 @@ def verb_of(method: str) -> str:
     return verb
 
 
-def dispatch(side: EngineSide, verb: str, args: tuple[Any, ...] | list[Any]) -> Any:
-    """Run `verb` on `side` with `args` decoded into the verb's typed request
-    (`wire.REQUESTS`): what every engine's RPC method does."""
+def dispatch(side: object, verb: str, args: tuple[Any, ...] | list[Any]) -> Any:
+    """Run `verb` on `side` (an `EngineSide`, `engine/side.py`, which imports this
+    module: typed `object` here so that no import circle runs back, not even for type
+    checking) with `args` decoded into the verb's typed request (`wire.REQUESTS`): what
+    every engine's RPC method does."""
     request = wire.REQUESTS[verb].from_args(args)
     return getattr(side, verb)(*request.values())
 
