@@ -31,7 +31,7 @@ import time
 import uuid
 import zlib
 from collections.abc import Iterable, Iterator
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -193,9 +193,11 @@ class EngineSide:
                 f"{self.updating_to!r} (group {self.group}); one update at a time")
 
     # -- the verbs ----------------------------------------------------------------------
-    def info(self) -> dict[str, Any]:
+    def info(self) -> wire.WorkerInfo:
+        """This worker's facts (`wire.WorkerInfo`), with the binding's extras (the keys
+        `WorkerInfo` lists for them)."""
         dtype = self.binding.dtype()
-        return {
+        return cast(wire.WorkerInfo, {
             "rank": self.worker_rank,
             "version": self.version,
             "state": self.state,
@@ -221,7 +223,7 @@ class EngineSide:
             # parameters no checkpoint tensor loads: a fresh load leaves them as built
             "unloaded": self.expectations().unloaded()[:20],
             **self.binding.info(),
-        }
+        })
 
     def join(self, endpoint: dict[str, Any], rank_offset: int,
              auth: str | None = None, *, replica_workers: int | None = None,

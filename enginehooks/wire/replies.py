@@ -37,17 +37,39 @@ class FlushReply(TypedDict):
 
 # -- info -------------------------------------------------------------------------------
 class WorkerInfo(TypedDict, total=False):
-    """What `info` answers for one worker (`authenticated` and `instance` required)."""
+    """What `info` answers for one worker (`authenticated` and `instance` required; a
+    worker of an older enginehooks may leave out the rest). The keys `EngineSide.info`
+    answers, then those the engines' bindings add (`EngineBinding.info`)."""
 
     rank: int
     version: int | str | None
     state: str
     group: str | None
+    transport: str | None
+    device: str
+    #: why the last update failed, and its version (None after a good one)
+    last_error: str | None
+    failed_version: int | str | None
+    #: what the worker does while torn or updating: "serve" or "refuse"
+    on_torn: str
+    #: whether this worker verifies signed updates
     authenticated: bool | None
     instance: str | None
+    deployment: str | None
     dtype: str
     param_dtypes: dict[str, str]
+    #: tensors the engine's loader puts in parameters of another dtype
     wire_dtypes: dict[str, str]
+    #: tensors sent uncast, in the trainer's own dtype
+    uncast: list[str]
+    engine: str
+    #: parameters no checkpoint tensor loads (the first 20)
+    unloaded: list[str]
+    # -- added by the bindings (`engine/apply.py`, SGLang's scheduler) ------------------
+    beacon: str
+    verification: dict[str, Any]
+    copy_plan: dict[str, Any]
+    engine_weight_version: int | str | None
 
 
 def check_infos(infos: Sequence[Any], who: str, secret: bool) -> list[WorkerInfo]:

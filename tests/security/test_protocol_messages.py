@@ -578,3 +578,18 @@ def test_the_push_error_names_the_replica_that_was_lost_not_the_first_to_answer(
     report = got.value.report
     assert report is not None and {r.name: r.ok for r in report.replicas} == {
         "engine-a": False, "engine-b": False}
+
+
+def test_a_workers_info_answers_only_the_keys_its_typed_reply_declares() -> None:
+    """`EngineSide.info` answers a `wire.WorkerInfo`: every key it sends (its own and
+    the binding's) is declared there, with `authenticated` and `instance` present, so
+    the typed reply says what travels, and it survives the JSON wire as it is."""
+    import typing
+
+    engine = LocalEngine(net(0), name="local")
+    info = engine.side.info()
+    declared = set(typing.get_type_hints(wire.WorkerInfo))
+    assert set(info) <= declared, sorted(set(info) - declared)
+    assert {"authenticated", "instance", "state", "version", "dtype"} <= set(info)
+    (checked,) = wire.check_infos([json.loads(json.dumps(info))], "local", secret=False)
+    assert checked == info
