@@ -292,12 +292,13 @@ class EngineSide:
     def _problems(self, manifest: Manifest) -> list[str]:
         return self.expectations().problems(manifest.specs())
 
-    def receive(self, manifest_json: str, group: str, auth: str | None = None) -> dict[str, Any]:
+    def receive(self, manifest_json: str, group: str,
+                auth: str | None = None) -> wire.ReceiveReply:
         self._authorize("receive", auth, manifest=manifest_json, group=group)
         with self._exclusive("receive"):
             return self._receive(Manifest.from_json(manifest_json), group)
 
-    def _receive(self, m: Manifest, group: str) -> dict[str, Any]:
+    def _receive(self, m: Manifest, group: str) -> wire.ReceiveReply:
         problems = self._problems(m)
         if problems:
             raise ManifestError("refused before any data moved: " + "; ".join(problems))
@@ -334,7 +335,7 @@ class EngineSide:
         stats["version"] = m.weight_version
         stats.update(self.binding.after_update(m.weight_version))
         self._set_state("current")
-        return stats
+        return cast(wire.ReceiveReply, stats)
 
     def digests(self, names: Iterable[str]) -> dict[str, Any]:
         """crc32 of weights the engine keeps in checkpoint layout (embeddings, norms;

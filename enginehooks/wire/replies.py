@@ -24,9 +24,20 @@ class LeaveReply(TypedDict, total=False):
 
 
 class ReceiveReply(TypedDict, total=False):
-    """One worker's stats of an applied update (transport stats plus these)."""
+    """One worker's stats of an applied update: the transport's (`Receiver.deliver`;
+    the built-ins' keys are declared here, a third-party transport may add its own),
+    then the worker's (`seconds` of the whole receive, the `version` applied) and the
+    binding's (`flushed`: SGLang's cache flush)."""
 
+    bytes: int
     seconds: float
+    #: where the receiver's time went, per phase (broadcast, CUDA IPC)
+    phases_ms: dict[str, float]
+    #: the folder read (disk)
+    path: str
+    #: how many senders fed this worker, and whether in the planned order (several)
+    senders: int
+    in_order: bool
     version: int | str
     flushed: bool
 

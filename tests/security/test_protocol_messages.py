@@ -593,3 +593,22 @@ def test_a_workers_info_answers_only_the_keys_its_typed_reply_declares() -> None
     assert {"authenticated", "instance", "state", "version", "dtype"} <= set(info)
     (checked,) = wire.check_infos([json.loads(json.dumps(info))], "local", secret=False)
     assert checked == info
+
+
+@pytest.mark.parametrize("transport", ["gloo", "disk"])
+def test_a_workers_receive_answers_only_the_keys_its_typed_reply_declares(
+        transport: str, tmp_path: Any) -> None:
+    """`EngineSide.receive` answers a `wire.ReceiveReply`: the keys a built-in transport,
+    the worker and the binding send are declared there (what `PushReport` carries per
+    worker)."""
+    import typing
+
+    options = {"root": str(tmp_path)} if transport == "disk" else {}
+    engine = LocalEngine(net(0), name="local")
+    with WeightSync(transport, timeout_s=30, transport_options=options) as sync:
+        sync.add_replica(engine)
+        report = sync.push(net(1), version=1)
+    declared = set(typing.get_type_hints(wire.ReceiveReply))
+    (replica,) = report.replicas
+    (reply,) = replica.stats["workers"]
+    assert {"bytes", "seconds", "version"} <= set(reply) <= declared, sorted(reply)
