@@ -15,13 +15,15 @@ import torch
 
 from enginehooks.markers import hookimpl
 from enginehooks.plugins import get_transport
+from enginehooks.transports.base import JoinSender, LeaveReceiver, LeaveSender
 
 if TYPE_CHECKING:
     from enginehooks.core.manifest import Manifest
     from enginehooks.core.report import PushReport
     from enginehooks.transports.base import (
         Abort,
-        GroupRequest,
+        GroupResult,
+        GroupUpdate,
         Receiver,
         Sender,
         SendStats,
@@ -31,16 +33,18 @@ if TYPE_CHECKING:
 
 
 @hookimpl(trylast=True)
-def update_group(request: GroupRequest) -> Sender | Receiver | None:
-    if request.action == "leave":
-        if request.member is not None:
-            request.member.close()
-        return request.member
+def update_group(request: GroupUpdate) -> GroupResult:
+    if isinstance(request, LeaveSender):
+        request.sender.close()
+        return request.sender
+    if isinstance(request, LeaveReceiver):
+        request.receiver.close()
+        return request.receiver
     transport = get_transport(request.transport)
-    if request.side == "sender":
+    if isinstance(request, JoinSender):
         return transport.sender(**request.options)
-    receiver = transport.receiver(dict(request.endpoint or {}), int(request.rank or 0),
-                                  torch.device(request.device or "cpu"))
+    receiver = transport.receiver(dict(request.endpoint), request.rank,
+                                  torch.device(request.device))
     receiver.connect()
     return receiver
 

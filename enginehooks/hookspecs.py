@@ -19,7 +19,8 @@ if TYPE_CHECKING:
     from enginehooks.trainer_side.contract import TrainerAdapter
     from enginehooks.transports.base import (
         Abort,
-        GroupRequest,
+        GroupResult,
+        GroupUpdate,
         Receiver,
         Sender,
         SendStats,
@@ -57,14 +58,25 @@ def register_trainer_adapters(register: Callable[[type[TrainerAdapter]], None]) 
 
 
 @hookspec(firstresult=True)
-def update_group(request: GroupRequest) -> Sender | Receiver | None:
+def update_group(request: GroupUpdate) -> GroupResult | None:
     """Join or leave a transport group; return the opened or closed half.
 
-    `request.action` is "join" (open `request.side`: a "sender" from
-    `request.options`, or a "receiver" from `request.endpoint`, `request.rank` and
-    `request.device`, connected) or "leave" (close `request.member`). The group is
-    rebuilt by leaving and joining again when replicas come or go. The first non-None
-    result wins; the built-in implementation asks the registered transport.
+    :param request: one typed request per mode (`enginehooks.transports.base`), each
+        carrying only what its mode needs; `request.transport` names the transport and
+        `request.action` / `request.side` the mode:
+
+        - `JoinSender(transport, options)`: open the trainer's sender from `options`
+          (keyword options for `Transport.sender`); return the `Sender`.
+        - `JoinReceiver(transport, endpoint, rank, device)`: open a worker's receiver of
+          the group at `endpoint` (the sender's, with `world_size`) as global `rank` on
+          `device`, connected; return the `Receiver`.
+        - `LeaveSender(transport, sender)`: close `sender`; return it.
+        - `LeaveReceiver(transport, receiver)`: close `receiver`; return it.
+
+    The group is rebuilt by leaving and joining again when replicas come or go. The
+    first non-None result wins; the built-in implementation asks the registered
+    transport. Callers ask through `request.ask(pm)`, which returns the mode's type and
+    refuses any other answer with a `TransportError`.
     """
 
 

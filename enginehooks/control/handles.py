@@ -11,8 +11,9 @@ import json
 from abc import ABC, abstractmethod
 from typing import Any
 
+from enginehooks import wire
+from enginehooks.core.deadline import Deadline
 from enginehooks.core.errors import ConfigError, ManifestError, ReplicaError
-from enginehooks.engine import protocol
 from enginehooks.engine.contract import INFO, method_name
 
 
@@ -62,13 +63,13 @@ class EngineHandle(ABC):
 
     def call(self, verb: str, *args: Any, timeout_s: float) -> list[Any]:
         """Run contract verb `verb` on every worker under a fresh call id
-        (`engine/protocol.py`): one result per worker, or the worker's error raised as
+        (`wire/`): one result per worker, or the worker's error raised as
         the same class. An answer that belongs to another call is discarded, and the
         handle reads on (through cheap `info` calls) until its own answers arrive."""
-        deadline = protocol.Deadline.after(timeout_s)
-        call_id = protocol.new_call_id()
+        deadline = Deadline.after(timeout_s)
+        call_id = wire.new_call_id()
         method = method_name(verb)
-        replies = self._tagged_rpc(method, protocol.call_arg(call_id), *args, deadline=deadline)
+        replies = self._tagged_rpc(method, wire.call_arg(call_id), *args, deadline=deadline)
         found: dict[int, Any] = {}
         self._sort(replies, call_id, found)
         workers, reads = len(replies), 0
@@ -80,59 +81,59 @@ class EngineHandle(ABC):
                                f"by more than {self.max_stale_replies} (another client calls its "
                                "RPC route with a timeout?); restart the engine")
             deadline.check(f"{self.name}: {method} (reading past the answers of earlier calls)")
-            ping = protocol.new_call_id()
-            replies = self._tagged_rpc(method_name(INFO), protocol.call_arg(ping),
+            ping = wire.new_call_id()
+            replies = self._tagged_rpc(method_name(INFO), wire.call_arg(ping),
                                        deadline=deadline)
             self._sort(replies, call_id, found)
             workers = max(workers, len(replies))
-        return [protocol.unwrap(found[i], call_id, self.name) for i in range(workers)]
+        return [wire.unwrap(found[i], call_id, self.name) for i in range(workers)]
 
     @staticmethod
     def _sort(replies: list[Any], call_id: str, found: dict[int, Any]) -> None:
         """File the answers of call `call_id` by worker; others are stale: dropped."""
         for i, reply in enumerate(replies):
-            if protocol.answers(reply, call_id):
+            if wire.answers(reply, call_id):
                 found[i] = reply
 
-    def _tagged_rpc(self, method: str, *args: Any, deadline: protocol.Deadline) -> list[Any]:
+    def _tagged_rpc(self, method: str, *args: Any, deadline: Deadline) -> list[Any]:
         """`rpc` for a tagged call; handles whose transport can hand back another call's
         failure (vLLM) override it to return that failure as a stale answer."""
         return self.rpc(method, *args, timeout_s=deadline.left(floor=0.001))
 
     # -- shared verbs -------------------------------------------------------------------
-    def request(self, request: protocol.Request, timeout_s: float) -> list[Any]:
-        """Send one typed request (`engine/protocol.py`) to every worker."""
+    def request(self, request: wire.Request, timeout_s: float) -> list[Any]:
+        """Send one typed request (`wire/`) to every worker."""
         return self.call(request.verb, *request.args(), timeout_s=timeout_s)
 
     def info(self, timeout_s: float) -> list[dict[str, Any]]:
-        return self.request(protocol.InfoRequest(), timeout_s)
+        return self.request(wire.InfoRequest(), timeout_s)
 
     # `auth` is the token of a signed message (`core/auth.py`): required by engines that
     # have a shared secret, ignored by the others.
     def join(self, endpoint: dict[str, Any], rank_offset: int, timeout_s: float,
              auth: str | None = None) -> None:
-        self.request(protocol.JoinRequest(endpoint, rank_offset, auth), timeout_s)
+        self.request(wire.JoinRequest(endpoint, rank_offset, auth), timeout_s)
 
     def leave(self, timeout_s: float, auth: str | None = None) -> None:
-        """`auth`: the leave's one argument, `protocol.leave_message` (the group it
+        """`auth`: the leave's one argument, `wire.leave_message` (the group it
         leaves and the token signing it), or a bare token (leave whatever group)."""
-        self.request(protocol.LeaveRequest(auth), timeout_s)
+        self.request(wire.LeaveRequest(auth), timeout_s)
 
     def check(self, manifest_json: str, timeout_s: float, auth: str | None = None) -> None:
         """Raise `ManifestError` listing every worker's problems with the manifest."""
-        problems = sorted({p for ps in self.request(protocol.CheckRequest(manifest_json, auth),
+        problems = sorted({p for ps in self.request(wire.CheckRequest(manifest_json, auth),
                                                     timeout_s) for p in ps})
         if problems:
             raise ManifestError(f"replica {self.name!r} refused the update: " + "; ".join(problems))
 
     def receive(self, manifest_json: str, group: str, timeout_s: float,
                 auth: str | None = None) -> list[dict[str, Any]]:
-        return self.request(protocol.ReceiveRequest(manifest_json, group, auth), timeout_s)
+        return self.request(wire.ReceiveRequest(manifest_json, group, auth), timeout_s)
 
     def flush_workers(self, timeout_s: float, auth: str | None = None) -> list[dict[str, Any]]:
         """The contract's `flush` verb on every worker, for engines that flush their
         prefix cache from inside the worker (`flush_cache` decides when)."""
-        return self.request(protocol.FlushRequest(auth), timeout_s)
+        return self.request(wire.FlushRequest(auth), timeout_s)
 
     def version(self, timeout_s: float = 30.0) -> int | str | None:
         """The weight version every worker holds; None if they differ or any is torn."""
@@ -145,5 +146,5 @@ class EngineHandle(ABC):
     def digests(self, names: list[str], timeout_s: float = 60.0) -> dict[str, Any]:
         """Digests of engine-side weights that the engine keeps in checkpoint layout
         (worker 0), for bit-exact checks without moving the tensors."""
-        return self.request(protocol.DigestsRequest(list(names)), timeout_s)[0]
+        return self.request(wire.DigestsRequest(list(names)), timeout_s)[0]
 

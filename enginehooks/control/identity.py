@@ -4,7 +4,7 @@ A token for an engine's control routes names the server it is for, so one captur
 way to replica A is refused by replica B (issue 36; before, the audience was the `Host`
 header, which the client chooses). The server's identity is fixed at its start (its
 workers' deployment id, or `ENGINEHOOKS_SERVER_ID`) and answered, signed over the
-client's nonce, at `protocol.IDENTITY_ROUTE`. A handle learns it once, before its first
+client's nonce, at `wire.IDENTITY_ROUTE`. A handle learns it once, before its first
 signed call, and again when a call is refused (HTTP 401) after the server restarted
 under a new identity: then the call is sent once more, signed for the new one.
 """
@@ -17,7 +17,7 @@ from typing import Any
 
 from enginehooks.control._http import request_json
 from enginehooks.core.errors import HTTPStatusError
-from enginehooks.engine.protocol import IDENTITY_ROUTE, read_identity, route_headers
+from enginehooks.wire import IDENTITY_ROUTE, read_identity, route_headers
 
 
 class ServerIdentity:

@@ -49,7 +49,8 @@ from enginehooks.trainer_side.channel import (
     ShortGather,
     TrainerRanks,
 )
-from enginehooks.trainer_side.contract import TrainerAdapter, adapter_for
+from enginehooks.trainer_side.choose import adapter_for
+from enginehooks.trainer_side.contract import TrainerAdapter
 from enginehooks.trainer_side.lockstep import PushAborted
 from enginehooks.transports.base import Abort, Sender, SendStats, Stream
 

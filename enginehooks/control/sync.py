@@ -31,11 +31,13 @@ from typing import Any
 
 import torch
 
+from enginehooks import wire
 from enginehooks.control._futures import spawn
 from enginehooks.control.handles import EngineHandle
 from enginehooks.control.senders import Follower, SenderSet, ask_plans, with_send_order
 from enginehooks.core.auth import AuthError, load_secret
 from enginehooks.core.checksums import check_name
+from enginehooks.core.deadline import Deadline
 from enginehooks.core.dtypes import torch_dtype
 from enginehooks.core.errors import (
     ChecksumError,
@@ -52,11 +54,11 @@ from enginehooks.core.errors import (
 from enginehooks.core.manifest import Manifest, plan
 from enginehooks.core.report import PushReport, ReplicaResult
 from enginehooks.core.senders import decide_parts
-from enginehooks.engine import protocol
 from enginehooks.plugins import get_plugin_manager, get_transport, transports
 from enginehooks.trainer_side.channel import Bye, End, RanksBroken, TrainerRanks
-from enginehooks.trainer_side.contract import TrainerAdapter, adapter_for
-from enginehooks.transports.base import Abort, GroupRequest, Sender
+from enginehooks.trainer_side.choose import adapter_for
+from enginehooks.trainer_side.contract import TrainerAdapter
+from enginehooks.transports.base import Abort, JoinSender, LeaveSender, Sender
 
 DEFAULT_BUCKET_BYTES = 256 << 20
 #: How long, after a failure that another party caused, the replicas get to report their
@@ -363,11 +365,11 @@ class WeightSync:
 
     def _token(self, verb: str, r: EngineHandle, **fields: Any) -> str | None:
         """The signature of one control message to replica `r`, when a secret is set
-        (`core/auth.py`): over the verb's payload (`engine/protocol.py`), for the
+        (`core/auth.py`): over the verb's payload (`wire/`), for the
         workers of `r` only (its audience)."""
         if not self.secret:
             return None
-        return protocol.token(self.secret, verb, self._audience.get(id(r), ()), **fields)
+        return wire.token(self.secret, verb, self._audience.get(id(r), ()), **fields)
 
     def send_dtype(self) -> torch.dtype | None:
         """The dtype floating tensors travel in: `dtype=` if given, else the one the
@@ -415,7 +417,7 @@ class WeightSync:
                  futs: list[Future[Any]], timeout_s: float) -> list[Any]:
         done, not_done = wait(futs, timeout=timeout_s, return_when=FIRST_EXCEPTION)
         if any(f.exception() is not None for f in done):
-            self._settle(futs, protocol.Deadline.after(min(GRACE_S, timeout_s)))
+            self._settle(futs, Deadline.after(min(GRACE_S, timeout_s)))
             raise self._failure(report, what, reps, futs)
         if not_done:
             late = [r.name for r, f in zip(reps, futs) if f in not_done]
@@ -426,7 +428,7 @@ class WeightSync:
         return [f.result() for f in futs]
 
     @staticmethod
-    def _settle(futs: list[Future[Any]], deadline: protocol.Deadline) -> None:
+    def _settle(futs: list[Future[Any]], deadline: Deadline) -> None:
         """After a failure, wait (until `deadline` at most) until it is clear which
         replica caused it: one reported an error of its own or did not answer, or every
         one has answered. Errors that are consequences of another party's failure (a
@@ -480,7 +482,7 @@ class WeightSync:
             # The replica's own verdict (a bad digest, a refused token or manifest)
             # keeps its class even where other errors are wrapped (issue 19): the
             # trainer catches a ChecksumError as one, with the replica in its text.
-            err = protocol.restore_error(
+            err = wire.restore_error(
                 type(e).__name__, f"replica {r.name!r}: {what} failed: {e}{others}", r.name)
             err.__cause__ = e
         else:
@@ -498,8 +500,7 @@ class WeightSync:
         """The id of `sender`'s group (the current one by default), as the workers
         record it from the endpoint."""
         sender = self._sender if sender is None else sender
-        ep = sender.endpoint() if sender is not None else {}
-        return str(ep.get("group") or ep.get("root") or "") or None
+        return wire.group_id(sender.endpoint() if sender is not None else None)
 
     def _ensure_group(self) -> None:
         """Form the group, or keep it when the members are the same and every worker
@@ -508,7 +509,7 @@ class WeightSync:
         scratch = PushReport(version="", transport=self.transport_name)
         infos = self._all(scratch, "info", lambda r: r.info(self.timeout_s))
         for r, per in zip(self._replicas, infos):
-            protocol.check_infos(per, r.name, secret=bool(self.secret))
+            wire.check_infos(per, r.name, secret=bool(self.secret))
             self._audience[id(r)] = [str(i["instance"]) for i in per if i.get("instance")]
         sender, group = self._sender, self._group_id()
         if (sender is not None and self._members == self._replicas and not sender.broken
@@ -552,13 +553,10 @@ class WeightSync:
         """This rank's sender, from the transport (the `update_group` hook)."""
         options = {"host": self.host, "port": self.port, "timeout_s": self.timeout_s,
                    "device": self.device, "secret": self.secret, **self.transport_options}
-        sender: Sender = self._pm.hook.update_group(
-            request=GroupRequest.join_sender(self.transport_name, options))
-        return sender
+        return JoinSender(self.transport_name, options).ask(self._pm)
 
     def _leave_sender(self, sender: Sender) -> None:
-        self._pm.hook.update_group(
-            request=GroupRequest.leave(self.transport_name, "sender", sender))
+        LeaveSender(self.transport_name, sender).ask(self._pm)
 
     def _connect(self, sender: Sender, world: int, joins: list[Future[Any]]) -> None:
         """Form the group, ending at once when a replica refuses its join (a missing
@@ -566,7 +564,7 @@ class WeightSync:
         milliseconds, so the push must not wait out `timeout_s` for peers that will
         never come."""
         connect = spawn(sender.connect, world, name="enginehooks-connect")
-        deadline = protocol.Deadline.after(self.timeout_s)
+        deadline = Deadline.after(self.timeout_s)
         pending: set[Future[Any]] = {connect, *joins}
         while not connect.done():
             done, pending = wait(pending, timeout=deadline.left(), return_when=FIRST_COMPLETED)
@@ -597,7 +595,7 @@ class WeightSync:
         # partition, retransmitted once it healed, after the next push's join) is
         # ignored by a worker that is in a newer group by then (`EngineSide.leave`).
         group = self._group_id(sender)
-        futs = [spawn(r.leave, self.timeout_s, protocol.leave_message(
+        futs = [spawn(r.leave, self.timeout_s, wire.leave_message(
                     group, self._token("leave", r, group=group)))
                 for r in members]
         if wait_for_leaves:
@@ -645,7 +643,7 @@ class WeightSync:
             # host is gone, which never does).
             cause: EngineHooksError | None = None
             if futs:
-                grace = protocol.Deadline.after(min(GRACE_S, self.timeout_s))
+                grace = Deadline.after(min(GRACE_S, self.timeout_s))
                 done, _ = wait(futs, timeout=grace.left(), return_when=FIRST_EXCEPTION)
                 if any(f.exception() is not None for f in done):
                     self._settle(futs, grace)

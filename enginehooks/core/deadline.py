@@ -1,6 +1,6 @@
 """`Deadline`: one absolute deadline (monotonic clock) for everything one call waits on.
 
-The one deadline of the package: a control call (`engine/protocol.py` re-exports it:
+The one deadline of the package: a control call (`wire/` speaks of it:
 each RPC and each phase of a push) and a whole transfer (the broadcast receivers bound
 every bucket's wait by what is left of it, so a link that turns slow still ends the
 update in time, instead of `timeout_s` after the last byte that trickled in) read the

@@ -4,7 +4,7 @@ A replica is reached through the engine's own RPC (vLLM `collective_rpc` to work
 methods, SGLang's scheduler RPC, a local call) under the method names
 `enginehooks_<verb>`: vLLM asserts on names its worker already has, hence the prefix.
 Arguments and results are JSON-able; over HTTP they may arrive as strings, so they
-are decoded once, into the verb's typed request (`engine/protocol.py`). Every engine
+are decoded once, into the verb's typed request (`wire/`). Every engine
 plugin exposes exactly `VERBS`, each forwarding to one `EngineSide` (`engine/side.py`)
 with `dispatch`; what differs per engine is the `EngineBinding` it supplies: the
 target that applies tensors, the expectations it derives from its own loader, its
@@ -19,12 +19,11 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 
+from enginehooks import wire
 from enginehooks.core.errors import ConfigError
-from enginehooks.engine import protocol
 
 if TYPE_CHECKING:
     from enginehooks.engine.expectations import Expectations
-    from enginehooks.engine.side import EngineSide
     from enginehooks.transports.base import Target
 
 PREFIX = "enginehooks_"
@@ -58,10 +57,12 @@ def verb_of(method: str) -> str:
     return verb
 
 
-def dispatch(side: EngineSide, verb: str, args: tuple[Any, ...] | list[Any]) -> Any:
-    """Run `verb` on `side` with `args` decoded into the verb's typed request
-    (`protocol.REQUESTS`): what every engine's RPC method does."""
-    request = protocol.REQUESTS[verb].from_args(args)
+def dispatch(side: object, verb: str, args: tuple[Any, ...] | list[Any]) -> Any:
+    """Run `verb` on `side` (an `EngineSide`, `engine/side.py`, which imports this
+    module: typed `object` here so that no import circle runs back, not even for type
+    checking) with `args` decoded into the verb's typed request (`wire.REQUESTS`): what
+    every engine's RPC method does."""
+    request = wire.REQUESTS[verb].from_args(args)
     return getattr(side, verb)(*request.values())
 
 

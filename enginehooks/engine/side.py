@@ -31,10 +31,11 @@ import time
 import uuid
 import zlib
 from collections.abc import Iterable, Iterator
-from typing import Any
+from typing import Any, cast
 
 import torch
 
+from enginehooks import wire
 from enginehooks.core.auth import (
     AuthError,
     Verifier,
@@ -52,11 +53,15 @@ from enginehooks.core.errors import (
     TransportError,
 )
 from enginehooks.core.manifest import Manifest
-from enginehooks.engine import protocol
 from enginehooks.engine.contract import EngineBinding, dispatch
 from enginehooks.engine.expectations import Expectations
 from enginehooks.plugins import get_plugin_manager
-from enginehooks.transports.base import GroupRequest, Receiver, data_plane_error
+from enginehooks.transports.base import (
+    JoinReceiver,
+    LeaveReceiver,
+    Receiver,
+    data_plane_error,
+)
 
 ON_TORN_ENV = "ENGINEHOOKS_ON_TORN"
 POLICIES = ("refuse", "serve")
@@ -110,15 +115,15 @@ class EngineSide:
 
     def call(self, verb: str, *args: Any) -> Any:
         """Run a contract verb with raw (possibly JSON-text) arguments. With a call id in
-        front of them (`engine/protocol.py`) the answer is an Ok/Err envelope echoing
+        front of them (`wire/`) the answer is an Ok/Err envelope echoing
         it, and errors travel back by class name instead of being raised."""
-        call_id, rest = protocol.split_call(args)
+        call_id, rest = wire.split_call(args)
         if call_id is None:
             return dispatch(self, verb, rest)
         try:
-            return protocol.ok(call_id, dispatch(self, verb, rest))
+            return wire.ok(call_id, dispatch(self, verb, rest))
         except Exception as e:
-            return protocol.err(call_id, e)
+            return wire.err(call_id, e)
 
     def expectations(self) -> Expectations:
         if self._expectations is None:
@@ -157,10 +162,10 @@ class EngineSide:
 
     def _authorize(self, verb: str, token: str | None, **fields: Any) -> None:
         if self.verifier is not None:
-            protocol.verify_token(self.verifier, verb, token,
-                                  getattr(self, "_anonymous_ok", False), **fields)
+            wire.verify_token(self.verifier, verb, token,
+                              getattr(self, "_anonymous_ok", False), **fields)
             return
-        protocol.signed_payload(verb, **fields)  # a verb that is not signed is a bug
+        wire.signed_payload(verb, **fields)  # a verb that is not signed is a bug
         if token is not None:
             # The trainer signs because it has a secret; this engine has none and would
             # accept anyone's push: refuse, so mixed setups fail at the first join on
@@ -202,9 +207,11 @@ class EngineSide:
                 f"{self.updating_to!r} (group {self.group}); one update at a time")
 
     # -- the verbs ----------------------------------------------------------------------
-    def info(self) -> dict[str, Any]:
+    def info(self) -> wire.WorkerInfo:
+        """This worker's facts (`wire.WorkerInfo`), with the binding's extras (the keys
+        `WorkerInfo` lists for them)."""
         dtype = self.binding.dtype()
-        return {
+        return cast(wire.WorkerInfo, {
             "rank": self.worker_rank,
             "version": self.version,
             "state": self.state,
@@ -230,11 +237,11 @@ class EngineSide:
             # parameters no checkpoint tensor loads: a fresh load leaves them as built
             "unloaded": self.expectations().unloaded()[:20],
             **self.binding.info(),
-        }
+        })
 
     def join(self, endpoint: dict[str, Any], rank_offset: int,
              auth: str | None = None, *, replica_workers: int | None = None,
-             expected_workers: int | None = None) -> protocol.JoinReply:
+             expected_workers: int | None = None) -> wire.JoinReply:
         """Join the group described by `endpoint` as rank `rank_offset + worker_rank`
         (leaving any previous group: a later trainer takes the worker over).
 
@@ -246,7 +253,7 @@ class EngineSide:
         if not isinstance(endpoint, dict) or not isinstance(endpoint.get("transport"), str):
             raise ConfigError(f"a group endpoint is a JSON object naming its transport, not "
                               f"{endpoint!r:.200}")
-        protocol.check_world(endpoint.get("world_size"), rank_offset, self.worker_rank,
+        wire.check_world(endpoint.get("world_size"), rank_offset, self.worker_rank,
                              replica_workers, expected_workers)
         with self._exclusive("join"):
             self.expectations()  # derive them now, before an update could move the model
@@ -257,23 +264,22 @@ class EngineSide:
             rank = rank_offset + self.worker_rank
             transport = str(endpoint["transport"])
             with secret_scope(self.secret):  # the receiver signs with this worker's secret
-                self.receiver = get_plugin_manager().hook.update_group(
-                    request=GroupRequest.join_receiver(transport, endpoint, rank,
-                                                       str(self.device)))
+                self.receiver = JoinReceiver(transport, dict(endpoint), rank,
+                                             str(self.device)).ask(get_plugin_manager())
             self.transport = transport
-            self.group = str(endpoint.get("group") or endpoint.get("root") or "")
+            self.group = wire.group_id(endpoint) or ""
             self.on_torn = policy
             self.binding.state_changed(self.public_state())
-            return protocol.JoinReply(rank=rank, transport=transport, group=self.group)
+            return wire.JoinReply(rank=rank, transport=transport, group=self.group)
 
-    def leave(self, message: str | None = None) -> protocol.LeaveReply:
-        """Leave the group named by `message` (`protocol.leave_message`: the group and
+    def leave(self, message: str | None = None) -> wire.LeaveReply:
+        """Leave the group named by `message` (`wire.leave_message`: the group and
         its token). A leave for a group this worker is no longer in is ignored and
         answered `left: False`: the network can deliver the leave of a failed push after
         the next push's join (TCP retransmits it once a partition heals), and it must
         not take the worker out of the new group. A message that names no group (a
         bare token, or none) leaves whatever group the worker is in."""
-        group, auth = protocol.parse_leave(message)
+        group, auth = wire.parse_leave(message)
         self._authorize("leave", auth, group=group)
         if group is not None and group != self.group:
             return self._stale_leave(group)  # without the lock: never "busy" for it
@@ -281,17 +287,16 @@ class EngineSide:
             if group is not None and group != self.group:  # a join came first
                 return self._stale_leave(group)
             self._leave()
-        return protocol.LeaveReply(left=True, group=group)
+        return wire.LeaveReply(left=True, group=group)
 
-    def _stale_leave(self, group: str) -> protocol.LeaveReply:
-        return protocol.LeaveReply(
+    def _stale_leave(self, group: str) -> wire.LeaveReply:
+        return wire.LeaveReply(
             left=False, group=group, reason=f"this worker is in group {self.group!r}, not "
                                             f"{group!r}: a late leave of an earlier group, ignored")
 
     def _leave(self) -> None:
         if self.receiver is not None and self.transport is not None:
-            get_plugin_manager().hook.update_group(request=GroupRequest.leave(
-                self.transport, "receiver", self.receiver))
+            LeaveReceiver(self.transport, self.receiver).ask(get_plugin_manager())
         self.receiver, self.transport, self.group = None, None, None
 
     def check(self, manifest_json: str, auth: str | None = None) -> list[str]:
@@ -301,12 +306,13 @@ class EngineSide:
     def _problems(self, manifest: Manifest) -> list[str]:
         return self.expectations().problems(manifest.specs())
 
-    def receive(self, manifest_json: str, group: str, auth: str | None = None) -> dict[str, Any]:
+    def receive(self, manifest_json: str, group: str,
+                auth: str | None = None) -> wire.ReceiveReply:
         self._authorize("receive", auth, manifest=manifest_json, group=group)
         with self._exclusive("receive"):
             return self._receive(Manifest.from_json(manifest_json), group)
 
-    def _receive(self, m: Manifest, group: str) -> dict[str, Any]:
+    def _receive(self, m: Manifest, group: str) -> wire.ReceiveReply:
         problems = self._problems(m)
         if problems:
             raise ManifestError("refused before any data moved: " + "; ".join(problems))
@@ -343,7 +349,7 @@ class EngineSide:
         stats["version"] = m.weight_version
         stats.update(self.binding.after_update(m.weight_version))
         self._set_state("current")
-        return stats
+        return cast(wire.ReceiveReply, stats)
 
     def digests(self, names: Iterable[str]) -> dict[str, Any]:
         """crc32 of weights the engine keeps in checkpoint layout (embeddings, norms;
@@ -366,9 +372,9 @@ class EngineSide:
                          "crc32": zlib.crc32(data.reshape(-1).view(torch.uint8).numpy().data)}
         return out
 
-    def flush(self, auth: str | None = None) -> protocol.FlushReply:
+    def flush(self, auth: str | None = None) -> wire.FlushReply:
         self._authorize("flush", auth)
-        return protocol.FlushReply(flushed=self.binding.flush())
+        return wire.FlushReply(flushed=self.binding.flush())
 
 
 def refusal_of(state: dict[str, Any]) -> dict[str, Any]:

@@ -20,9 +20,9 @@ from __future__ import annotations
 
 from typing import Any
 
+from enginehooks import wire
 from enginehooks.control.handles import EngineHandle
 from enginehooks.core.errors import ConfigError
-from enginehooks.engine import protocol
 from enginehooks.ray_ext.calls import OPERATIONS
 
 EXTENSION = "enginehooks.vllm_ext.WorkerExtension"
@@ -48,9 +48,9 @@ class EngineActorMixin:
             if fn is None:
                 raise ConfigError(f"{type(handle).__name__} has no {op}()")
             extra = {} if auth is None else {"auth": auth}
-            return protocol.result_reply(fn(*args, timeout_s=timeout_s, **extra))
+            return wire.result_reply(fn(*args, timeout_s=timeout_s, **extra))
         except Exception as e:
-            return protocol.error_reply(e)
+            return wire.error_reply(e)
 
 
 class VLLMActor(EngineActorMixin):

@@ -182,7 +182,7 @@ OPEN_ADMIN_ROUTES: dict[str, str] = {
 def install_admin_guard(app: Any, secret: bytes) -> None:
     """Refuse every request to a route SGLang marks as an admin route (its own
     `@auth_level` metadata: the engine that owns the routes says which ones change it)
-    that carries no valid enginehooks route token (`engine/protocol.py`: signed over
+    that carries no valid enginehooks route token (`wire/`: signed over
     method, host, path, query and body, fresh, used once). See the module docstring.
 
     A plain ASGI middleware: SGLang replaces FastAPI's `@app.middleware("http")` with
@@ -202,7 +202,7 @@ class AdminGuard:
         import uuid
 
         from enginehooks.core.auth import configured_server_id
-        from enginehooks.engine.protocol import server_verifier
+        from enginehooks.wire import server_verifier
 
         self.app = app
         self.secret = secret
@@ -230,7 +230,7 @@ class AdminGuard:
 
     async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
         path = scope.get("path", "")
-        from enginehooks.engine.protocol import IDENTITY_ROUTE
+        from enginehooks.wire import IDENTITY_ROUTE
 
         if scope.get("type") == "http" and path.rstrip("/") == IDENTITY_ROUTE:
             await self._identity(scope, receive, send)
@@ -243,7 +243,7 @@ class AdminGuard:
         from starlette.responses import JSONResponse
 
         from enginehooks.core.auth import AuthError
-        from enginehooks.engine.protocol import ROUTE_AUTH_HEADER, verify_route
+        from enginehooks.wire import ROUTE_AUTH_HEADER, verify_route
 
         chunks, more = [], True
         while more:
@@ -279,7 +279,7 @@ class AdminGuard:
         from starlette.requests import Request
         from starlette.responses import JSONResponse
 
-        from enginehooks.engine.protocol import identity_answer
+        from enginehooks.wire import identity_answer
 
         nonce = Request(scope).query_params.get("nonce", "")
         await JSONResponse(content=identity_answer(self.secret, self.server, nonce))(

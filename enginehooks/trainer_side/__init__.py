@@ -16,10 +16,10 @@ from __future__ import annotations
 
 from enginehooks.core.checkpoint_format import CheckpointFormat
 from enginehooks.trainer_side.channel import TrainerRanks
+from enginehooks.trainer_side.choose import adapter_for
 from enginehooks.trainer_side.contract import (
     CheckpointAdapter,
     TrainerAdapter,
-    adapter_for,
     hf_name,
 )
 from enginehooks.trainer_side.fsdp import FSDP1Adapter, FSDP2Adapter

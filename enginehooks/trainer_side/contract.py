@@ -21,7 +21,6 @@ import torch
 
 from enginehooks.core.checkpoint_format import CheckpointFormat, LayoutPlan, Source
 from enginehooks.core.dtypes import dtype_name
-from enginehooks.core.errors import PluginError
 from enginehooks.core.manifest import TensorSpec
 
 # Segments that wrappers insert into parameter names; checkpoints never hold them.
@@ -104,24 +103,6 @@ class TrainerAdapter(ABC):
     def to_wire(self, t: torch.Tensor, name: str | None = None) -> torch.Tensor:
         """`t` detached, cast to its wire dtype and contiguous (a copy only if needed)."""
         return t.detach().to(self.wire_dtype(t.dtype, name)).contiguous()
-
-
-def adapter_for(model: Any, **kwargs: Any) -> TrainerAdapter:
-    """Wrap `model` in the first registered adapter that accepts it; an adapter is
-    returned as it is."""
-    from enginehooks.plugins import trainer_adapters
-
-    if isinstance(model, TrainerAdapter):
-        return model
-    registered = trainer_adapters()
-    for cls in registered:
-        if not (isinstance(cls, type) and issubclass(cls, TrainerAdapter)):
-            raise PluginError(f"registered trainer adapter {cls!r} does not subclass "
-                              "enginehooks.trainer_side.TrainerAdapter")
-        if cls.accepts(model):
-            return cls(model, **kwargs)
-    raise PluginError(f"no trainer adapter accepts a {type(model).__name__}; installed: "
-                      f"{[c.name for c in registered]}")
 
 
 class CheckpointAdapter(TrainerAdapter):

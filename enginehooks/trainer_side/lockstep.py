@@ -38,7 +38,8 @@ from enginehooks.core.dtypes import dtype_name, torch_dtype
 from enginehooks.core.errors import EngineHooksError
 from enginehooks.core.manifest import TensorSpec
 from enginehooks.trainer_side.channel import Go, MalformedMessage, Message, Stop, TrainerRanks
-from enginehooks.trainer_side.contract import TrainerAdapter, adapter_for
+from enginehooks.trainer_side.choose import adapter_for
+from enginehooks.trainer_side.contract import TrainerAdapter
 
 
 class LockstepError(EngineHooksError):

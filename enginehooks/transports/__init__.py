@@ -3,7 +3,19 @@
 
 from __future__ import annotations
 
-from enginehooks.transports.base import GroupRequest, Receiver, Sender, Target, Transport
+from enginehooks.transports.base import (
+    GroupRequest,
+    GroupResult,
+    GroupUpdate,
+    JoinReceiver,
+    JoinSender,
+    LeaveReceiver,
+    LeaveSender,
+    Receiver,
+    Sender,
+    Target,
+    Transport,
+)
 from enginehooks.transports.collectives import GlooTransport, NcclTransport
 from enginehooks.transports.cuda_ipc import CudaIpcTransport
 from enginehooks.transports.disk import DiskTransport
@@ -14,6 +26,12 @@ __all__ = [
     "DiskTransport",
     "GlooTransport",
     "GroupRequest",
+    "GroupResult",
+    "GroupUpdate",
+    "JoinReceiver",
+    "JoinSender",
+    "LeaveReceiver",
+    "LeaveSender",
     "NcclTransport",
     "Receiver",
     "Sender",

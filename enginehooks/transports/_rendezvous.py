@@ -16,7 +16,6 @@ import logging
 import os
 import socket
 import time
-from dataclasses import dataclass
 from typing import Any
 
 import torch.distributed as dist
@@ -410,37 +409,3 @@ def new_group(
             f"{timeout_s}s: {e}"
         ) from e
     raise TransportError(f"unknown process-group backend {backend!r}")
-
-
-@dataclass(frozen=True)
-class GroupEndpoint:
-    """What a receiver reads from a group sender's endpoint (JSON from the coordinator)."""
-
-    transport: str
-    host: str
-    port: int
-    group: str
-    timeout_s: float
-    world_size: int
-    connect_timeout_s: float | None = None
-
-    @property
-    def prefix(self) -> str:
-        return f"enginehooks/{self.group}/"
-
-    @classmethod
-    def parse(cls, endpoint: dict[str, Any], rank: int) -> GroupEndpoint:
-        """Validate `endpoint` for receiver `rank`; errors say which field is wrong."""
-        try:
-            ep = cls(
-                transport=str(endpoint["transport"]), host=str(endpoint["host"]),
-                port=int(endpoint["port"]), group=str(endpoint["group"]),
-                timeout_s=float(endpoint["timeout_s"]), world_size=int(endpoint["world_size"]),
-                connect_timeout_s=(None if endpoint.get("connect_timeout_s") is None
-                                   else float(endpoint["connect_timeout_s"])),
-            )
-        except (KeyError, TypeError, ValueError) as e:
-            raise TransportError(f"bad group endpoint {endpoint!r}: {e!r}") from None
-        if not 1 <= rank < ep.world_size:
-            raise TransportError(f"rank {rank} is outside 1..{ep.world_size - 1}")
-        return ep

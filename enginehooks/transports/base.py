@@ -13,12 +13,15 @@ import threading
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
-from typing import Any, ClassVar, Literal
+from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
 import torch
 
 from enginehooks.core.errors import EngineHooksError, PeerLost, TransferStalled, TransportError
 from enginehooks.core.manifest import Manifest
+
+if TYPE_CHECKING:
+    import pluggy
 
 Stream = Iterable[tuple[str, torch.Tensor]]
 
@@ -118,38 +121,127 @@ def data_plane_error(e: BaseException, what: str) -> BaseException:
 
 @dataclass(frozen=True)
 class GroupRequest:
-    """What the `update_group` hook is asked to do: open one side of a transport group
-    (`action="join"`) or close a member (`action="leave"`). Build it with the
-    constructors; the fields a request does not use stay None."""
+    """What the `update_group` hook is asked to do, one frozen class per mode (a
+    discriminated union, `GroupUpdate`): `JoinSender`, `JoinReceiver`, `LeaveSender`,
+    `LeaveReceiver`. Each carries only what its mode needs, so no field "stays None"
+    outside it, and each says what the hook answers for it (`ask`, typed per mode).
+    `action` and `side` name the mode (for logging plugins); the constructors below
+    build the four."""
 
+    #: the registered transport's name
     transport: str
-    action: Literal["join", "leave"]
-    side: Literal["sender", "receiver"]
-    #: sender join: keyword options for `Transport.sender` (host, port, timeout_s,
-    #: device and `WeightSync(transport_options=...)`).
+    action: ClassVar[Literal["join", "leave"]]
+    side: ClassVar[Literal["sender", "receiver"]]
+
+    @staticmethod
+    def join_sender(transport: str, options: Mapping[str, Any]) -> JoinSender:
+        return JoinSender(transport, dict(options))
+
+    @staticmethod
+    def join_receiver(transport: str, endpoint: Mapping[str, Any], rank: int,
+                      device: str) -> JoinReceiver:
+        return JoinReceiver(transport, dict(endpoint), rank, device)
+
+    @staticmethod
+    def leave(transport: str, side: Literal["sender", "receiver"],
+              member: Sender | Receiver) -> LeaveSender | LeaveReceiver:
+        """A leave of `member` on `side` (`LeaveSender` or `LeaveReceiver`)."""
+        if side == "sender" and isinstance(member, Sender):
+            return LeaveSender(transport, member)
+        if side == "receiver" and isinstance(member, Receiver):
+            return LeaveReceiver(transport, member)
+        raise TransportError(f"a leave of the {side} side needs a {side.capitalize()}, "
+                             f"not a {type(member).__name__}")
+
+
+def _wrong_answer(request: GroupRequest, result: object, kind: str) -> TransportError:
+    """The error for a hook answer that is not the one `request`'s mode has (a plugin
+    that returned something else), raised where it is known instead of as a later
+    AttributeError far from it."""
+    return TransportError(
+        f"update_group({type(request).__name__}, transport {request.transport!r}) "
+        f"answered {type(result).__name__}: an implementation returns the {kind} it "
+        f"opened or closed")
+
+
+@dataclass(frozen=True)
+class JoinSender(GroupRequest):
+    """Open the trainer's `Sender` of a group; the hook answers it."""
+
+    action: ClassVar[Literal["join", "leave"]] = "join"
+    side: ClassVar[Literal["sender", "receiver"]] = "sender"
+    #: keyword options for `Transport.sender` (host, port, timeout_s, device, secret and
+    #: `WeightSync(transport_options=...)`)
     options: Mapping[str, Any] = field(default_factory=dict)
-    #: receiver join: the sender's endpoint (with `world_size`), this worker's global
-    #: rank and device.
-    endpoint: Mapping[str, Any] | None = None
-    rank: int | None = None
-    device: str | None = None
-    #: leave: the half to close.
-    member: Sender | Receiver | None = None
 
-    @classmethod
-    def join_sender(cls, transport: str, options: Mapping[str, Any]) -> GroupRequest:
-        return cls(transport, "join", "sender", options=dict(options))
+    def ask(self, pm: pluggy.PluginManager) -> Sender:
+        """The sender the `update_group` hook opens for this request."""
+        out = pm.hook.update_group(request=self)
+        if not isinstance(out, Sender):
+            raise _wrong_answer(self, out, "Sender")
+        return out
 
-    @classmethod
-    def join_receiver(cls, transport: str, endpoint: Mapping[str, Any], rank: int,
-                      device: str) -> GroupRequest:
-        return cls(transport, "join", "receiver", endpoint=dict(endpoint), rank=rank,
-                   device=device)
 
-    @classmethod
-    def leave(cls, transport: str, side: Literal["sender", "receiver"],
-              member: Sender | Receiver) -> GroupRequest:
-        return cls(transport, "leave", side, member=member)
+@dataclass(frozen=True)
+class JoinReceiver(GroupRequest):
+    """Open a worker's `Receiver` of the group at `endpoint` as global `rank` on
+    `device`, connected; the hook answers it."""
+
+    action: ClassVar[Literal["join", "leave"]] = "join"
+    side: ClassVar[Literal["sender", "receiver"]] = "receiver"
+    #: the sender's endpoint (`Sender.endpoint()`, with `world_size`)
+    endpoint: Mapping[str, Any]
+    rank: int
+    device: str
+
+    def ask(self, pm: pluggy.PluginManager) -> Receiver:
+        """The connected receiver the `update_group` hook opens for this request."""
+        out = pm.hook.update_group(request=self)
+        if not isinstance(out, Receiver):
+            raise _wrong_answer(self, out, "Receiver")
+        return out
+
+
+@dataclass(frozen=True)
+class LeaveSender(GroupRequest):
+    """Close the trainer's `sender`; the hook answers the closed sender."""
+
+    action: ClassVar[Literal["join", "leave"]] = "leave"
+    side: ClassVar[Literal["sender", "receiver"]] = "sender"
+    sender: Sender
+
+    @property
+    def member(self) -> Sender:
+        """The half this leave closes (the same for either side)."""
+        return self.sender
+
+    def ask(self, pm: pluggy.PluginManager) -> Sender:
+        """The sender the `update_group` hook closed."""
+        out = pm.hook.update_group(request=self)
+        if not isinstance(out, Sender):
+            raise _wrong_answer(self, out, "Sender")
+        return out
+
+
+@dataclass(frozen=True)
+class LeaveReceiver(GroupRequest):
+    """Close a worker's `receiver`; the hook answers the closed receiver."""
+
+    action: ClassVar[Literal["join", "leave"]] = "leave"
+    side: ClassVar[Literal["sender", "receiver"]] = "receiver"
+    receiver: Receiver
+
+    @property
+    def member(self) -> Receiver:
+        """The half this leave closes (the same for either side)."""
+        return self.receiver
+
+    def ask(self, pm: pluggy.PluginManager) -> Receiver:
+        """The receiver the `update_group` hook closed."""
+        out = pm.hook.update_group(request=self)
+        if not isinstance(out, Receiver):
+            raise _wrong_answer(self, out, "Receiver")
+        return out
 
 
 class Sender(ABC):
@@ -226,3 +318,9 @@ class Transport(ABC):
     @abstractmethod
     def receiver(self, endpoint: dict[str, Any], rank: int, device: torch.device) -> Receiver:
         """Open the engine side for global rank `rank` (>= 1; the sender is 0)."""
+
+
+#: What the `update_group` hook takes: one request per mode.
+GroupUpdate = JoinSender | JoinReceiver | LeaveSender | LeaveReceiver
+#: What it answers, per mode: the opened or closed half.
+GroupResult = Sender | Receiver

@@ -68,7 +68,6 @@ from enginehooks.core.deadline import Deadline
 from enginehooks.core.errors import TransferStalled, TransportError
 from enginehooks.core.manifest import Manifest
 from enginehooks.transports._rendezvous import (
-    GroupEndpoint,
     call_off,
     client_store,
     connect_timeout,
@@ -84,6 +83,7 @@ from enginehooks.transports.base import (
     Target,
     data_plane_error,
 )
+from enginehooks.wire.endpoint import GroupEndpoint
 
 
 class _Buffers:

@@ -93,13 +93,13 @@ from enginehooks.transports._rendezvous import (  # re-exported: the colocated n
     TRAINER_SELF,
     ControlChannel,
     ControlMessageRefused,
-    GroupEndpoint,
     Ignored,
     client_store,
     connect_timeout,
     control_mac,
     master_store,
 )
+from enginehooks.wire.endpoint import GroupEndpoint
 
 __all__ = ["EVERY_RECEIVER", "MAC_SEP", "OK", "TO_ENGINE", "TO_TRAINER", "TRAINER_SELF",
            "ColocatedReceiver", "ColocatedSender", "ControlChannel", "ControlMessageRefused",

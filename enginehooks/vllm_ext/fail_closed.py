@@ -43,14 +43,14 @@ from typing import Any
 from enginehooks.core.auth import AuthError, Verifier, configured_server_id, load_secret
 from enginehooks.core.errors import EngineTorn
 from enginehooks.engine.beacon import Beacon
-from enginehooks.engine.protocol import (
+from enginehooks.engine.side import refusal_of
+from enginehooks.wire import (
     IDENTITY_ROUTE,
     ROUTE_AUTH_HEADER,
     identity_answer,
     server_verifier,
     verify_route,
 )
-from enginehooks.engine.side import refusal_of
 
 log = logging.getLogger("enginehooks.vllm")
 

@@ -36,6 +36,7 @@ from enginehooks.control._http import request_json
 from enginehooks.control.handles import EngineHandle
 from enginehooks.control.identity import ServerIdentity
 from enginehooks.core.auth import load_secret
+from enginehooks.core.deadline import Deadline
 from enginehooks.core.errors import (
     ConfigError,
     EngineHooksError,
@@ -44,7 +45,6 @@ from enginehooks.core.errors import (
     ReplicaError,
 )
 from enginehooks.engine.contract import PREFIX
-from enginehooks.engine.protocol import Deadline
 from enginehooks.vllm_ext.fail_closed import guard, guard_async
 
 #: vLLM's weight version after a failed update (the engine holds a mix of versions).

@@ -47,9 +47,9 @@ from vllm.distributed.weight_transfer.base import (
 )
 
 from enginehooks.core.errors import ConfigError, EngineHooksError, ManifestError
-from enginehooks.engine.protocol import relayed
 from enginehooks.engine.side import EngineSide
 from enginehooks.vllm_ext.worker_extension import VLLMBinding
+from enginehooks.wire import relayed
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -62,7 +62,7 @@ F = TypeVar("F", bound=Callable[..., Any])
 
 def relays_errors(method: F) -> F:
     """vLLM's clients keep only an error's text: raise our errors with their class in
-    that text (`protocol.relay_text`), so the trainer restores the class from the
+    that text (`wire.relay_text`), so the trainer restores the class from the
     envelope, never from the words (`transfer_trainer.ClientReplica`)."""
 
     @functools.wraps(method)

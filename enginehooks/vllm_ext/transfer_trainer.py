@@ -35,13 +35,13 @@ from vllm.distributed.weight_transfer.base import (
     WeightSource,
 )
 
+from enginehooks import wire
 from enginehooks.control.handles import EngineHandle
 from enginehooks.control.report import PushReport
 from enginehooks.control.sync import DEFAULT_BUCKET_BYTES, WeightSync
 from enginehooks.core.dtypes import torch_dtype
 from enginehooks.core.errors import ConfigError, EngineHooksError, ManifestError, ReplicaError
 from enginehooks.core.manifest import TensorSpec
-from enginehooks.engine import protocol
 from enginehooks.trainer_side.contract import TrainerAdapter
 from enginehooks.vllm_ext.transfer_engine import BACKEND
 
@@ -140,11 +140,11 @@ def _detail(e: BaseException) -> str:
 def _refused(who: str, verb: str, e: BaseException) -> Exception:
     """The error of a call vLLM's client relayed. vLLM's calls answer nothing and its
     clients keep only the error text, so the workers of backend "enginehooks" put the
-    error's class into that text as an envelope (`protocol.relay_text`): it is restored
+    error's class into that text as an envelope (`wire.relay_text`): it is restored
     from there, never from the words. A missing route is told by the HTTP status (404:
     vLLM not in dev mode); anything else is a `ReplicaError`."""
     detail = _detail(e)
-    found = protocol.relayed_envelope(detail)
+    found = wire.relayed_envelope(detail)
     if found is None and isinstance(e, EngineHooksError) and not isinstance(e, ReplicaError):
         # raised by the client itself (enginehooks' own VLLMServer / VLLMEngine): its class
         # is the answer (a route the server lacks is already a ConfigError saying the fix)
@@ -152,7 +152,7 @@ def _refused(who: str, verb: str, e: BaseException) -> Exception:
         return e
     if found is not None:
         kind, message = found
-        restored = protocol.restore_error(kind, f"replica {who!r}: {verb}: {message}", who)
+        restored = wire.restore_error(kind, f"replica {who!r}: {verb}: {message}", who)
         if type(restored) is ReplicaError:
             return ReplicaError(who, f"{verb} failed: {kind}: {message}")
         return restored
@@ -230,7 +230,7 @@ class ClientReplica(EngineHandle):
                 "workers": self.workers})
         except Exception as e:
             raise _refused(self.name, "join", e) from e
-        self._group = str(endpoint.get("group") or endpoint.get("root") or "")
+        self._group = wire.group_id(endpoint) or ""
 
     def leave(self, timeout_s: float, auth: str | None = None) -> None:
         shutdown = getattr(self.client, "shutdown_weight_transfer_engine", None)
@@ -252,7 +252,7 @@ class ClientReplica(EngineHandle):
             self._in_session = False  # vLLM ends the session when update_weights raises
             refused = _refused(self.name, "check", e)
             if isinstance(refused, ManifestError):
-                found = protocol.relayed_envelope(_detail(e))
+                found = wire.relayed_envelope(_detail(e))
                 raise ManifestError(f"replica {self.name!r} refused the update: "
                                     f"{found[1] if found else refused}") from e
             raise refused from e

@@ -29,7 +29,7 @@ import torch.distributed as dist
 
 from enginehooks import WeightSync
 from enginehooks.trainer_side import TrainerRanks
-from enginehooks.trainer_side.contract import adapter_for
+from enginehooks.trainer_side.choose import adapter_for
 from enginehooks_testkit.tiny import load_tiny, perturb
 from tests.multihost.trainer import handle_of
 

@@ -22,11 +22,10 @@ import pytest
 import torch
 from torch import nn
 
-from enginehooks import WeightSync
+from enginehooks import WeightSync, wire
 from enginehooks.core import errors
 from enginehooks.core.auth import SECRET_ENV, WINDOW_S, AuthError, sign
 from enginehooks.core.manifest import MAX_BUCKET_BYTES, TensorSpec, plan
-from enginehooks.engine import protocol
 from enginehooks.engine.local import LocalEngine
 from enginehooks.engine.side import MAX_DIGEST_NAMES
 
@@ -58,22 +57,22 @@ def test_a_token_older_than_the_window_is_refused(guarded: list[LocalEngine]) ->
     a = guarded[0]
     m = manifest()
     aud = [a.side.instance]
-    old = sign(SECRET.encode(), "check", protocol.signed_payload("check", manifest=m), aud,
+    old = sign(SECRET.encode(), "check", wire.signed_payload("check", manifest=m), aud,
                ts=time.time() - WINDOW_S - 30)
     with pytest.raises(AuthError, match=r"old \(window"):
         a.side.call("check", m, old)
-    future = sign(SECRET.encode(), "check", protocol.signed_payload("check", manifest=m), aud,
+    future = sign(SECRET.encode(), "check", wire.signed_payload("check", manifest=m), aud,
                   ts=time.time() + WINDOW_S + 30)
     with pytest.raises(AuthError, match="window"):
         a.side.call("check", m, future)
-    fresh = sign(SECRET.encode(), "check", protocol.signed_payload("check", manifest=m), aud)
+    fresh = sign(SECRET.encode(), "check", wire.signed_payload("check", manifest=m), aud)
     assert a.side.call("check", m, fresh) == []
 
 
 def test_a_token_signed_for_one_replica_is_refused_by_another(guarded: list[LocalEngine]) -> None:
     a, b = guarded
     m = manifest()
-    token = sign(SECRET.encode(), "check", protocol.signed_payload("check", manifest=m),
+    token = sign(SECRET.encode(), "check", wire.signed_payload("check", manifest=m),
                  [a.side.instance])
     with pytest.raises(AuthError, match="another replica"):
         b.side.call("check", m, token)
@@ -100,7 +99,7 @@ def test_an_engine_without_a_secret_refuses_signed_messages() -> None:
     own weight-transfer calls)."""
     open_engine = LocalEngine(net(0), name="no-secret")
     m = manifest()
-    token = sign(SECRET.encode(), "check", protocol.signed_payload("check", manifest=m))
+    token = sign(SECRET.encode(), "check", wire.signed_payload("check", manifest=m))
     with pytest.raises(AuthError, match=r"no shared secret.*ENGINEHOOKS_SECRET"):
         open_engine.side.call("check", m, token)
     assert open_engine.side.call("check", m) == []
@@ -173,32 +172,32 @@ def test_a_join_outside_the_world_size_is_refused_at_once_with_the_fix() -> None
     assert time.monotonic() - t0 < 5
     with pytest.raises(errors.ConfigError, match=r"counts 3 worker\(s\).*runs 1: set "
                                                   r"world_size to 2"):
-        protocol.check_world(4, 1, 0, replica_workers=1, expected_workers=3)
-    protocol.check_world(2, 1, 0, replica_workers=1, expected_workers=1)
-    protocol.check_world(None, 1, 0, replica_workers=None, expected_workers=3)
+        wire.check_world(4, 1, 0, replica_workers=1, expected_workers=3)
+    wire.check_world(2, 1, 0, replica_workers=1, expected_workers=1)
+    wire.check_world(None, 1, 0, replica_workers=None, expected_workers=3)
     assert engine.side.group is None and engine.side.state == "initial"
 
 
 @pytest.mark.parametrize("name", sorted(
-    n for n, c in protocol.error_classes().items()
+    n for n, c in wire.error_classes().items()
     if c not in (errors.ReplicaError, errors.EngineTorn)))
 def test_every_error_class_survives_the_envelope(name: str) -> None:
     """What a worker raises reaches the trainer as the same class (over JSON text,
     as every channel carries it)."""
-    cls = protocol.error_classes()[name]
+    cls = wire.error_classes()[name]
     try:
         raised = cls("a message")
     except TypeError:
         pytest.skip(f"{name} is not built from a message")
-    wire = json.loads(json.dumps(protocol.err("c0ffee", raised)))
+    sent = json.loads(json.dumps(wire.err("c0ffee", raised)))
     with pytest.raises(cls) as got:
-        protocol.unwrap(wire, "c0ffee", "replica-x")
+        wire.unwrap(sent, "c0ffee", "replica-x")
     assert type(got.value) is cls and "a message" in str(got.value)
     assert got.value.replica == "replica-x"
 
 
 def test_checksum_errors_keep_their_class_through_a_handle() -> None:
-    assert protocol.restore_error("ChecksumError", "bucket 3", "r").__class__ is \
+    assert wire.restore_error("ChecksumError", "bucket 3", "r").__class__ is \
         errors.ChecksumError
     engine = LocalEngine(net(0), name="local")
     with pytest.raises(errors.TransportError, match="has not joined"):
@@ -207,11 +206,11 @@ def test_checksum_errors_keep_their_class_through_a_handle() -> None:
 
 def test_an_answer_to_another_call_is_never_taken_for_this_one() -> None:
     engine = LocalEngine(net(0), name="local")
-    late = engine.side.call("info", protocol.call_arg("aaaa"))
-    with pytest.raises(protocol.StaleReply):
-        protocol.unwrap(late, "bbbb", "local")
-    with pytest.raises(protocol.StaleReply):
-        protocol.unwrap([[]], "bbbb", "local")  # an untagged answer
+    late = engine.side.call("info", wire.call_arg("aaaa"))
+    with pytest.raises(wire.StaleReply):
+        wire.unwrap(late, "bbbb", "local")
+    with pytest.raises(wire.StaleReply):
+        wire.unwrap([[]], "bbbb", "local")  # an untagged answer
 
 
 @pytest.mark.parametrize("overrides, why", [
@@ -326,14 +325,16 @@ def test_ray_replies_restore_every_enginehooks_error(cls: type[Exception]) -> No
         raise_reply({"error": cls.__name__, "message": "bucket 2"}, "actor-0", "receive")
 
 
-#: What only `engine/protocol.py` (and the primitives in `core/auth.py`) may contain.
+#: What only the wire package `enginehooks/wire/` (and the primitives in `core/auth.py`)
+#: may contain.
 _PROTOCOL_ONLY = """
 - canonical(...): building a payload text
 - sign(...) / <verifier>.verify(...): making or checking a control-plane token
 - a dict literal with a "call" key, or "enginehooks" with "ok"/"error": an envelope
 - x["call"] / x.get("call"): reading an envelope
 - {"result": ...} / {"error": ..., "message": ...}: a reply of an untagged channel
-- the strings "enginehooks-call:..." and "X-Enginehooks-Auth"
+- the strings "enginehooks-call:...", "X-Enginehooks-Auth" and "[enginehooks-error:"
+- {"group": ..., "auth": ...}: a leave's message
 - handle.call(<verb>, ...): a verb's arguments built by hand, not from its request
 """
 _VERB_NAMES = {"INFO", "JOIN", "LEAVE", "CHECK", "RECEIVE", "DIGESTS", "FLUSH"}
@@ -363,22 +364,26 @@ def _protocol_offences(source: str) -> list[tuple[int, str]]:
         elif isinstance(n, ast.Dict):
             keys = {k.value for k in n.keys if isinstance(k, ast.Constant)}
             if "call" in keys or ("enginehooks" in keys and keys & {"ok", "error"}) \
-                    or keys == {"result"} or keys == {"error", "message"}:
+                    or keys == {"result"} or keys == {"error", "message"} \
+                    or keys == {"group", "auth"}:
                 out.append((n.lineno, f"envelope {sorted(map(str, keys))}"))
         elif isinstance(n, ast.Subscript) and isinstance(n.slice, ast.Constant) \
                 and n.slice.value == "call":
             out.append((n.lineno, '["call"]'))
         elif isinstance(n, ast.Constant) and isinstance(n.value, str) and (
-                n.value.startswith("enginehooks-call") or n.value == "X-Enginehooks-Auth"):
+                n.value.startswith(("enginehooks-call", "[enginehooks-error"))
+                or n.value == "X-Enginehooks-Auth"):
             out.append((n.lineno, repr(n.value)))
     return out
 
 
 def test_the_protocol_module_is_the_only_place_payloads_and_envelopes_are_made() -> None:
     """What a token signs, what an answer's envelope holds, and each verb's arguments
-    are built and read in one place (`engine/protocol.py`), so the trainer signs exactly
-    what the worker verifies and every channel restores the same errors: an AST scan of
-    the library for everything listed in `_PROTOCOL_ONLY`."""
+    are built and read in one place, the wire package (`enginehooks/wire/`), so the
+    trainer signs exactly what the worker verifies and every channel restores the same
+    errors: an AST scan of the library for everything listed in `_PROTOCOL_ONLY`. The
+    wire stands on its own floor: it imports nothing of `control/`, `engine/` or an
+    engine's extension (which would let a message's form depend on one side)."""
     from pathlib import Path
 
     # The scan sees what it looks for (it must not pass by seeing nothing).
@@ -390,14 +395,24 @@ reply = {"enginehooks": 1, "call": cid, "ok": 1}
 reply["call"]; reply.get("call")
 out = {"error": "X", "message": "m"}
 h = {"X-Enginehooks-Auth": t}
+mark = "[enginehooks-error:"
+leave = {"group": g, "auth": t}
 self.call(CHECK, manifest, timeout_s=1)
 """
-    assert len(_protocol_offences(probe)) == 9, _protocol_offences(probe)
+    assert len(_protocol_offences(probe)) == 11, _protocol_offences(probe)
     root = Path(__file__).resolve().parents[2] / "enginehooks"
-    allowed = {root / "core" / "auth.py", root / "engine" / "protocol.py"}
+    allowed = {root / "core" / "auth.py", *(root / "wire").glob("*.py")}
     offenders = [f"{p.relative_to(root)}:{line}: {what}" for p in sorted(root.rglob("*.py"))
                  if p not in allowed for line, what in _protocol_offences(p.read_text())]
     assert offenders == [], offenders
+    from enginehooks_testkit.import_graph import edges
+
+    above = ("enginehooks.control", "enginehooks.engine", "enginehooks.vllm_ext",
+             "enginehooks.sglang_ext", "enginehooks.ray_ext")
+    wire_up = sorted((m, d) for m, deps in edges(type_checking=True).items()
+                     if m.startswith("enginehooks.wire") for d in deps
+                     if d.startswith(above))
+    assert wire_up == [], wire_up
 
 
 def test_every_verb_has_a_typed_request_that_round_trips() -> None:
@@ -405,22 +420,22 @@ def test_every_verb_has_a_typed_request_that_round_trips() -> None:
     back into the same request (`from_args`, what the worker runs), over JSON text."""
     from enginehooks.engine.contract import VERBS
 
-    assert set(protocol.REQUESTS) == set(VERBS)
+    assert set(wire.REQUESTS) == set(VERBS)
     m = manifest()
-    samples = [protocol.InfoRequest(), protocol.JoinRequest({"transport": "gloo"}, 1, "t"),
-               protocol.JoinRequest({"transport": "gloo"}, 3), protocol.LeaveRequest(None),
-               protocol.LeaveRequest(protocol.leave_message("g", "t")),
-               protocol.CheckRequest(m, "t"), protocol.ReceiveRequest(m, "g"),
-               protocol.DigestsRequest(["a", "b"]), protocol.FlushRequest("t")]
+    samples = [wire.InfoRequest(), wire.JoinRequest({"transport": "gloo"}, 1, "t"),
+               wire.JoinRequest({"transport": "gloo"}, 3), wire.LeaveRequest(None),
+               wire.LeaveRequest(wire.leave_message("g", "t")),
+               wire.CheckRequest(m, "t"), wire.ReceiveRequest(m, "g"),
+               wire.DigestsRequest(["a", "b"]), wire.FlushRequest("t")]
     for r in samples:
-        wire = json.loads(json.dumps(list(r.args())))
-        assert protocol.REQUESTS[r.verb].from_args(wire) == r, r
+        sent = json.loads(json.dumps(list(r.args())))
+        assert wire.REQUESTS[r.verb].from_args(sent) == r, r
     with pytest.raises(errors.ConfigError, match="takes 2 to 3 arguments"):
-        protocol.JoinRequest.from_args([{"transport": "gloo"}])
+        wire.JoinRequest.from_args([{"transport": "gloo"}])
     with pytest.raises(errors.ConfigError, match="malformed argument"):
-        protocol.DigestsRequest.from_args(["[1, 2]"])
-    assert protocol.JoinRequest({"a": 1}, 1, "t").payload() == \
-        protocol.signed_payload("join", endpoint={"a": 1}, rank_offset=1)
+        wire.DigestsRequest.from_args(["[1, 2]"])
+    assert wire.JoinRequest({"a": 1}, 1, "t").payload() == \
+        wire.signed_payload("join", endpoint={"a": 1}, rank_offset=1)
 
 
 class HeldLeaves(LocalEngine):
@@ -486,8 +501,8 @@ def test_a_leave_names_its_group_and_its_signature_covers_it(guarded: list[Local
         assert group
 
         def leave(g: str | None) -> str | None:
-            return protocol.leave_message(
-                g, sign(key, "leave", protocol.signed_payload("leave", group=g), aud))
+            return wire.leave_message(
+                g, sign(key, "leave", wire.signed_payload("leave", group=g), aud))
 
         assert a.side.call("leave", leave("an-old-group")) == {
             "left": False, "group": "an-old-group",
@@ -500,7 +515,7 @@ def test_a_leave_names_its_group_and_its_signature_covers_it(guarded: list[Local
             a.side.call("leave", json.dumps(forged))
         assert a.side.group == group
         with pytest.raises(AuthError):
-            a.side.call("leave", protocol.leave_message(group, None))  # unsigned
+            a.side.call("leave", wire.leave_message(group, None))  # unsigned
         assert a.side.call("leave", leave(group)) == {"left": True, "group": group}
         assert a.side.group is None and a.side.receiver is None
         assert sync.push(net(2), version=2).ok  # rejoins
@@ -563,3 +578,37 @@ def test_the_push_error_names_the_replica_that_was_lost_not_the_first_to_answer(
     report = got.value.report
     assert report is not None and {r.name: r.ok for r in report.replicas} == {
         "engine-a": False, "engine-b": False}
+
+
+def test_a_workers_info_answers_only_the_keys_its_typed_reply_declares() -> None:
+    """`EngineSide.info` answers a `wire.WorkerInfo`: every key it sends (its own and
+    the binding's) is declared there, with `authenticated` and `instance` present, so
+    the typed reply says what travels, and it survives the JSON wire as it is."""
+    import typing
+
+    engine = LocalEngine(net(0), name="local")
+    info = engine.side.info()
+    declared = set(typing.get_type_hints(wire.WorkerInfo))
+    assert set(info) <= declared, sorted(set(info) - declared)
+    assert {"authenticated", "instance", "state", "version", "dtype"} <= set(info)
+    (checked,) = wire.check_infos([json.loads(json.dumps(info))], "local", secret=False)
+    assert checked == info
+
+
+@pytest.mark.parametrize("transport", ["gloo", "disk"])
+def test_a_workers_receive_answers_only_the_keys_its_typed_reply_declares(
+        transport: str, tmp_path: Any) -> None:
+    """`EngineSide.receive` answers a `wire.ReceiveReply`: the keys a built-in transport,
+    the worker and the binding send are declared there (what `PushReport` carries per
+    worker)."""
+    import typing
+
+    options = {"root": str(tmp_path)} if transport == "disk" else {}
+    engine = LocalEngine(net(0), name="local")
+    with WeightSync(transport, timeout_s=30, transport_options=options) as sync:
+        sync.add_replica(engine)
+        report = sync.push(net(1), version=1)
+    declared = set(typing.get_type_hints(wire.ReceiveReply))
+    (replica,) = report.replicas
+    (reply,) = replica.stats["workers"]
+    assert {"bytes", "seconds", "version"} <= set(reply) <= declared, sorted(reply)

@@ -147,7 +147,7 @@ def test_every_admin_route_is_refused_without_a_token(guarded: Any) -> None:
 
 def test_route_tokens_are_bound_to_body_and_used_once(guarded: Any) -> None:
     from enginehooks.control.identity import ServerIdentity
-    from enginehooks.engine.protocol import route_headers
+    from enginehooks.wire import route_headers
 
     url = f"{guarded.url}/update_weight_version"
     body = {"new_version": "signed-1", "abort_all_requests": False}

@@ -105,7 +105,7 @@ def test_workers_without_the_extension_are_named_with_the_fix(server: Any) -> No
     """vLLM answers a method its workers lack with `'CPUWorker' object has no attribute
     'enginehooks_...'` (HTTP 500), what a server started without the worker extension
     answers every enginehooks call with: the handle says which flag to add, at once."""
-    from enginehooks.engine.protocol import Deadline
+    from enginehooks.core.deadline import Deadline
 
     t0 = time.monotonic()
     with pytest.raises(ConfigError, match=r"--worker-extension-cls enginehooks\.vllm_ext"):

@@ -20,8 +20,8 @@ import pytest
 
 from enginehooks import WeightSync
 from enginehooks.core.auth import SECRET_ENV, sign
-from enginehooks.engine.protocol import ROUTE_AUTH_HEADER, ROUTE_VERB, route_payload
 from enginehooks.vllm_ext.fail_closed import CONTROL_ROUTES, route_kind
+from enginehooks.wire import ROUTE_AUTH_HEADER, ROUTE_VERB, route_payload
 from enginehooks_testkit.tiny import load_tiny, perturb
 from tests.support import requires_vllm
 
@@ -169,7 +169,7 @@ def test_a_request_captured_for_one_server_changes_nothing_at_another(
     byte to replica B, with `Host: A`, is refused by B (its token names A's identity,
     which B is not; no header is read), and B changes nothing; the same request is still
     good at A."""
-    from enginehooks.engine.protocol import route_headers
+    from enginehooks.wire import route_headers
 
     a, b = identity(server), identity(server_b)
     assert a != b
@@ -186,7 +186,7 @@ def test_a_request_captured_for_one_server_changes_nothing_at_another(
 
 
 def test_a_servers_identity_is_its_workers_deployment_and_signed(server: Any) -> None:
-    from enginehooks.engine.protocol import IDENTITY_ROUTE
+    from enginehooks.wire import IDENTITY_ROUTE
 
     a = identity(server)
     assert handle(server).info(60)[0]["deployment"] == a  # what the workers answer to
@@ -200,15 +200,15 @@ def test_a_join_captured_for_one_deployment_is_refused_by_another(
     trainer cannot ask for each worker's id (vLLM's own weight-transfer calls): a join
     signed for A's workers, sent to B's (through B's guarded route, properly signed for
     B), is refused by B's workers and B stays in no group."""
+    from enginehooks import wire
     from enginehooks.core.auth import AuthError
-    from enginehooks.engine import protocol
 
     a = handle(server).info(60)[0]["deployment"]
     hb = handle(server_b)
     assert a and a != hb.info(60)[0]["deployment"]
     endpoint = {"transport": "gloo", "host": "127.0.0.1", "port": 1, "group": "g-of-a",
                 "timeout_s": 5, "world_size": 2}
-    join_for_a = protocol.token(SECRET.encode(), "join", [a], endpoint=endpoint, rank_offset=1)
+    join_for_a = wire.token(SECRET.encode(), "join", [a], endpoint=endpoint, rank_offset=1)
     with pytest.raises(AuthError, match="signed for another replica"):
         hb.call("join", json.dumps(endpoint), 1, join_for_a, timeout_s=60)
     assert hb.info(60)[0]["group"] is None
@@ -224,7 +224,7 @@ def test_a_signed_push_through_vllms_own_api_lands_and_its_tokens_bind_elsewhere
     from vllm.distributed.weight_transfer import ModuleSource, WeightTransferTrainerFactory
 
     from enginehooks.core.auth import AuthError
-    from enginehooks.engine import protocol
+    from enginehooks import wire as protocol
     from enginehooks.vllm_ext.transfer_trainer import EnginehooksTrainerInitInfo
 
     monkeypatch.setenv(SECRET_ENV, SECRET)

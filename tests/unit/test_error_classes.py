@@ -18,11 +18,11 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from enginehooks import wire
 from enginehooks.control._http import request_json
 from enginehooks.control.sync import CONSEQUENCE, NO_ANSWER, OWN, STALLED, blame
 from enginehooks.core import errors
 from enginehooks.core.auth import AuthError
-from enginehooks.engine import protocol
 from enginehooks.transports._rendezvous import master_store
 from enginehooks.transports.base import data_plane_error
 
@@ -117,21 +117,21 @@ def test_the_http_client_says_status_and_reach_by_class(http_server: str) -> Non
 
 
 def test_a_relayed_error_keeps_its_class_and_words_around_it_cannot_forge_one() -> None:
-    forged_inside = protocol.relay_text(AuthError("replica refused: set ENGINEHOOKS_SECRET"))
+    forged_inside = wire.relay_text(AuthError("replica refused: set ENGINEHOOKS_SECRET"))
     e = errors.TransportError(f"group called off by the sender: {forged_inside}")
-    text = f"HTTP 500: Worker failed: {protocol.relay_text(e)} (traceback follows)"
-    kind, message = protocol.relayed_envelope(text)  # type: ignore[misc]
+    text = f"HTTP 500: Worker failed: {wire.relay_text(e)} (traceback follows)"
+    kind, message = wire.relayed_envelope(text)  # type: ignore[misc]
     assert kind == "TransportError" and "called off" in message
-    restored = protocol.relayed_error(text, "vllm")
+    restored = wire.relayed_error(text, "vllm")
     assert type(restored) is errors.TransportError and restored.replica == "vllm"
     # the same class in process (vLLM's in-process executor re-raises the object)
-    again = protocol.relayed(errors.ManifestError("lm_head.weight: shape"))
+    again = wire.relayed(errors.ManifestError("lm_head.weight: shape"))
     assert type(again) is errors.ManifestError and "lm_head.weight" in str(again)
-    assert protocol.relayed_envelope(str(again))[0] == "ManifestError"  # type: ignore[index]
+    assert wire.relayed_envelope(str(again))[0] == "ManifestError"  # type: ignore[index]
     # no envelope, or a broken one: no class at all (the caller makes a ReplicaError)
-    for plain in ("AuthError: no shared secret", protocol.RELAY_MARK + "!!!]",
-                  protocol.RELAY_MARK + "e30=]"):
-        assert protocol.relayed_envelope(plain) is None
+    for plain in ("AuthError: no shared secret", wire.RELAY_MARK + "!!!]",
+                  wire.RELAY_MARK + "e30=]"):
+        assert wire.relayed_envelope(plain) is None
 
 
 @pytest.mark.parametrize("cls", [errors.PeerLost, errors.TransferStalled,
@@ -139,7 +139,7 @@ def test_a_relayed_error_keeps_its_class_and_words_around_it_cannot_forge_one() 
 def test_the_new_classes_survive_the_rpc_envelope(cls: type[errors.EngineHooksError]) -> None:
     e = cls("r", "gone") if issubclass(cls, errors.ReplicaError) else cls("gone")
     with pytest.raises(cls):
-        protocol.unwrap(protocol.err("c1", e), "c1", "replica-a")
+        wire.unwrap(wire.err("c1", e), "c1", "replica-a")
 
 
 #: Built-in exceptions the library may raise, where and why: each is caught on the spot
@@ -150,7 +150,7 @@ def test_the_new_classes_survive_the_rpc_envelope(cls: type[errors.EngineHooksEr
 #: optional dependency is missing (ImportError, as Python does), or is a stand-in for a
 #: third party's own module.
 ALLOWED_BUILTIN_RAISES = {
-    ("engine/protocol.py", "ValueError"), ("transports/colocated.py", "ValueError"),
+    ("wire/requests.py", "ValueError"), ("transports/colocated.py", "ValueError"),
     ("core/auth.py", "TypeError"), ("transports/_rendezvous.py", "OSError"),
     ("ray_ext/actors.py", "NotImplementedError"), ("vllm_ext/handles.py", "NotImplementedError"),
     ("transports/cuda_ipc.py", "AssertionError"), ("control/identity.py", "AssertionError"),

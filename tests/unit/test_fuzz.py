@@ -14,10 +14,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from torch import nn
 
-from enginehooks import EngineHooksError, ManifestError
+from enginehooks import EngineHooksError, ManifestError, wire
 from enginehooks.core.buckets import TRAILER_BYTES, Unpacker, message_bytes
 from enginehooks.core.manifest import Manifest, TensorSpec, plan
-from enginehooks.engine import protocol
 from enginehooks.engine.contract import PREFIX, VERBS
 from enginehooks.engine.local import LocalEngine
 
@@ -104,11 +103,11 @@ def test_random_rpc_arguments_never_crash_nor_tear_the_engine(verb: str, rpc_arg
     # Tagged: whatever the arguments, the answer is an envelope echoing the call id
     # (an error travels inside it, by class name), never an exception; and it is the
     # same outcome as the untagged call's.
-    reply = REPLICA.side.call(verb, protocol.call_arg("f00d"), *rpc_args)
-    assert protocol.is_envelope(reply) and reply["call"] == "f00d"
+    reply = REPLICA.side.call(verb, wire.call_arg("f00d"), *rpc_args)
+    assert wire.is_envelope(reply) and reply["call"] == "f00d"
     assert (reply["error"]["type"] if "error" in reply else None) == untagged, reply
     if "error" in reply:
-        assert issubclass(protocol.error_classes()[reply["error"]["type"]], EngineHooksError)
+        assert issubclass(wire.error_classes()[reply["error"]["type"]], EngineHooksError)
     if verb in ("join", "leave"):  # joining a group is allowed to change membership only
         side.leave()
     assert (side.version, side.state) == before

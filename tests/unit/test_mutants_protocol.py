@@ -1,4 +1,4 @@
-"""The trainer<->worker protocol's protective paths (`engine/protocol.py`), pinned where
+"""The trainer<->worker protocol's protective paths (`wire/`), pinned where
 mutation testing found them loose (issue 26 item 2; docs/testing.md, third run): what
 each verb signs, the checks of tokens and signed routes, call ids, typed requests'
 decoding, a leave's message, replies and envelopes, a join's world and the workers'
@@ -13,7 +13,9 @@ from typing import Any
 
 import pytest
 
+from enginehooks import wire as p
 from enginehooks.core.auth import AuthError, Verifier, canonical, sign
+from enginehooks.core.deadline import Deadline
 from enginehooks.core.errors import (
     ChecksumError,
     ConfigError,
@@ -22,7 +24,7 @@ from enginehooks.core.errors import (
     PushTimeout,
     ReplicaError,
 )
-from enginehooks.engine import protocol as p
+from enginehooks.wire import requests as wire_requests
 
 SECRET = b"s" * 32
 
@@ -294,14 +296,14 @@ def test_a_malformed_argument_is_refused_as_config_not_a_crash(cls: Any, args: l
 
 
 def test_decoders() -> None:
-    assert p._int("7") == 7 and p._int(7) == 7
-    assert p._text("t") == "t" and p._text({"a": 1}) == '{"a": 1}'
-    assert p._json_value(b'{"a": 1}') == {"a": 1} and p._json_value([1]) == [1]
+    assert wire_requests._int("7") == 7 and wire_requests._int(7) == 7
+    assert wire_requests._text("t") == "t" and wire_requests._text({"a": 1}) == '{"a": 1}'
+    assert wire_requests._json_value(b'{"a": 1}') == {"a": 1} and wire_requests._json_value([1]) == [1]
     for v in (None, "", "None", "null"):
-        assert p._token(v) is None
-    assert p._token("tok") == "tok" and p._token({"m": 1}) == '{"m": 1}'
-    assert p._names(["a"]) == ["a"]
-    assert p._object({"a": 1}) == {"a": 1}
+        assert wire_requests._token(v) is None
+    assert wire_requests._token("tok") == "tok" and wire_requests._token({"m": 1}) == '{"m": 1}'
+    assert wire_requests._names(["a"]) == ["a"]
+    assert wire_requests._object({"a": 1}) == {"a": 1}
 
 
 # -- leave ----------------------------------------------------------------------------------
@@ -390,15 +392,15 @@ def test_with_a_secret_a_worker_without_one_is_refused() -> None:
 
 # -- deadline -------------------------------------------------------------------------------
 def test_a_deadline_counts_down_and_says_what_was_late() -> None:
-    d = p.Deadline.after(30)
+    d = Deadline.after(30)
     assert d.seconds == 30.0 and 29 < d.left() <= 30 and not d.expired
     d.check("join")  # no refusal before the deadline
-    past = p.Deadline(time.monotonic() - 1, 5)
+    past = Deadline(time.monotonic() - 1, 5)
     assert past.expired and past.left() == 0.0 and past.left(0.5) == 0.5
     with pytest.raises(PushTimeout) as e:
         past.check("join of r0")
     assert str(e.value) == "join of r0: no answer within 5s"
-    assert p.Deadline(time.monotonic(), 0).expired  # the deadline itself is late
+    assert Deadline(time.monotonic(), 0).expired  # the deadline itself is late
 
 
 # -- what the trainer reads back: exact texts (fourth mutation run) ---------------------------

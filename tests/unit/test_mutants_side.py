@@ -269,7 +269,7 @@ def test_the_refusal_says_why_in_each_state() -> None:
 def test_a_leave_overtaken_by_a_join_is_ignored() -> None:
     """The leave's group is checked again under the lock: a join of another group that
     ran between the first check and the lock keeps the worker in the new group."""
-    from enginehooks.engine import protocol
+    from enginehooks import wire
 
     s = engine().side
     s.group = "old"
@@ -288,7 +288,7 @@ def test_a_leave_overtaken_by_a_join_is_ignored() -> None:
             self.lock.release()
 
     s._busy = JoinFirst()  # type: ignore[assignment]
-    reply = s.leave(protocol.leave_message("old", None))
+    reply = s.leave(wire.leave_message("old", None))
     assert reply == {"left": False, "group": "old",
                      "reason": "this worker is in group 'new', not 'old': a late leave of an "
                                "earlier group, ignored"}
@@ -356,8 +356,8 @@ def test_the_receive_hook_is_told_the_groups_transport() -> None:
 def test_flush_is_authenticated_on_an_engine_with_a_secret(monkeypatch: pytest.MonkeyPatch) -> None:
     # Third mutation run: `flush` checked its token with the verb's name and the token
     # given, and no test called it on an engine with a secret: either could change unseen.
+    from enginehooks import wire
     from enginehooks.core.auth import SECRET_ENV
-    from enginehooks.engine import protocol
 
     secret = "flush-secret"
     monkeypatch.setenv(SECRET_ENV, secret)
@@ -367,14 +367,14 @@ def test_flush_is_authenticated_on_an_engine_with_a_secret(monkeypatch: pytest.M
         s.flush(None)
     me = [s.instance]  # tokens name the worker they are for (issue 36)
     with pytest.raises(AuthError):  # a token for another verb with the same payload
-        s.flush(protocol.token(secret.encode(), "leave", me))
+        s.flush(wire.token(secret.encode(), "leave", me))
     with pytest.raises(AuthError, match="signed for another replica"):  # names nobody
-        s.flush(protocol.token(secret.encode(), "flush"))
-    assert s.flush(protocol.token(secret.encode(), "flush", me)) == {"flushed": None}
+        s.flush(wire.token(secret.encode(), "flush"))
+    assert s.flush(wire.token(secret.encode(), "flush", me)) == {"flushed": None}
     # what the binding answers is what the reply carries (LocalEngine's module has no
     # cache and answers None; an engine binding that flushes in the worker answers True)
     monkeypatch.setattr(s.binding, "flush", lambda: True)
-    assert s.flush(protocol.token(secret.encode(), "flush", me)) == {"flushed": True}
+    assert s.flush(wire.token(secret.encode(), "flush", me)) == {"flushed": True}
 
 
 def test_a_join_counting_another_number_of_workers_is_refused_before_anything_changes() -> None:

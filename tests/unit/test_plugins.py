@@ -10,6 +10,7 @@ import subprocess
 import sys
 import textwrap
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -20,6 +21,7 @@ from enginehooks.core.errors import PluginError
 from enginehooks.engine.local import LocalEngine
 from enginehooks.plugins import (
     get_plugin_manager,
+    register_plugin,
     transports,
     unregister_plugin,
 )
@@ -240,3 +242,68 @@ def test_hook_send_weights_receive_weights_update_group_overrides(plugin) -> Non
                                                 "update_group leave sender"], calls
     assert min(leaves) > max(calls.index("send_weights"), calls.index("receive_weights"))
 
+
+
+def test_hook_update_group_takes_one_typed_request_per_mode_and_answers_its_type() -> None:
+    """`update_group` takes one frozen request per mode (no field that stays None outside
+    it), the old constructors build them, and `ask` returns the mode's type or refuses a
+    plugin's other answer by class, on the real plugin manager."""
+    import dataclasses
+
+    from enginehooks.core.errors import TransportError
+    from enginehooks.transports.base import (
+        GroupRequest,
+        JoinReceiver,
+        JoinSender,
+        LeaveReceiver,
+        LeaveSender,
+        Sender,
+    )
+
+    join = GroupRequest.join_receiver("odd", {"group": "g"}, 3, "cpu")
+    assert join == JoinReceiver("odd", {"group": "g"}, 3, "cpu")
+    assert (join.action, join.side) == ("join", "receiver")
+    assert GroupRequest.join_sender("odd", {"port": 1}) == JoinSender("odd", {"port": 1})
+    for cls in (JoinSender, JoinReceiver, LeaveSender, LeaveReceiver):
+        names = [f.name for f in dataclasses.fields(cls)]
+        assert names[0] == "transport" and "member" not in names, cls
+        assert all(f.default is not None for f in dataclasses.fields(cls)), cls
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        join.rank = 4  # type: ignore[misc]
+
+    class Sent(Sender):
+        def endpoint(self) -> dict[str, Any]:
+            return {"transport": "odd"}
+
+        def connect(self, world_size: int) -> None:  # pragma: no cover
+            pass
+
+        def send(self, manifest: Any, stream: Any, abort: Any) -> Any:  # pragma: no cover
+            raise AssertionError("not used")
+
+        def close(self) -> None:
+            pass
+
+    sent = Sent()
+    leave = GroupRequest.leave("odd", "sender", sent)
+    assert leave == LeaveSender("odd", sent) and leave.member is sent
+    with pytest.raises(TransportError, match="needs a Receiver"):
+        GroupRequest.leave("odd", "receiver", sent)
+
+    class Odd:
+        @hookimpl(tryfirst=True)
+        def update_group(self, request: Any) -> Any:
+            if request.transport != "odd":
+                return None
+            return sent if isinstance(request, (JoinSender, LeaveSender)) else "a receiver"
+
+    pm = get_plugin_manager()
+    odd = Odd()
+    register_plugin(odd, name="odd-transport")
+    try:
+        assert JoinSender("odd", {}).ask(pm) is sent
+        assert LeaveSender("odd", sent).ask(pm) is sent
+        with pytest.raises(TransportError, match="answered str"):
+            JoinReceiver("odd", {}, 1, "cpu").ask(pm)
+    finally:
+        unregister_plugin(odd)

@@ -287,7 +287,7 @@ def test_tensors_the_loader_computes_on_travel_uncast() -> None:
 
 
 def test_an_uncast_exception_keeps_the_trainers_dtype() -> None:
-    from enginehooks.trainer_side.contract import adapter_for
+    from enginehooks.trainer_side.choose import adapter_for
 
     a = adapter_for(nn.Linear(2, 2), dtype=torch.bfloat16,
                     dtypes={"weight": None, "bias": torch.float16})
