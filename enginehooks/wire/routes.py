@@ -86,8 +86,9 @@ def read_identity(secret: bytes | str | None, answer: Any, nonce: str) -> str:
         return str(answer["server"])
     if secret and not (isinstance(answer.get("mac"), str) and hmac.compare_digest(
             answer["mac"], _identity_mac(secret, answer["server"], nonce))):
-        raise AuthError("the server's identity is not signed with the shared secret: set the "
-                        "same ENGINEHOOKS_SECRET on the server and the trainer")
+        raise AuthError("the server's identity was refused: it is not signed with the shared "
+                        "secret (the server runs with another one): set the same "
+                        "ENGINEHOOKS_SECRET on the server and the trainer; nothing was sent")
     return str(answer["server"])
 
 
