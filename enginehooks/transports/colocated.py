@@ -208,31 +208,12 @@ class ColocatedSender(Sender):
         if world_size < 2:
             raise TransportError(f"a colocated group needs at least one receiver, got {world_size}")
         self.world_size = world_size
-        keys = {r: self._key("join", r) for r in self._receivers()}
-        deadline = time.monotonic() + self.connect_timeout_s
-        ignored = Ignored()
-        while keys:
-            try:
-                self.store.wait(list(keys.values()),
-                                _dt.timedelta(seconds=max(0.01, deadline - time.monotonic())))
-            except Exception as e:
-                missing = [r for r, k in keys.items() if not self.store.check([k])]
-                raise TransportError(
-                    f"{self.transport_name} group {self.group_id}: receivers {missing} did not "
-                    f"join within {self.connect_timeout_s}s ({e}){ignored.says()}") from None
-            for r, raw in zip(list(keys), self.store.multi_get(list(keys.values()))):
-                try:  # each receiver signs its own join: a forged one is ignored
-                    self.channel.open("join", 0, r, r, (TO_TRAINER,), raw)
-                except ControlMessageRefused as e:
-                    ignored.note(keys[r], raw, e)
-                else:
-                    del keys[r]
-            if keys:
-                if time.monotonic() >= deadline:
-                    raise TransportError(
-                        f"{self.transport_name} group {self.group_id}: receivers {list(keys)} "
-                        f"did not join within {self.connect_timeout_s}s{ignored.says()}")
-                time.sleep(POLL_S)
+        # each receiver signs its own join: a forged one is ignored (`_await_signed`)
+        self._await_signed(
+            "join", 0, None, (TO_TRAINER,), self.connect_timeout_s,
+            lambda missing, e, ignored: TransportError(
+                f"{self.transport_name} group {self.group_id}: receivers {missing} did not "
+                f"join within {self.connect_timeout_s}s{f' ({e})' if e else ''}{ignored}"))
         self._watch_store = client_store(
             self.host, self.store.port, self.timeout_s, self.connect_timeout_s)
 
@@ -308,42 +289,59 @@ class ColocatedSender(Sender):
         }
         return stats
 
-    def _wait_acks(self, seq: int, index: int, abort: Abort) -> None:
-        keys = {r: self._key(f"u{seq}", "ack", index, r) for r in self._receivers()}
-        deadline = time.monotonic() + self.timeout_s
+    def _await_signed(self, kind: str, seq: int, index: int | None,
+                      directions: tuple[str, ...], timeout_s: float,
+                      late: Callable[[list[int], BaseException | None, str], TransportError],
+                      abort: Abort | None = None,
+                      check: Callable[[int, bytes], None] | None = None) -> None:
+        """Wait up to `timeout_s` for every receiver's own verified message of `kind` (a
+        join, an ack of bucket `index`), handing each to `check` as it arrives (which
+        may raise at once: a receiver's error ends the wait). A message that does not
+        verify is noise: logged, and the wait goes on until the genuine one replaces it
+        (module docstring). `late(ranks, store error or None, what was ignored)` is the
+        error of the ranks that never answered."""
+        keys = {r: self.channel.key(kind, seq, r if index is None else index, r)
+                for r in self._receivers()}
+        deadline = time.monotonic() + timeout_s
         ignored = Ignored()
         while keys:
             try:
                 self.store.wait(list(keys.values()),
                                 _dt.timedelta(seconds=max(0.01, deadline - time.monotonic())))
             except Exception as e:
-                late = [r for r, k in keys.items() if not self.store.check([k])]
-                raise TransportError(
-                    f"{self.transport_name}: receivers {late} did not acknowledge bucket "
-                    f"{index} within {self.timeout_s}s ({type(e).__name__}){ignored.says()}"
-                ) from None
+                missing = [r for r, k in keys.items() if not self.store.check([k])]
+                raise late(missing, e, ignored.says()) from None
             for r, raw in zip(list(keys), self.store.multi_get(list(keys.values()))):
-                if abort.error is not None:  # the coordinator's abort (the watcher woke us)
+                if abort is not None and abort.error is not None:  # the watcher woke us
                     raise PeerLost(f"update aborted: {abort.error}") from abort.error
-                # Only rank r's own authenticated ack frees the slot (module docstring);
-                # one that does not verify is noise: logged, and the wait goes on.
                 try:
-                    v = self.channel.open("ack", seq, index, r, (TO_TRAINER, TRAINER_SELF), raw)
+                    body = self.channel.open(kind, seq, r if index is None else index, r,
+                                             directions, raw)
                 except ControlMessageRefused as e:
                     ignored.note(keys[r], raw, e)
                     continue
-                if v != OK:
-                    raise TransportError(
-                        f"{self.transport_name}: receiver rank {r} failed on bucket {index}: "
-                        f"{v.decode('utf-8', 'replace')}"
-                    )
+                if check is not None:
+                    check(r, body)
                 del keys[r]
             if keys:
                 if time.monotonic() >= deadline:
-                    raise TransportError(
-                        f"{self.transport_name}: receivers {list(keys)} did not acknowledge "
-                        f"bucket {index} within {self.timeout_s}s{ignored.says()}")
+                    raise late(list(keys), None, ignored.says())
                 time.sleep(POLL_S)
+
+    def _wait_acks(self, seq: int, index: int, abort: Abort) -> None:
+        def ok(r: int, v: bytes) -> None:
+            if v != OK:
+                raise TransportError(
+                    f"{self.transport_name}: receiver rank {r} failed on bucket {index}: "
+                    f"{v.decode('utf-8', 'replace')}")
+
+        # Only rank r's own authenticated ack frees the slot (module docstring).
+        self._await_signed(
+            "ack", seq, index, (TO_TRAINER, TRAINER_SELF), self.timeout_s,
+            lambda late, e, ignored: TransportError(
+                f"{self.transport_name}: receivers {late} did not acknowledge bucket {index} "
+                f"within {self.timeout_s}s{f' ({type(e).__name__})' if e else ''}{ignored}"),
+            abort, ok)
         if self.gen not in self._mapped_gens:
             # An ack means that receiver mapped this generation before reading it.
             self._mapped_gens.add(self.gen)
