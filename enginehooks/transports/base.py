@@ -154,14 +154,17 @@ class GroupRequest:
                              f"not a {type(member).__name__}")
 
 
-def _wrong_answer(request: GroupRequest, result: object, kind: str) -> TransportError:
-    """The error for a hook answer that is not the one `request`'s mode has (a plugin
-    that returned something else), raised where it is known instead of as a later
-    AttributeError far from it."""
-    return TransportError(
-        f"update_group({type(request).__name__}, transport {request.transport!r}) "
-        f"answered {type(result).__name__}: an implementation returns the {kind} it "
-        f"opened or closed")
+def _answer(request: GroupRequest, pm: pluggy.PluginManager, kind: type) -> Any:
+    """The `update_group` hook's answer to `request`, checked to be the `kind` its mode
+    has: a plugin that returned something else fails here, where it is known, instead of
+    as a later AttributeError far from it."""
+    out = pm.hook.update_group(request=request)
+    if not isinstance(out, kind):
+        raise TransportError(
+            f"update_group({type(request).__name__}, transport {request.transport!r}) "
+            f"answered {type(out).__name__}: an implementation returns the "
+            f"{kind.__name__} it opened or closed")
+    return out
 
 
 @dataclass(frozen=True)
@@ -176,10 +179,7 @@ class JoinSender(GroupRequest):
 
     def ask(self, pm: pluggy.PluginManager) -> Sender:
         """The sender the `update_group` hook opens for this request."""
-        out = pm.hook.update_group(request=self)
-        if not isinstance(out, Sender):
-            raise _wrong_answer(self, out, "Sender")
-        return out
+        return _answer(self, pm, Sender)
 
 
 @dataclass(frozen=True)
@@ -196,10 +196,7 @@ class JoinReceiver(GroupRequest):
 
     def ask(self, pm: pluggy.PluginManager) -> Receiver:
         """The connected receiver the `update_group` hook opens for this request."""
-        out = pm.hook.update_group(request=self)
-        if not isinstance(out, Receiver):
-            raise _wrong_answer(self, out, "Receiver")
-        return out
+        return _answer(self, pm, Receiver)
 
 
 @dataclass(frozen=True)
@@ -217,10 +214,7 @@ class LeaveSender(GroupRequest):
 
     def ask(self, pm: pluggy.PluginManager) -> Sender:
         """The sender the `update_group` hook closed."""
-        out = pm.hook.update_group(request=self)
-        if not isinstance(out, Sender):
-            raise _wrong_answer(self, out, "Sender")
-        return out
+        return _answer(self, pm, Sender)
 
 
 @dataclass(frozen=True)
@@ -238,10 +232,7 @@ class LeaveReceiver(GroupRequest):
 
     def ask(self, pm: pluggy.PluginManager) -> Receiver:
         """The receiver the `update_group` hook closed."""
-        out = pm.hook.update_group(request=self)
-        if not isinstance(out, Receiver):
-            raise _wrong_answer(self, out, "Receiver")
-        return out
+        return _answer(self, pm, Receiver)
 
 
 class Sender(ABC):
