@@ -223,8 +223,8 @@ def test_a_signed_push_through_vllms_own_api_lands_and_its_tokens_bind_elsewhere
     refused."""
     from vllm.distributed.weight_transfer import ModuleSource, WeightTransferTrainerFactory
 
-    from enginehooks.core.auth import AuthError
     from enginehooks import wire as protocol
+    from enginehooks.core.auth import AuthError
     from enginehooks.vllm_ext.transfer_trainer import EnginehooksTrainerInitInfo
 
     monkeypatch.setenv(SECRET_ENV, SECRET)
