@@ -3,7 +3,7 @@ every engine rank receives only its slice (`docs/scale.md`, part 3). Pure functi
 
 A design study, kept beside the benchmarks rather than in the package: no transport
 sends byte ranges per engine rank yet, so nothing on the data path uses it
-(`tests/unit/test_static_schedule.py` pins it; it moves back into the package with the
+(`tests/library/project/test_static_schedule.py` pins it; it moves back into the package with the
 data path that uses it).
 
 Inputs, both in checkpoint layout (the flat bytes of each checkpoint tensor):

@@ -12,10 +12,10 @@ base="$(mktemp -d)"  # pytest's own temp rotation could remove a concurrent run'
 trap 'rm -rf "$base"' EXIT
 for engine in vllm sglang; do
   ENGINEHOOKS_CONFORMANCE=full ENGINEHOOKS_CONFORMANCE_OUT="$out/$engine.json" \
-    bash scripts/run.sh "$engine" python -m pytest -p no:cacheprovider tests/conformance -q -rs \
+    bash scripts/run.sh "$engine" python -m pytest -p no:cacheprovider tests/engines/conformance -q -rs \
     --basetemp "$base/$engine" || status=1
 done
-bash scripts/run.sh vllm python -m tests.conformance.report "$out/vllm.json" "$out/sglang.json" \
+bash scripts/run.sh vllm python -m tests.engines.conformance.report "$out/vllm.json" "$out/sglang.json" \
   > docs/models.md || status=1
 echo "[conformance] docs/models.md regenerated from $out/*.json" >&2
 exit "$status"

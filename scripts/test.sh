@@ -27,14 +27,17 @@ ENGINEHOOKS_VLLM_PYTHON="$(bash scripts/setup-vllm-env.sh)/bin/python" || status
 # tests in tests/megatron start them from the vLLM one.
 ENGINEHOOKS_MEGATRON_PYTHON="$(bash scripts/setup-megatron-env.sh)/bin/python" || status=1
 export ENGINEHOOKS_SGLANG_PYTHON ENGINEHOOKS_VLLM_PYTHON ENGINEHOOKS_MEGATRON_PYTHON
-# The vLLM environment: unit tests, the attack suite (tests/security), the replica contract on vLLM and the module replica,
-# the conformance slice on vLLM, the vLLM-specific suites (GPU tests skip here), and the
-# tests across hosts (network namespaces: they need root, and skip with the reason without),
-# and the Megatron ranks pushing into vLLM and SGLang servers.
-run_pytest vllm tests/unit tests/security tests/contract tests/conformance tests/vllm tests/gpu \
+# Tests are organised by what they need to run (docs/testing.md): tests/library needs the
+# library alone, tests/engines runs in each engine's environment (parametrised over the
+# engines), tests/vllm, tests/sglang and tests/megatron need that engine or trainer,
+# tests/gpu CUDA GPUs (skips without), tests/multihost root and network namespaces (skips
+# with the reason without).
+# The vLLM environment: the library, both contracts and the conformance slice on vLLM and
+# the module replica, the vLLM suites, GPU tests (skip here), the tests across hosts, and
+# the Megatron ranks pushing into vLLM and SGLang servers.
+run_pytest vllm tests/library tests/engines tests/vllm tests/gpu \
   tests/multihost tests/megatron -q -rs --durations=25 || status=1
-# The SGLang environment: the replica contract and conformance slice on SGLang, the
-# SGLang suites, and the attacks on SGLang servers (tests/security).
-run_pytest sglang tests/contract tests/conformance tests/sglang \
-  tests/security/test_server_sglang.py -k "sglang or not contract" -q -rs --durations=25 || status=1
+# The SGLang environment: both contracts and the conformance slice on SGLang, and the
+# SGLang suites (attacks on SGLang servers included).
+run_pytest sglang tests/engines tests/sglang -k "sglang or not contract" -q -rs --durations=25 || status=1
 exit "$status"

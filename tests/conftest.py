@@ -59,8 +59,8 @@ def plugin() -> Iterator[Callable[..., Any]]:
 # used to abort the interpreter's finalisation after the last test (gloo's I/O thread
 # throwing `gloo::IoException` out of C++: SIGABRT, exit status 134, every test passed).
 # The library now releases them at exit (`broadcast._release_parked`; tested by
-# `test_a_process_with_parked_groups_exits_with_its_own_status`), and tests/unit with
-# the security files finalise cleanly (ENGINEHOOKS_TEST_FINALIZE=1: exit 0). The engine
+# `test_a_process_with_parked_groups_exits_with_its_own_status`), and tests/library
+# finalises cleanly (ENGINEHOOKS_TEST_FINALIZE=1: exit 0). The engine
 # suites run vLLM and gloo groups of the engines' own in this interpreter and have not
 # been run that way yet, so the test process still ends with pytest's own exit status,
 # skipping finalisation, unless ENGINEHOOKS_TEST_FINALIZE=1. This hides nothing a test

@@ -1,6 +1,6 @@
 """Corrupted bytes on NCCL are refused before they are applied (issue 26).
 
-The gloo version of this test is `tests/security/test_transport_integrity.py`; NCCL
+The gloo version of this test is `tests/library/transports/test_integrity.py`; NCCL
 shares the receiver (`BroadcastReceiver.stream`, whose `unpacker.verify_digest` is the
 protective line) but moves device buffers, so it gets its own run on two GPUs. The
 sender is the real one with one payload byte flipped after its bucket was sealed
@@ -17,7 +17,7 @@ from enginehooks import WeightSync
 from enginehooks.core.errors import ChecksumError
 from enginehooks.engine.local import LocalEngine
 from enginehooks.transports import broadcast
-from tests.security.test_transport_integrity import corrupting_pack
+from tests.library.transports.test_integrity import corrupting_pack
 
 pytestmark = pytest.mark.gpu
 

@@ -114,7 +114,7 @@ def save_trained(d1: Path, tensors: Path, out: Path) -> Path:
     import torch
     from transformers import AutoModelForCausalLM
 
-    from tests.conformance.cell import save_reference
+    from tests.engines.conformance.cell import save_reference
 
     raw = out.parent / f"{out.name}-export"
     raw.mkdir(parents=True, exist_ok=True)

@@ -220,7 +220,7 @@ def test_two_senders_into_real_vllm_equal_a_fresh_load(model_dirs: dict[str, Pat
                                                         tmp_path: Path) -> None:
     from enginehooks_testkit.engines import first_difference
     from enginehooks_testkit.servers import VLLMServerProcess
-    from tests.contract.test_replica_contract import fresh_outputs
+    from tests.engines.contract.test_replica_contract import fresh_outputs
 
     like = model_dirs["llama"]
     server = VLLMServerProcess(like, tmp_path / "vllm.log")

@@ -69,8 +69,8 @@ from enginehooks_testkit.servers import (
 )
 from enginehooks_testkit.stalling_trainer import HOST_ENV
 from enginehooks_testkit.tiny import hf_greedy, load_tiny, perturb
-from tests.contract import test_replica_contract as rc
-from tests.contract import test_server_contract as sc
+from tests.engines.contract import test_replica_contract as rc
+from tests.engines.contract import test_server_contract as sc
 from tests.multihost.test_vllm_across_hosts import docs_argv, sglang_docs_argv
 from tests.support import have
 
@@ -325,7 +325,7 @@ def test_failed_stream_tears_the_engine_and_the_next_push_repairs_it(
         tmp_path: Path) -> None:
     if engine == "sglang":
         pytest.skip("one more fresh SGLang server for its oracle (minutes on the shared "
-                    "machine); SGLang runs this scenario on one host in tests/contract")
+                    "machine); SGLang runs this scenario on one host in tests/engines/contract")
     rc.test_failed_stream_tears_the_engine_and_the_next_push_repairs_it(
         engine, replicas, model_dirs, tmp_path)
 

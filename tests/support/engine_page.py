@@ -4,7 +4,7 @@ Every ```python block of the page is executed, in order, as one module (`page`):
 reader would get by copying the page. Lines outside the blocks are blanked, not
 dropped, so a traceback names the page's own line numbers. `MinimalEngine` drives it
 for the replica contract suite (registered as the engine "minimal" by
-tests/contract/conftest.py); it adds only what a test driver adds to any engine:
+tests/engines/contract/conftest.py); it adds only what a test driver adds to any engine:
 start from a folder, generate greedily with logprobs.
 """
 
