@@ -15,6 +15,7 @@ from enginehooks import wire
 from enginehooks.core.deadline import Deadline
 from enginehooks.core.errors import ConfigError, ManifestError, ReplicaError
 from enginehooks.engine.contract import INFO, method_name
+from enginehooks.wire.adapters import AdapterUpload
 
 
 class EngineHandle(ABC):
@@ -55,6 +56,18 @@ class EngineHandle(ABC):
     def is_sleeping(self, timeout_s: float) -> bool | None:
         """Whether any of the engine's memory is asleep; None where it cannot say."""
         return None
+
+    # -- LoRA adapters, loaded by the engine's own adapter loader -----------------------
+    def load_adapter(self, upload: AdapterUpload, timeout_s: float) -> str:
+        """Load one version of a LoRA adapter beside the base weights; the model name
+        requests generate with (`name@version`). Raise, changing nothing, if the engine
+        refuses it."""
+        raise ConfigError(f"{self.name}: {type(self).__name__} does not load LoRA adapters "
+                          "(VLLMServer does; or push the adapter merged, as weights)")
+
+    def unload_adapter(self, name: str, version: str, timeout_s: float) -> None:
+        """Stop serving one version of an adapter and forget its files."""
+        raise ConfigError(f"{self.name}: {type(self).__name__} does not load LoRA adapters")
 
     # -- one tagged call -----------------------------------------------------------------
     #: How many answers of earlier calls a handle reads past to find its own

@@ -33,6 +33,7 @@ import torch
 
 from enginehooks import wire
 from enginehooks.control._futures import spawn
+from enginehooks.control.adapters import AdapterReport, AdapterVersions, adapter_upload
 from enginehooks.control.handles import EngineHandle
 from enginehooks.control.senders import Follower, SenderSet, ask_plans, with_send_order
 from enginehooks.core.auth import AuthError, load_secret
@@ -202,6 +203,7 @@ class WeightSync:
                                    self.timeout_s, transport)
                           if senders is not None and not senders.coordinator else None)
         self._last_word: list[Any] = []  # the coordinator's `end`, kept until it completes
+        self._adapters = AdapterVersions()
 
     # -- membership ---------------------------------------------------------------------
     def add_replica(self, handle: EngineHandle) -> None:
@@ -668,6 +670,25 @@ class WeightSync:
             res.ok = True
             res.seconds = max((w.get("seconds", 0.0) for w in out), default=0.0)
             res.stats = {"workers": out}
+
+    def push_adapter(self, model: Any, version: int | str, *, adapter: str = "default",
+                     name: str | None = None, keep: int = 2) -> AdapterReport:
+        """Push PEFT model `model`'s LoRA adapter `adapter` as `version`, unmerged: only
+        the adapter's bytes move, and every replica loads them with the engine's own
+        adapter loader beside its base weights (all replicas, or none). Requests then
+        generate with it as model `report.served` (`name@version`; `name` defaults to the
+        adapter's); the newest `keep` versions stay loaded, older ones are unloaded.
+        Replicas must serve LoRA at runtime (vLLM: `--enable-lora`,
+        `VLLM_ALLOW_RUNTIME_LORA_UPDATING=True`); docs/lora.md."""
+        if self.senders is not None and not self.senders.coordinator:
+            raise ConfigError("push_adapter runs on the coordinator (rank 0) only: an adapter "
+                              "is gathered there, e.g. by PEFT's save_pretrained")
+        with self._lock:
+            if not self._replicas:
+                raise EngineHooksError("push_adapter() with no replica registered "
+                                       "(add_replica first)")
+            upload = adapter_upload(model, version, adapter=adapter, name=name)
+            return self._adapters.push(self._replicas, upload, keep, self.timeout_s)
 
     def close(self) -> None:
         """Leave the group on every replica and close the sender (bounded by timeouts).

@@ -41,7 +41,8 @@ from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
 from enginehooks.core.auth import AuthError, Verifier, configured_server_id, load_secret
-from enginehooks.core.errors import EngineTorn
+from enginehooks.core.errors import ConfigError, EngineHooksError, EngineTorn
+from enginehooks.engine.adapter_store import AdapterStore
 from enginehooks.engine.beacon import Beacon
 from enginehooks.engine.side import refusal_of
 from enginehooks.wire import (
@@ -51,6 +52,7 @@ from enginehooks.wire import (
     server_verifier,
     verify_route,
 )
+from enginehooks.wire.adapters import AdapterUpload
 
 log = logging.getLogger("enginehooks.vllm")
 
@@ -77,6 +79,10 @@ CONTROL_ROUTES = frozenset({
 WEIGHT_INFO = "/weight_info"
 #: What the workers hold, read from their state files without an RPC (never waits).
 STATE_ROUTE = "/enginehooks/state"
+#: A LoRA adapter version uploaded into this server's `AdapterStore` (then loaded through
+#: vLLM's own `/v1/load_lora_adapter`), and its removal: control routes, signed.
+ADAPTER_ROUTE = "/enginehooks/adapter"
+ADAPTER_REMOVE_ROUTE = "/enginehooks/adapter/remove"
 
 
 def route_kind(path: str) -> str:
@@ -212,6 +218,24 @@ def guard_async(engine: Any, beacons: Callable[[], Awaitable[Sequence[str]]]) ->
 
 
 # -- the API server ------------------------------------------------------------------------
+def adapter_answer(state: Any, path: str, body: bytes) -> tuple[dict[str, Any], int]:
+    """Store (or remove) an adapter version: (JSON answer, HTTP status). Bad input is
+    refused with its reason (400) and changes nothing."""
+    try:
+        raw = json.loads(body or b"{}")
+        if getattr(state, "enginehooks_adapters", None) is None:
+            state.enginehooks_adapters = AdapterStore()
+        store: AdapterStore = state.enginehooks_adapters
+        if path.rstrip("/") == ADAPTER_REMOVE_ROUTE:
+            if not isinstance(raw, dict):
+                raise ConfigError("an adapter removal is a JSON object")
+            return {"removed": store.remove(str(raw.get("name")), str(raw.get("version")))}, 200
+        return {"path": str(store.put(AdapterUpload.from_body(raw)))}, 200
+    except (EngineHooksError, ValueError) as e:
+        return {"error": {"message": f"enginehooks: {e}", "type": type(e).__name__,
+                          "code": 400}}, 400
+
+
 def server_id(state: Any) -> str:
     """This server's identity, the audience of its route tokens: `ENGINEHOOKS_SERVER_ID`,
     else the deployment id its workers share (`EngineSide.deployment`, read once at
@@ -284,6 +308,8 @@ class EnginehooksEndpoints:
                                        "VLLMServer signs its calls; vLLM's --api-key does "
                                        "not guard these routes)",
                             "type": "AuthError", "code": 401}})
+                if path.rstrip("/") in (ADAPTER_ROUTE, ADAPTER_REMOVE_ROUTE):
+                    return JSONResponse(*adapter_answer(request.app.state, path, body))
                 return await call_next(request)
             if kind == "read" or not beacons:
                 return await call_next(request)
@@ -306,6 +332,7 @@ class EnginehooksEndpoints:
             return response
 
     async def init_state(self, engine_client: Any, state: Any, args: Namespace) -> None:
+        state.enginehooks_adapters = None  # an AdapterStore, made at the first upload
         state.enginehooks_beacons = []
         state.enginehooks_server_id = configured_server_id()
         if engine_client is None:

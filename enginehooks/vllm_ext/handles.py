@@ -45,7 +45,16 @@ from enginehooks.core.errors import (
     ReplicaError,
 )
 from enginehooks.engine.contract import PREFIX
-from enginehooks.vllm_ext.fail_closed import guard, guard_async
+from enginehooks.vllm_ext.fail_closed import (
+    ADAPTER_REMOVE_ROUTE,
+    ADAPTER_ROUTE,
+    guard,
+    guard_async,
+)
+from enginehooks.wire.adapters import AdapterUpload, served_name
+
+#: vLLM's runtime adapter loader (with --enable-lora and VLLM_ALLOW_RUNTIME_LORA_UPDATING)
+LOAD_LORA_ROUTE = "/v1/load_lora_adapter"
 
 #: vLLM's weight version after a failed update (the engine holds a mix of versions).
 TORN = "torn"
@@ -378,6 +387,31 @@ class VLLMServer(_VLLMHandle):
         out = self._post("/weight_checker", {"action": "compare", "baseline": baseline},
                          timeout_s)
         return list(out["mismatches"])
+
+    # -- LoRA adapters: our upload route, then vLLM's own loader ------------------------
+    def load_adapter(self, upload: AdapterUpload, timeout_s: float) -> str:
+        served = served_name(upload.name, upload.version)
+        stored = self._post(ADAPTER_ROUTE, upload.body(), timeout_s)
+        try:
+            self._identity.post(LOAD_LORA_ROUTE, {"lora_name": served, "lora_path": stored["path"]},
+                                secret=self._secret, headers=self._headers, timeout_s=timeout_s)
+        except HTTPStatusError as e:
+            with contextlib.suppress(EngineHooksError):
+                self._post(ADAPTER_REMOVE_ROUTE, {"name": upload.name, "version": upload.version},
+                           timeout_s)
+            if e.status == 404:
+                raise ConfigError(f"{self.name}: the server loads no LoRA adapter at runtime: "
+                                  "start vLLM with --enable-lora (and --max-lora-rank at least "
+                                  "the adapter's r) and VLLM_ALLOW_RUNTIME_LORA_UPDATING=True"
+                                  ) from None
+            raise ConfigError(f"{self.name}: vLLM refused adapter {served} (nothing changed): "
+                              f"{e}") from None
+        return served
+
+    def unload_adapter(self, name: str, version: str, timeout_s: float) -> None:
+        self._identity.post("/v1/unload_lora_adapter", {"lora_name": served_name(name, version)},
+                            secret=self._secret, headers=self._headers, timeout_s=timeout_s)
+        self._post(ADAPTER_REMOVE_ROUTE, {"name": name, "version": version}, timeout_s)
 
     # -- vLLM's VLLMWeightSyncClient protocol, over vLLM's RL routes -------------------
     def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:

@@ -122,6 +122,15 @@ def test_control_routes_refuse_calls_without_the_enginehooks_token(
             status, text = post(f"{server.url}{path}", {"new_version": "evil",
                                                         "method": "enginehooks_info"}, headers)
             assert status == 401 and "control route" in text, (path, status, text[:300])
+    # our own adapter upload route: refused unsigned, and stores nothing signed by another
+    from enginehooks.vllm_ext.fail_closed import ADAPTER_REMOVE_ROUTE, ADAPTER_ROUTE
+    from enginehooks.wire.adapters import AdapterUpload
+
+    upload = AdapterUpload.of_files("evil", "1", b'{"peft_type": "LORA"}', b"x" * 16).body()
+    for path in (ADAPTER_ROUTE, ADAPTER_REMOVE_ROUTE):
+        for headers in (BEARER, {**BEARER, ROUTE_AUTH_HEADER: wrong}):
+            status, text = post(f"{server.url}{path}", upload, headers)
+            assert status == 401 and "control route" in text, (path, status, text[:300])
     assert get(f"{server.url}/weight_info") == {"weight_version": "good-51"}
     assert get(f"{server.url}/is_paused") == {"is_paused": False}
     assert get(f"{server.url}/is_sleeping") == {"is_sleeping": False}
