@@ -118,7 +118,9 @@ class EngineHandle(ABC):
         """Send one typed request (`wire/`) to every worker."""
         return self.call(request.verb, *request.args(), timeout_s=timeout_s)
 
-    def info(self, timeout_s: float) -> list[dict[str, Any]]:
+    def info(self, timeout_s: float) -> list[wire.WorkerInfo]:
+        """Each worker's `info` answer (what `EngineSide.info` and the engine's binding
+        report), typed as the wire defines it."""
         return self.request(wire.InfoRequest(), timeout_s)
 
     # `auth` is the token of a signed message (`core/auth.py`): required by engines that

@@ -7,6 +7,7 @@ from typing import Any
 from enginehooks.control.handles import EngineHandle
 from enginehooks.core.errors import PushTimeout, ReplicaError
 from enginehooks.ray_ext.calls import raise_reply
+from enginehooks.wire.replies import WorkerInfo
 
 
 class RayEngine(EngineHandle):
@@ -50,7 +51,7 @@ class RayEngine(EngineHandle):
     def rpc(self, method: str, *args: Any, timeout_s: float) -> list[Any]:
         return self._call("rpc", method, *args, timeout_s=timeout_s)
 
-    def info(self, timeout_s: float) -> list[dict[str, Any]]:
+    def info(self, timeout_s: float) -> list[WorkerInfo]:
         return self._call("info", timeout_s=timeout_s)
 
     def join(self, endpoint: dict[str, Any], rank_offset: int, timeout_s: float,

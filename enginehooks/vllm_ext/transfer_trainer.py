@@ -44,6 +44,7 @@ from enginehooks.core.errors import ConfigError, EngineHooksError, ManifestError
 from enginehooks.core.manifest import TensorSpec
 from enginehooks.trainer_side.contract import TrainerAdapter
 from enginehooks.vllm_ext.transfer_engine import BACKEND
+from enginehooks.wire.replies import WorkerInfo
 
 
 @dataclass
@@ -208,16 +209,19 @@ class ClientReplica(EngineHandle):
                           "only; for enginehooks RPCs start vLLM with the worker extension "
                           "and use VLLMEngine / VLLMServer")
 
-    def info(self, timeout_s: float) -> list[dict[str, Any]]:
+    def info(self, timeout_s: float) -> list[WorkerInfo]:
         # vLLM's calls cannot ask the workers: the group is the one this handle joined.
         # `authenticated` is unknown here (None): an engine without the secret refuses
         # the signed join itself (EngineSide._authorize), so a trainer with a secret
         # still never pushes into an engine that would accept anyone's push. The dtype
         # is the init info's (the workers refuse one their loader would not take).
-        info: dict[str, Any] = {"group": self._group, "authenticated": None}
-        if self.dtype is not None:
-            info.update(dtype=self.dtype, wire_dtypes={})
-        return [dict(info, rank=i) for i in range(self.workers)]
+        out: list[WorkerInfo] = []
+        for rank in range(self.workers):
+            info = WorkerInfo(rank=rank, group=self._group, authenticated=None)
+            if self.dtype is not None:
+                info["dtype"], info["wire_dtypes"] = self.dtype, {}
+            out.append(info)
+        return out
 
     def join(self, endpoint: dict[str, Any], rank_offset: int, timeout_s: float,
              auth: str | None = None) -> None:
