@@ -336,6 +336,7 @@ _PROTOCOL_ONLY = """
 - the strings "enginehooks-call:...", "X-Enginehooks-Auth" and "[enginehooks-error:"
 - {"group": ..., "auth": ...}: a leave's message
 - handle.call(<verb>, ...): a verb's arguments built by hand, not from its request
+- class X(Message) / {"op": ...}: a message between trainer ranks (wire/ranks.py)
 """
 _VERB_NAMES = {"INFO", "JOIN", "LEAVE", "CHECK", "RECEIVE", "DIGESTS", "FLUSH"}
 
@@ -361,9 +362,14 @@ def _protocol_offences(source: str) -> list[tuple[int, str]]:
                     (isinstance(n.args[0], ast.Name) and n.args[0].id in _VERB_NAMES)
                     or (isinstance(n.args[0], ast.Constant) and n.args[0].value in VERBS)):
                 out.append((n.lineno, f"call({ast.unparse(n.args[0])}, ...)"))
+        elif isinstance(n, ast.ClassDef) and any(
+                ast.unparse(b).split(".")[-1] == "Message" for b in n.bases):
+            out.append((n.lineno, f"class {n.name}(Message)"))
         elif isinstance(n, ast.Dict):
             keys = {k.value for k in n.keys if isinstance(k, ast.Constant)}
-            if "call" in keys or ("enginehooks" in keys and keys & {"ok", "error"}) \
+            if "op" in keys:
+                out.append((n.lineno, "a trainer-ranks message {'op': ...}"))
+            elif "call" in keys or ("enginehooks" in keys and keys & {"ok", "error"}) \
                     or keys == {"result"} or keys == {"error", "message"} \
                     or keys == {"group", "auth"}:
                 out.append((n.lineno, f"envelope {sorted(map(str, keys))}"))
@@ -398,8 +404,10 @@ h = {"X-Enginehooks-Auth": t}
 mark = "[enginehooks-error:"
 leave = {"group": g, "auth": t}
 self.call(CHECK, manifest, timeout_s=1)
+class Go(channel.Message): pass
+command = {"op": "send", "manifest": m}
 """
-    assert len(_protocol_offences(probe)) == 11, _protocol_offences(probe)
+    assert len(_protocol_offences(probe)) == 13, _protocol_offences(probe)
     root = Path(__file__).resolve().parents[3] / "enginehooks"
     allowed = {root / "core" / "auth.py", *(root / "wire").glob("*.py")}
     offenders = [f"{p.relative_to(root)}:{line}: {what}" for p in sorted(root.rglob("*.py"))
