@@ -60,6 +60,7 @@ from enginehooks.transports.base import (
     JoinReceiver,
     LeaveReceiver,
     Receiver,
+    Target,
     data_plane_error,
 )
 
@@ -111,7 +112,27 @@ class EngineSide:
         self.verifier = Verifier(secret, audience=audience) if secret else None
         self._busy = threading.Lock()
         self._doing: str | None = None  # the verb holding `_busy`
+        #: the engine's own model's apply target and loader checks, while `retarget`
+        #: points updates at another model of the engine (a speculative draft)
+        self._own: tuple[Target, Expectations | None] | None = None
+        self._others: dict[int, tuple[EngineBinding, Target, Expectations]] = {}
         self.binding.state_changed(self.public_state())
+
+    def retarget(self, other: EngineBinding | None) -> None:
+        """Point the next updates at another model the engine holds (a speculative draft
+        model: `other` binds it, with its own loader, checks and verification), or back at
+        the engine's own model (None). Group, version and state stay this worker's: a
+        draft is pushed with the policy, under the policy's version."""
+        if other is None:
+            if self._own is not None:
+                self.target, self._expectations = self._own
+                self._own = None
+            return
+        if self._own is None:
+            self._own = (self.target, self._expectations)
+        if id(other) not in self._others:  # built once: a target keeps its copy plan
+            self._others[id(other)] = (other, other.target(), other.expectations())
+        _, self.target, self._expectations = self._others[id(other)]
 
     def call(self, verb: str, *args: Any) -> Any:
         """Run a contract verb with raw (possibly JSON-text) arguments. With a call id in

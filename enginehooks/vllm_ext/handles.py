@@ -420,6 +420,10 @@ class VLLMServer(_VLLMHandle):
     def start_weight_update(self) -> None:
         self._post("/start_weight_update", None, self.timeout_s)
 
+    def start_draft_weight_update(self) -> None:
+        """Like `start_weight_update`, for the server's speculative draft model."""
+        self._post("/start_draft_weight_update", None, self.timeout_s)
+
     def update_weights(self, update_info: dict[str, Any] | list[dict[str, Any]]) -> None:
         self._post("/update_weights", {"update_info": update_info}, self.timeout_s)
 

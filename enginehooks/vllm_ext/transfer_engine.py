@@ -16,6 +16,8 @@ How vLLM's calls map onto the engine contract (`engine/contract.py`, `EngineSide
 | --------------------------------- | -------------------------------------------------- |
 | `init_weight_transfer_engine`     | `join` the sender's group (`EnginehooksInitInfo`)   |
 | `start_weight_update`             | open a session (nothing moves yet)                  |
+| `start_draft_weight_update`       | the same, for the speculative draft model (its own  |
+|                                   | binding: loader, check, verification; `retarget`)   |
 | `update_weights` phase "check"    | `check`: raises `ManifestError` naming the problems |
 | `update_weights` phase "receive"  | `receive`: check again, stream, apply, verify       |
 | `finish_weight_update`            | close the session (vLLM then records the version)   |
@@ -34,6 +36,7 @@ reports the same version and state (`WorkerExtension._enginehooks_side`).
 
 from __future__ import annotations
 
+import copy
 import functools
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -164,9 +167,9 @@ class EnginehooksWeightTransferEngine(
 
     init_info_cls = EnginehooksInitInfo
     update_info_cls = EnginehooksUpdateInfo
-    # A draft model has its own loader: the manifest check is derived from the main
-    # model's, so draft updates are refused rather than checked against the wrong model.
-    supports_draft_weight_update = False
+    # A speculative draft model (vLLM's `start_draft_weight_update`) is updated through
+    # its own binding: its own loader, manifest check and verification (`retarget`).
+    supports_draft_weight_update = True
 
     def __init__(self, config: WeightTransferConfig, vllm_config: VllmConfig,
                  device: torch.device, model: torch.nn.Module) -> None:
@@ -174,6 +177,24 @@ class EnginehooksWeightTransferEngine(
         self.worker = ModelWorker(vllm_config, device, model)
         self.side = EngineSide(VLLMBinding(self.worker))
         self.in_session = False
+        self._drafts: dict[int, VLLMBinding] = {}
+
+    def set_weight_update_target(self, model: torch.nn.Module, model_config: Any) -> None:
+        """vLLM points a draft session at the speculative draft model: updates then land
+        there, checked against and verified with the draft's own loader and config."""
+        super().set_weight_update_target(model, model_config)
+        if model is self.worker.get_model():
+            self.side.retarget(None)
+            return
+        if id(model) not in self._drafts:
+            config = copy.copy(self.vllm_config)
+            config.model_config = model_config
+            self._drafts[id(model)] = VLLMBinding(ModelWorker(config, self.device, model))
+        self.side.retarget(self._drafts[id(model)])
+
+    def reset_weight_update_target(self) -> None:
+        super().reset_weight_update_target()
+        self.side.retarget(None)
 
     @relays_errors
     def parse_init_info(self, init_dict: dict[str, Any]) -> EnginehooksInitInfo:

@@ -74,6 +74,9 @@ class EnginehooksTrainerInitInfo(TrainerInitInfo):
     device: str | None = None
     transport_options: dict[str, Any] = field(default_factory=dict)
     name: str | None = None
+    #: push into the deployment's speculative draft model (vLLM's
+    #: `start_draft_weight_update`) instead of its main model
+    draft: bool = False
 
     def __post_init__(self) -> None:
         if not isinstance(self.world_size, int) or self.world_size < 2:
@@ -189,12 +192,14 @@ class ClientReplica(EngineHandle):
     """
 
     def __init__(self, client: Any, workers: int, name: str = "vllm",
-                 dtype: str | None = None) -> None:
-        for method in ("init_weight_transfer_engine", "start_weight_update", "update_weights",
+                 dtype: str | None = None, draft: bool = False) -> None:
+        start = "start_draft_weight_update" if draft else "start_weight_update"
+        for method in ("init_weight_transfer_engine", start, "update_weights",
                        "finish_weight_update"):
             if not callable(getattr(client, method, None)):
                 raise ConfigError(f"{client!r} is not a vLLM weight-sync client: it has no "
-                                  f"{method}()")
+                                  f"{method}()" + (" (VLLMServer has)" if draft else ""))
+        self._start = getattr(client, start)
         self.client = client
         self.workers = int(workers)
         self.name = name
@@ -247,7 +252,7 @@ class ClientReplica(EngineHandle):
             # close that session first; this backend holds nothing open in it.
             self.client.finish_weight_update()
             self._in_session = False
-        self.client.start_weight_update()
+        self._start()  # vLLM's start_weight_update, or start_draft_weight_update
         self._in_session = True
         try:
             self.client.update_weights({"manifest": manifest_json, "phase": "check",
@@ -330,7 +335,7 @@ class EnginehooksTrainerWeightTransferEngine(
             device=init_info.device, transport_options=init_info.transport_options)
         name = init_info.name or getattr(client, "name", None) or "vllm"
         sync.add_replica(ClientReplica(client, init_info.world_size - 1, name=str(name),
-                                       dtype=init_info.dtype))
+                                       dtype=init_info.dtype, draft=init_info.draft))
         try:
             sync.connect()
         except BaseException:
