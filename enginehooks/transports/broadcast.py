@@ -85,7 +85,6 @@ from enginehooks.transports.base import (
 )
 from enginehooks.wire.endpoint import GroupEndpoint
 
-
 #: Bucket buffers of a sender on a GPU: the host packs up to `SENDER_SLOTS - 1` buckets
 #: ahead of the wire, each slot freed by a CUDA event after its broadcast (never a host
 #: sync on the stream), so the host's work for the next buckets overlaps the wire.
