@@ -660,6 +660,7 @@ class WeightSync:
             if cause is not None:
                 raise cause from e
             raise
+        report.sender = {"seconds": stats.seconds, **stats.extra}
         if not self.transport.streaming:
             futs = start_receivers(stats.manifest or manifest)
         try:
