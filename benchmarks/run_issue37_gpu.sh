@@ -8,21 +8,21 @@ export PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, 'gpus', torch.cuda.device_count())"
 if [ "$WHAT" = tests ] || [ "$WHAT" = all ]; then
-  timeout 200 python3 -m pytest -p no:cacheprovider -q -m gpu --timeout 90 --durations=10 \
+  timeout 100 python3 -m pytest -p no:cacheprovider -q -m gpu --timeout 90 --durations=10 \
     tests/gpu/test_broadcast_device_checks.py tests/gpu/test_cuda_ipc_doorbell.py \
     tests/gpu/test_gpu_integrity.py tests/gpu/test_fused_copy.py tests/gpu/test_fused_unpack.py \
     tests/gpu/test_gpu_transports.py 2>&1 | tee "$OUT/gpu-tests.log" | tail -40
 fi
 if [ "$WHAT" = bench ] || [ "$WHAT" = all ] || [ "$WHAT" = fused ]; then
-  timeout 60 python3 benchmarks/bench_fused_landing.py --out "$OUT/fused-landing.json" 2>&1 | tail -12
+  timeout 25 python3 benchmarks/bench_fused_landing.py --out "$OUT/fused-landing.json" 2>&1 | tail -12
 fi
 if [ "$WHAT" = bench ] || [ "$WHAT" = all ]; then
-  timeout 150 python3 benchmarks/bench_transports.py --parts nccl cuda_ipc --bucket-mib 1024 256 \
+  timeout 65 python3 benchmarks/bench_transports.py --parts nccl cuda_ipc --bucket-mib 1024 256 \
     --reps 5 --warmup 2 --no-per-tensor --out "$OUT/transports-7b.json" 2>&1 \
     | tee "$OUT/transports-7b.log" | grep -v "^  " | tail -40
 fi
 if [ "$WHAT" = moe ] || [ "$WHAT" = all ]; then
-  timeout 150 python3 benchmarks/bench_transports.py --model qwen3-30b-a3b --parts nccl cuda_ipc \
-    --bucket-mib 1024 256 --reps 5 --warmup 2 --no-per-tensor --out "$OUT/transports-moe.json" 2>&1 \
+  timeout 55 python3 benchmarks/bench_transports.py --model qwen3-30b-a3b --parts nccl cuda_ipc \
+    --bucket-mib 1024 --reps 5 --warmup 2 --no-per-tensor --out "$OUT/transports-moe.json" 2>&1 \
     | tee "$OUT/transports-moe.log" | grep -v "^  " | tail -40
 fi
