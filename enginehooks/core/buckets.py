@@ -31,9 +31,11 @@ from enginehooks.core.manifest import ALIGN, Manifest, TensorEntry
 
 TRAILER_BYTES = 64
 #: `Unpacker.land` runs by default for packed buckets of at least this many pieces, or
-#: whose pieces average at most `FUSED_UNPACK_MAX_PIECE_BYTES` (`fused_landing_pays`)
-FUSED_UNPACK_MIN_PIECES = 64
-FUSED_UNPACK_MAX_PIECE_BYTES = 1 << 62
+#: whose pieces average at most `FUSED_UNPACK_MAX_PIECE_BYTES`, or of at least
+#: `FUSED_UNPACK_MIN_BUCKET_BYTES` (`fused_landing_pays`; measured, see there)
+FUSED_UNPACK_MIN_PIECES = 16
+FUSED_UNPACK_MAX_PIECE_BYTES = 16 << 20
+FUSED_UNPACK_MIN_BUCKET_BYTES = 512 << 20
 #: The longest abort reason a direct bucket's notice may announce.
 MAX_REASON_BYTES = 4096
 _MAGIC = 0x45484231  # "EHB1"
@@ -45,9 +47,12 @@ _MASK64 = (1 << 64) - 1
 def fused_landing_pays(pieces: int, nbytes: int) -> bool:
     """Whether the fused landing (one launch: copies into the destinations and the
     digest) is not slower than a copy per piece plus a digest pass, for a packed bucket
-    of `pieces` pieces and `nbytes` bytes. Chosen from measurements on H100/H200
-    (`benchmarks/bench_fused_landing.py`, results in docs/transports.md)."""
-    return pieces >= FUSED_UNPACK_MIN_PIECES or (
+    of `pieces` pieces and `nbytes` bytes. From `benchmarks/bench_fused_landing.py` on
+    2x H200 (2026-11-27, `benchmarks/results/issue37-run1-h200x2-2026-11-27-fused-landing.json`):
+    the fused launch is 0.01-0.16 x the separate way for pieces of 64 KiB-1 MiB, 0.6-0.77 x
+    for 8 MiB pieces, 0.86-0.88 x for any piece size in 1 GiB buckets, and 1.4 x (slower)
+    only for a 256 MiB bucket of one to four pieces of 64-256 MiB."""
+    return pieces >= FUSED_UNPACK_MIN_PIECES or nbytes >= FUSED_UNPACK_MIN_BUCKET_BYTES or (
         pieces > 0 and nbytes // pieces <= FUSED_UNPACK_MAX_PIECE_BYTES)
 
 
@@ -251,7 +256,9 @@ def pack(
         # the digest goes into the trailer on the device (no host sync per bucket)
         if fused is not None:
             raw = fused.seal(nbytes)
-            if secret is None:
+            if manifest.checksum is None:  # the launch copied; its digest is not wanted
+                write_trailer(b, mid=mid, index=i, nbytes=nbytes, dig=0, secret=secret)
+            elif secret is None:
                 write_trailer_device(b, mid=mid, index=i, nbytes=nbytes, raw=raw)
             else:  # the signature covers the digest: the host reads it
                 write_trailer(b, mid=mid, index=i, nbytes=nbytes,
@@ -342,7 +349,11 @@ class _FusedPack:
 
     @classmethod
     def open(cls, manifest: Manifest, buf: torch.Tensor) -> _FusedPack | None:
-        if (manifest.checksum != "sum64" or buf.device.type != "cuda" or buf.data_ptr() % 64
+        # without a checksum the launch is still one copy for the whole bucket (its
+        # digest is dropped): a MoE bucket of thousands of pieces is one launch, not
+        # thousands of `copy_` calls
+        if (manifest.checksum not in ("sum64", None) or buf.device.type != "cuda"
+                or buf.data_ptr() % 64
                 or os.environ.get("ENGINEHOOKS_FUSED_PACK", "1") == "0"):
             return None
         from enginehooks.core import fused_copy
@@ -623,8 +634,9 @@ class Unpacker:
         pays where a bucket holds many tensors (MoE experts: 1.4 -> 3.0 x faster than
         one broadcast per tensor, with the fused pack) and costs where it holds a few
         large ones (Qwen2.5-7B shapes in 256 MiB buckets: 72 -> 104 ms; neutral at
-        1 GiB). So by default (`ENGINEHOOKS_FUSED_UNPACK=auto`) it runs for buckets of
-        at least `FUSED_UNPACK_MIN_PIECES` pieces; `1` always, `0` never.
+        1 GiB). So by default (`ENGINEHOOKS_FUSED_UNPACK=auto`) it runs where
+        `fused_landing_pays` (measured: all but buckets under 512 MiB of a few pieces
+        over 16 MiB); `1` always, `0` never.
 
         A bad digest raises after bytes landed in the destinations, as for a direct
         bucket: the update fails and the engine side marks the replica torn, as it does
@@ -639,7 +651,7 @@ class Unpacker:
         the caller then verifies and unpacks as before."""
         m = self.manifest
         mode = os.environ.get("ENGINEHOOKS_FUSED_UNPACK", "auto")
-        if (self.into is None or m.checksum != "sum64" or buf.device.type != "cuda"
+        if (self.into is None or m.checksum not in ("sum64", None) or buf.device.type != "cuda"
                 or m.buckets[index].direct or buf.data_ptr() % 4 or mode == "0"
                 or (mode != "1" and not fused_landing_pays(len(self._per_bucket[index]),
                                                            m.buckets[index].nbytes))):
@@ -682,10 +694,12 @@ class Unpacker:
             spans.append((dst, dst + piece.nbytes, True))
         if not placed or _overlap(spans):
             return None
-        # the digest-only runs: every payload byte no copy run reads
+        # the digest-only runs: every payload byte no copy run reads (none without a
+        # checksum: the launch is then only the copies)
         reads: list[tuple[int, int, int]] = []
         end = 0
-        for src, _dst, n, _word in [*sorted(copies), (base + nbytes, 0, 0, 0)]:
+        tail = [] if m.checksum is None else [(base + nbytes, 0, 0, 0)]
+        for src, _dst, n, _word in ([] if m.checksum is None else [*sorted(copies), *tail]):
             if src - base > end:
                 reads.append((base + end, src - base - end, end // 4))
             end = max(end, src - base + n)
@@ -711,6 +725,8 @@ class Unpacker:
             entry, _piece = self._per_bucket[index][pos]
             if len(entry.pieces) > 1:
                 self._partial[entry.name] = whole
+        if m.checksum is None:
+            return placed
         if dig is not None:  # compared on the device, read once per update (`finish`)
             self._want[index] = dig
             return placed

@@ -24,7 +24,8 @@ inside it; each allocation's IPC handle is taken once and announced once, and ea
 receiver opens it once and caches the mapping (cuIpcOpenMemHandle through the driver).
 A push is **one doorbell**: one signed `ready/0` message listing every piece of the
 update once the trainer's stream is exhausted, answered by one signed `ack/0` once the
-receiver's copies are done (option `window_bytes` cuts the update into several
+receiver's copies are done; the receiver resolves its destinations while it waits for
+the doorbell, so that loop overlaps the trainer's stream (option `window_bytes` cuts the update into several
 doorbells, `ready/<w>` / `ack/<w>`, at most two outstanding, to bound how many of the
 stream's temporaries the sender holds). The receiver copies every piece with one launch
 of the fused copy+digest kernel (`core/fused_copy.py`) straight into the target's
@@ -32,8 +33,8 @@ of the fused copy+digest kernel (`core/fused_copy.py`) straight into the target'
 without one it yields views of the trainer's memory, which the target's own load path
 copies (still one copy), and the digest is a read of those views. The sender's digest of
 each (virtual, zero-padded) bucket is a read of its sources on a side stream, launched
-as soon as the bucket's tensors are all there, so it overlaps the rest of the stream and
-the engine's copy rather than preceding it; it travels after the ack (`ready/<last>`),
+right after the doorbell, so it runs beside the engine's copy rather than before it; it
+travels after the ack (`ready/<last>`),
 the receiver compares it with its own and answers one final ack: a corrupted or torn
 bucket ends the update with `ChecksumError` naming it, after its bytes landed (the
 engine is then `torn`, never `current`, as after any failure mid-update). Memory: the
@@ -517,20 +518,18 @@ class CudaIpcSender(ColocatedSender):
                                 "final": 0.0}
         clock = time.perf_counter
 
-        def digest_bucket(k: int) -> None:
-            """The sender's digest of bucket k, read on a side stream as soon as its
-            tensors are all there: it overlaps the rest of the stream and the engine's
-            copy, and is compared after the engine's (`ready/<final>`)."""
-            lo, hi = lay.lo[k], lay.hi[k]
+        def digest_window(w: int, src: np.ndarray, lo: int, hi: int) -> None:
+            """The sender's digest of window w's buckets: one launch on a side stream,
+            after the doorbell went out, so it runs beside the engine's copy instead of
+            delaying it; compared after the engine's ack (`ready/<final>`)."""
             if digests is None or hi == lo:
                 return
             c0 = clock()
-            src = ptrs[lay.p_t[lo:hi]] + lay.p_start[lo:hi]
             dstream.wait_stream(main)
             with torch.cuda.stream(dstream):
                 z = np.zeros(hi - lo, dtype=np.int64)
-                fused.launch(self._tables.get(k, src, z, lay.p_n[lo:hi], lay.p_w[lo:hi], z + k,
-                                              dev, stager), digests, copy=False)
+                fused.launch(self._tables.get(w, src, z, lay.p_n[lo:hi], lay.p_w[lo:hi],
+                                              lay.p_b[lo:hi], dev, stager), digests, copy=False)
             ph["digest_launch"] += clock() - c0
 
         def publish(w: int) -> None:
@@ -549,6 +548,9 @@ class CudaIpcSender(ColocatedSender):
                            self.channel.seal("ready", seq, w, EVERY_RECEIVER, TO_ENGINE, body))  # type: ignore[arg-type]
             self._announce = []
             published = w + 1
+            ph["publish"] += clock() - c0
+            digest_window(w, src, lo, hi)
+            c0 = clock()
             inflight.append(w)
             for k in range(b0, b1):
                 stats.bytes += manifest.buckets[k].nbytes
@@ -569,7 +571,7 @@ class CudaIpcSender(ColocatedSender):
         try:
             it = iter(stream)
             first, last, dtypes = lay.first, lay.last, lay.dtypes
-            current = 0  # the next bucket whose digest is not launched
+            current = 0  # buckets before this one have all their tensors
             w_next = 0  # the next window to publish
             for i, entry in enumerate(lay.tensors):
                 try:
@@ -585,9 +587,8 @@ class CudaIpcSender(ColocatedSender):
                     p = t.data_ptr()
                 ptrs[i] = p
                 fb = first[i]
-                while fb > current:  # buckets before fb are complete
-                    digest_bucket(current)
-                    current += 1
+                if fb > current:  # buckets before fb have all their tensors
+                    current = fb
                     while w_next < n_win and windows[w_next][1] <= current:
                         publish(w_next)
                         w_next += 1
@@ -598,9 +599,6 @@ class CudaIpcSender(ColocatedSender):
             if leftover is not None:
                 raise ManifestError(
                     f"stream yielded {leftover[0]!r}, which the manifest does not plan")
-            while current < n:
-                digest_bucket(current)
-                current += 1
             while w_next < n_win:
                 publish(w_next)
                 w_next += 1
@@ -709,6 +707,9 @@ class CudaIpcReceiver(ColocatedReceiver):
         n = len(manifest.buckets)
         if self.store is None or self._broken or n == 0:
             return super().stream(manifest, into)
+        # Where every tensor lands is resolved before the first message arrives: that loop
+        # (a call into the target per tensor) then overlaps the trainer's stream.
+        pre = self._resolve(manifest, into) if _fused().available(self.device) else None
         # The sender says which way this update travels in its first ready message.
         try:
             # verified (a message there that does not verify is ignored: `_genuine`)
@@ -720,7 +721,7 @@ class CudaIpcReceiver(ColocatedReceiver):
             raise
         if b'"aid"' not in body:
             return super().stream(manifest, into)
-        return self._stream_refs(manifest, into)
+        return self._stream_refs(manifest, into, pre)
 
     def _ready(self, seq: int, index: int, mid: int) -> dict[str, Any]:
         return self._ready_message(seq, index, mid)
@@ -758,8 +759,45 @@ class CudaIpcReceiver(ColocatedReceiver):
         self._base_by_id[aid], self._size_by_id[aid] = ptr, size
         self._known[aid] = True
 
+    def _resolve(self, manifest: Manifest, into: Callable[[str], torch.Tensor | None] | None
+                 ) -> tuple[list[torch.Tensor | None], np.ndarray, np.ndarray, np.ndarray, float]:
+        """Each tensor's destination in the target, where the bytes can land as they are
+        (same dtype and shape, contiguous, on this GPU): (tensors, addresses, has one,
+        needs a rejoin tensor once its first bucket arrives, seconds taken)."""
+        c0 = time.perf_counter()
+        lay = _layout(manifest)
+        T = len(lay.tensors)
+        dests: list[torch.Tensor | None] = [None] * T
+        dptr = np.zeros(T, dtype=np.int64)
+        has = np.zeros(T, dtype=bool)
+        lazy = np.zeros(T, dtype=bool)
+        devidx = self.device.index
+        tensors, dts, memo, split = lay.tensors, lay.dtypes, self._dest_ok, lay.split
+        for i in range(T):
+            e = tensors[i]
+            if not e.pieces:
+                continue
+            d = into(e.name) if into is not None else None
+            p = d.data_ptr() if d is not None else 1
+            if d is not None and memo.get(e.name) == p and d.dtype is dts[i] and (
+                    d.shape == e.shape and d.is_contiguous()):
+                pass  # the same memory as the last push, checked then
+            elif (p % 4 == 0 and d is not None and d.dtype is dts[i]
+                    and d.is_cuda and d.get_device() == devidx
+                    and d.shape == e.shape and d.is_contiguous()):
+                memo[e.name] = p
+            else:
+                lazy[i] = split[i]  # rejoined in a tensor of its own; else views
+                continue
+            dests[i] = d
+            has[i] = True
+            dptr[i] = p
+        return dests, dptr, has, lazy, time.perf_counter() - c0
+
     def _stream_refs(
-        self, manifest: Manifest, into: Callable[[str], torch.Tensor | None] | None
+        self, manifest: Manifest, into: Callable[[str], torch.Tensor | None] | None,
+        pre: tuple[list[torch.Tensor | None], np.ndarray, np.ndarray, np.ndarray, float]
+        | None = None,
     ) -> Generator[tuple[str, torch.Tensor], None, None]:
         fused = _fused()
         if not fused.available(self.device):
@@ -772,17 +810,13 @@ class CudaIpcReceiver(ColocatedReceiver):
         mid = manifest_id(manifest)
         lay = _layout(manifest)
         dev = self.device
-        devidx = dev.index
-        T = len(lay.tensors)
         if self._stager is None:
             self._stager = fused.Stager(dev)
         stager = self._stager
         digests = torch.zeros(n, dtype=torch.int64, device=dev)
-        dests: list[torch.Tensor | None] = [None] * T
-        dptr = np.zeros(T, dtype=np.int64)
-        has = np.zeros(T, dtype=bool)
+        dests, dptr, has, lazy, took = pre if pre is not None else self._resolve(manifest, into)
         w = 0  # the doorbell (window of buckets) being served; its ack is `ack/<w>`
-        ph = self.phases = {"ready": 0.0, "dests": 0.0, "launch": 0.0, "target": 0.0,
+        ph = self.phases = {"ready": 0.0, "dests": took, "launch": 0.0, "target": 0.0,
                             "sync": 0.0, "final": 0.0}
         clock = time.perf_counter
         _Driver.get_driver().context(dev)
@@ -819,29 +853,12 @@ class CudaIpcReceiver(ColocatedReceiver):
                             f"allocations it announced")
                     src = self._base_by_id[aid] + off
                     c0 = clock()
-                    tensors, dts, memo = lay.tensors, lay.dtypes, self._dest_ok
                     for k in range(b0, b1):
-                        for i in lay.starts_in[k]:  # where each tensor lands
-                            e = tensors[i]
-                            d = into(e.name) if into is not None else None
-                            p = d.data_ptr() if d is not None else 1
-                            if d is not None and memo.get(e.name) == p and d.dtype is dts[i] and (
-                                    d.shape == e.shape and d.is_contiguous()):
-                                pass  # the same memory as the last push, checked then
-                            elif (p % 4 == 0 and d is not None and d.dtype is dts[i]
-                                    and d.is_cuda and d.get_device() == devidx
-                                    and d.shape == e.shape and d.is_contiguous()):
-                                memo[e.name] = p
-                            else:
-                                if not lay.split[i]:
-                                    has[i] = False
-                                    dests[i] = None
-                                    continue
-                                d = torch.empty(e.shape, dtype=dts[i], device=dev)  # rejoined
-                                p = d.data_ptr()
-                            dests[i] = d
-                            has[i] = True
-                            dptr[i] = p
+                        for i in lay.starts_in[k]:  # split tensors without a destination
+                            if lazy[i]:
+                                e = lay.tensors[i]
+                                d = torch.empty(e.shape, dtype=lay.dtypes[i], device=dev)
+                                dests[i], has[i], dptr[i] = d, True, d.data_ptr()
                     c1 = clock()
                     ph["dests"] += c1 - c0
                     t_idx = lay.p_t[lo:hi]

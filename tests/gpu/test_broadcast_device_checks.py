@@ -9,6 +9,7 @@ direct buckets. Each test drives the real sender and receiver (`WeightSync` with
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Iterable, Iterator
 
 import pytest
@@ -123,7 +124,12 @@ def test_a_sender_that_fails_mid_stream_ends_the_receivers_update(
         sync.add_replica(engine)
         with pytest.raises(RuntimeError, match="trainer stream broke"):
             sync.push(trainer, version=1)
+        # the engine's receive ends on its own thread (leaving an NCCL group takes a moment)
+        deadline = time.monotonic() + 20
+        while engine.side.state == "updating" and time.monotonic() < deadline:
+            time.sleep(0.05)
         assert engine.side.state == "torn"
+        assert "trainer stream broke" in (engine.side.last_error or "")  # the notice, read
         monkeypatch.setattr(broadcast, "pack", real)
         sync.push(trainer, version=2)
         torch.cuda.synchronize()
