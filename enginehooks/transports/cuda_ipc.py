@@ -278,7 +278,7 @@ class _TableCache:
     def get(self, k: int, src: np.ndarray, dst: np.ndarray, nb: np.ndarray, w: np.ndarray,
             bucket: np.ndarray, dev: torch.device, stager: Any) -> Any:
         fused = _fused()
-        key = (src, dst, nb, w)
+        key = (src, dst, nb, w, bucket)
         hit = self.by_bucket.get(k)
         if hit is not None and all(a.shape == b.shape and np.array_equal(a, b)
                                    for a, b in zip(hit[0], key, strict=True)):
