@@ -415,8 +415,8 @@ class BroadcastSender(Sender):
                 trailer = buf[-TRAILER_BYTES:]
                 text = direct_abort(trailer, mid, index, reason, self.secret)
                 bcast(self.pg, trailer, self.timeout_s).wait()
-                if text.numel():
-                    bcast(self.pg, text, self.timeout_s).wait()
+                if text.numel():  # where the group's buffers live (NCCL: the GPU)
+                    bcast(self.pg, text.to(buf.device), self.timeout_s).wait()
                 return
             write_abort(buf, mid, index, reason, self.secret)
             bcast(self.pg, buf, self.timeout_s).wait()
