@@ -9,11 +9,17 @@ communication stream), so packing can never tear bytes still being sent.
 
 NCCL specifics (what each guards against):
 - `Work.wait()` on NCCL does not block the host; it only makes the current stream wait.
-  A host that then syncs (a digest, the trailer read) would block inside CUDA where
-  neither the coordinator's `Abort` nor our timeout can reach it. So after each
-  `Work.wait()` we record an event and wait for it on a helper thread, while this
-  thread waits on the `Abort` condition with `timeout_s`: a dead peer becomes a
-  `TransportError` and `pg.abort()`, which also releases the helper.
+  A host that then syncs would block inside CUDA where neither the coordinator's `Abort`
+  nor our timeout can reach it. So every wait for a collective is a wait for a CUDA
+  event, polled (`host_wait`) against the `Abort` condition and `timeout_s`: a dead peer
+  becomes a `TransportError` and `pg.abort()`.
+- No host sync per bucket (issue 37): the event of each collective is recorded on a side
+  stream (`Arrivals`), so it marks that collective alone, not the work queued on the
+  current stream after it (later packs on the sender, the target's copies on a
+  receiver); a bucket's trailer is copied to pinned memory on the same side stream, so
+  the receiver reads it without a sync; with `sum64` on a GPU digests are compared on the
+  device and read once per push (`Unpacker.finish`). A GPU sender has `SENDER_SLOTS`
+  buffers and packs ahead of the wire while earlier broadcasts are in flight.
 - NCCL's own watchdog kills the whole process when a collective outlives the group's
   timeout. The group is therefore built with a longer timeout than ours
   (`_nccl_timeout`), so our error path, not a process teardown, ends a stuck update.
@@ -31,7 +37,8 @@ and the primitives it is built from (`bcast`, `wait_work`, `wait_within`, `host_
 `bury`) are public for that module. A whole transfer is bounded by the package's one
 `Deadline` (`core/deadline.py`).
 
-Direct buckets (gloo, `GlooTransport.direct_min` in `collectives.py`; see `core/manifest.py`): the sender
+Direct buckets (gloo, and nccl for tensors that fill a bucket: `direct_min` in
+`collectives.py`; see `core/manifest.py`): the sender
 broadcasts the bucket's trailer, then the payload from the tensor's own storage (no
 packing copy); the receiver checks the trailer (signature, update, index, size, or an
 abort notice whose reason follows as its own message) before it posts the payload's
