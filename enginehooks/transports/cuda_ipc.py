@@ -857,8 +857,8 @@ class CudaIpcReceiver(ColocatedReceiver):
                         for i in lay.starts_in[k]:  # split tensors without a destination
                             if lazy[i]:
                                 e = lay.tensors[i]
-                                d = torch.empty(e.shape, dtype=lay.dtypes[i], device=dev)
-                                dests[i], has[i], dptr[i] = d, True, d.data_ptr()
+                                rj = torch.empty(e.shape, dtype=lay.dtypes[i], device=dev)
+                                dests[i], has[i], dptr[i] = rj, True, rj.data_ptr()
                     c1 = clock()
                     ph["dests"] += c1 - c0
                     t_idx = lay.p_t[lo:hi]
