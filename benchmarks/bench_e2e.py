@@ -165,7 +165,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--heads", type=int, default=28)
     ap.add_argument("--kv-heads", type=int, default=4)
     ap.add_argument("--vocab", type=int, default=152064)
-    ap.add_argument("--bucket-mib", type=int, default=1024)
+    ap.add_argument("--bucket-mib", type=int, default=None,
+                    help="bucket size (default: the transport's default_bucket_bytes)")
     ap.add_argument("--checksums", nargs="+", default=["sum64", "none"])
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--warmup", type=int, default=1)
@@ -223,7 +224,8 @@ def main(argv: list[str] | None = None) -> int:
     version = 0
     try:
         for cs in args.checksums:
-            sync = WeightSync(transport="cuda_ipc", bucket_bytes=args.bucket_mib << 20,
+            sync = WeightSync(transport="cuda_ipc",
+                              bucket_bytes=args.bucket_mib << 20 if args.bucket_mib else None,
                               timeout_s=600, device=device,
                               checksum=None if cs == "none" else cs)
             sync.add_replica(replica)
@@ -234,7 +236,12 @@ def main(argv: list[str] | None = None) -> int:
                 nonlocal version
                 version += 1
                 r = push(model, version, sync=sync)
-                reports.append({"phases": dict(r.phases), "bytes": r.bytes})
+                reports.append({
+                    "phases": dict(r.phases), "bytes": r.bytes,
+                    # both sides of the transfer: the trainer's sender, each engine worker
+                    "sender_phases_ms": r.sender.get("phases_ms"),
+                    "receiver_phases_ms": [w.get("phases_ms") for rr in r.replicas
+                                           for w in rr.stats.get("workers", [])]})
 
             item = med(once)
             prof = os.environ.get("ENGINEHOOKS_BENCH_PROFILE")
@@ -255,7 +262,11 @@ def main(argv: list[str] | None = None) -> int:
             item.update(checksum=cs, bit_exact=ok,
                         transfer_seconds_median=statistics.median(
                             r["phases"].get("transfer", float("nan")) for r in reports),
-                        phases_last=reports[-1]["phases"])
+                        phases_last=reports[-1]["phases"],
+                        sender_phases_ms_last=reports[-1]["sender_phases_ms"],
+                        receiver_phases_ms_last=reports[-1]["receiver_phases_ms"],
+                        phases_ms={"sender": reports[-1]["sender_phases_ms"],
+                                   "receivers": reports[-1]["receiver_phases_ms"]})
             res["items"][f"push[checksum={cs}]"] = item
             sync.close()
             print(f"push checksum={cs}: {item['seconds_median'] * 1e3:.1f} ms (transfer "

@@ -398,8 +398,17 @@ class Driver:
     def stream(self) -> Iterator[tuple[str, torch.Tensor]]:
         return iter(self.params.items())
 
-    def manifest(self, bucket: int, checksum: str | None, version: int = 1) -> Manifest:
-        return plan(self.specs, weight_version=version, bucket_bytes=bucket, checksum=checksum)
+    def manifest(self, bucket: int, checksum: str | None, version: int = 1,
+                 transport: str | None = None) -> Manifest:
+        """The update as `WeightSync` plans it for `transport` (its direct buckets too);
+        without one, every bucket packed (the raw baselines' cut)."""
+        direct_min = None
+        if transport is not None:
+            from enginehooks.plugins import get_transport
+
+            direct_min = get_transport(transport).direct_min
+        return plan(self.specs, weight_version=version, bucket_bytes=bucket, checksum=checksum,
+                    direct_min=direct_min)
 
     def raw_broadcast(self, who: list[str], bucket: int, tag: str) -> None:
         """Raw NCCL broadcast of the same bytes, cut at the same bucket size."""
@@ -469,7 +478,7 @@ class Driver:
         recv_seconds: dict[str, list[float]] = {}
         try:
             for checksum in checksums:
-                m = self.manifest(bucket, checksum)
+                m = self.manifest(bucket, checksum, transport=transport)
                 text = m.to_json()
                 rs: list[float] = []
 
@@ -656,6 +665,12 @@ def summarize(res: dict[str, Any]) -> dict[str, Any]:
         raw = items.get(f"raw_broadcast[{tag}]")
         if raw:
             out[f"{key} / raw_broadcast"] = raw["seconds_median"] / v["seconds_median"]
+    raws = [v["seconds_median"] for k, v in items.items()
+            if k.startswith("raw_broadcast[") and ",r1" in k and "seconds_median" in v]
+    if raws:  # the fastest raw cut of the same bytes: what the wire can do in this run
+        for key, v in items.items():
+            if key.startswith(("nccl[", "gloo[")) and ",r1," in key:
+                out[f"{key} / best raw_broadcast"] = min(raws) / v["seconds_median"]
     for key, v in items.items():
         if key.startswith(("cuda_ipc[", "shm[")) and "raw_device_copy" in items:
             out[f"{key} / raw_device_copy"] = (
@@ -705,7 +720,9 @@ def print_table(res: dict[str, Any]) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--bucket-mib", type=float, nargs="+", default=[2048, 1024, 256])
+    ap.add_argument("--bucket-mib", type=float, nargs="+", default=[1024, 512, 256],
+                    help="bucket sizes; the first is the GPU transports' default "
+                         "(default_bucket_bytes)")
     ap.add_argument("--checksums", nargs="+", default=["none", "sum64"],
                     help="checksums for the enginehooks runs: none, sum64, crc32")
     ap.add_argument("--reps", type=int, default=7)

@@ -117,7 +117,9 @@ class WeightSync:
         transport: a registered transport name ("gloo", "nccl", "disk", plugins').
         host, port: where the rendezvous store listens (loopback by default; port 0
             picks a free one). Engines must reach it.
-        bucket_bytes: size of one bucket; two buckets per side bound the extra memory.
+        bucket_bytes: size of one bucket; two or three buckets per side bound the extra
+            memory. Default: the transport's `default_bucket_bytes` (chosen by measurement:
+            1 GiB for nccl and cuda_ipc, 256 MiB for the others).
         timeout_s: the longest any one phase may take; every wait uses it.
         checksum: bucket digest the receivers verify: "auto" (the transport's default:
             xxh3 for host buffers, sum64 computed on the GPU for nccl/cuda_ipc), "xxh3",
@@ -154,7 +156,7 @@ class WeightSync:
         *,
         host: str = "127.0.0.1",
         port: int = 0,
-        bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+        bucket_bytes: int | None = None,
         timeout_s: float = 120.0,
         checksum: str | None = "auto",
         dtype: torch.dtype | str | None = None,
@@ -177,7 +179,8 @@ class WeightSync:
             checksum = self.transport.default_checksum
         check_name(checksum)
         self.host, self.port = host, port
-        self.bucket_bytes = int(bucket_bytes)
+        self.bucket_bytes = int(bucket_bytes if bucket_bytes is not None
+                                else self.transport.default_bucket_bytes)
         self.timeout_s = float(timeout_s)
         self.checksum = checksum
         self.dtype = torch_dtype(dtype) if isinstance(dtype, str) else dtype
@@ -659,6 +662,7 @@ class WeightSync:
             if cause is not None:
                 raise cause from e
             raise
+        report.sender = {"seconds": stats.seconds, **stats.extra}
         if not self.transport.streaming:
             futs = start_receivers(stats.manifest or manifest)
         try:

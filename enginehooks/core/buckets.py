@@ -30,14 +30,30 @@ from enginehooks.core.errors import ChecksumError, ManifestError, SenderAborted,
 from enginehooks.core.manifest import ALIGN, Manifest, TensorEntry
 
 TRAILER_BYTES = 64
-#: `Unpacker.land` runs by default for packed buckets of at least this many pieces
-FUSED_UNPACK_MIN_PIECES = 64
+#: `Unpacker.land` runs by default for packed buckets of at least this many pieces, or
+#: whose pieces average at most `FUSED_UNPACK_MAX_PIECE_BYTES`, or of at least
+#: `FUSED_UNPACK_MIN_BUCKET_BYTES` (`fused_landing_pays`; measured, see there)
+FUSED_UNPACK_MIN_PIECES = 16
+FUSED_UNPACK_MAX_PIECE_BYTES = 16 << 20
+FUSED_UNPACK_MIN_BUCKET_BYTES = 512 << 20
 #: The longest abort reason a direct bucket's notice may announce.
 MAX_REASON_BYTES = 4096
 _MAGIC = 0x45484231  # "EHB1"
 STATUS_OK = 0
 STATUS_ABORT = 1
 _MASK64 = (1 << 64) - 1
+
+
+def fused_landing_pays(pieces: int, nbytes: int) -> bool:
+    """Whether the fused landing (one launch: copies into the destinations and the
+    digest) is not slower than a copy per piece plus a digest pass, for a packed bucket
+    of `pieces` pieces and `nbytes` bytes. From `benchmarks/bench_fused_landing.py` on
+    2x H200 (2026-11-27, `benchmarks/results/issue37-run1-h200x2-2026-11-27-fused-landing.json`):
+    the fused launch is 0.01-0.16 x the separate way for pieces of 64 KiB-1 MiB, 0.6-0.77 x
+    for 8 MiB pieces, 0.86-0.88 x for any piece size in 1 GiB buckets, and 1.4 x (slower)
+    only for a 256 MiB bucket of one to four pieces of 64-256 MiB."""
+    return pieces >= FUSED_UNPACK_MIN_PIECES or nbytes >= FUSED_UNPACK_MIN_BUCKET_BYTES or (
+        pieces > 0 and nbytes // pieces <= FUSED_UNPACK_MAX_PIECE_BYTES)
 
 
 def message_bytes(payload: int) -> int:
@@ -71,6 +87,45 @@ def _to_i64(v: int) -> int:
     return v - (1 << 64) if v >= 1 << 63 else v
 
 
+class _PinnedRing:
+    """Small pinned host rows for non-blocking uploads of trailers (and reads of them)
+    on one device: a row is reused `ROWS` uploads later, when the copy that used it has
+    long completed (its event is checked, so reuse never races). A pageable copy would
+    make the host wait for the stream (a sync per bucket)."""
+
+    ROWS = 64
+
+    def __init__(self) -> None:
+        self.host = torch.empty((self.ROWS, TRAILER_BYTES // 8), dtype=torch.int64).pin_memory()
+        self.done: list[torch.cuda.Event | None] = [None] * self.ROWS
+        self.k = 0
+
+    def upload(self, fields: list[int], dst: torch.Tensor) -> None:
+        k = self.k
+        self.k = (k + 1) % self.ROWS
+        ev = self.done[k]
+        if ev is not None:
+            ev.synchronize()
+        self.host[k].numpy()[:] = fields
+        dst.copy_(self.host[k].view(torch.uint8), non_blocking=True)
+        ev = torch.cuda.Event()
+        ev.record()
+        self.done[k] = ev
+
+
+_RINGS: dict[tuple[torch.device, int], _PinnedRing] = {}
+
+
+def _ring(device: torch.device) -> _PinnedRing:
+    import threading
+
+    key = (device, threading.get_ident())
+    r = _RINGS.get(key)
+    if r is None:
+        r = _RINGS[key] = _PinnedRing()
+    return r
+
+
 def write_trailer(
     buf: torch.Tensor, *, mid: int, index: int, nbytes: int, dig: int, status: int = STATUS_OK,
     secret: bytes | None = None,
@@ -78,18 +133,47 @@ def write_trailer(
     """The bucket's last 64 bytes: magic, status, update id, index, size, digest, and,
     with a shared secret, an HMAC of those (`core/auth.py`)."""
     mac = bucket_mac(secret, mid, index, nbytes, dig) if secret else (0, 0)
-    fields = torch.tensor(
-        [_MAGIC, status, mid, index, nbytes, _to_i64(dig), *mac], dtype=torch.int64
-    )
-    buf[-TRAILER_BYTES:].copy_(fields.view(torch.uint8), non_blocking=False)
+    fields = [_MAGIC, status, mid, index, nbytes, _to_i64(dig), *mac]
+    if buf.device.type == "cuda":  # through pinned memory: the host does not wait
+        with torch.cuda.device(buf.device):
+            _ring(buf.device).upload(fields, buf[-TRAILER_BYTES:])
+        return
+    buf[-TRAILER_BYTES:].copy_(torch.tensor(fields, dtype=torch.int64).view(torch.uint8))
+
+
+def write_trailer_device(buf: torch.Tensor, *, mid: int, index: int, nbytes: int,
+                         raw: torch.Tensor) -> None:
+    """The trailer of a bucket whose `sum64` is still on the device: `raw` (int64 [1],
+    the weighted sum without the length term) is finished and written into the digest
+    field by the device, after the pack that computes it, so the host never waits for
+    the pack. Unsigned only: a signature covers the digest, which the host would then
+    have to read (`pack` does, with a secret)."""
+    t64 = buf[-TRAILER_BYTES:].view(torch.int64)
+    write_trailer(buf, mid=mid, index=index, nbytes=nbytes, dig=0)
+    torch.bitwise_xor(raw.view(1), _to_i64(nbytes << 40), out=t64[5:6])
+
+
+def finish_sum64(raw: int, nbytes: int) -> int:
+    """`sum64`'s value from the weighted sum of a bucket's words and its length."""
+    return ((raw & _MASK64) ^ (nbytes << 40)) & _MASK64
+
+
+def parse_trailer(raw: list[int]) -> tuple[int, int, int, int, int, tuple[int, int]]:
+    """(status, manifest id, index, nbytes, digest, mac) of a trailer's eight int64."""
+    if raw[0] != _MAGIC:
+        raise TransportError("received a bucket without an enginehooks trailer (bad magic)")
+    return raw[1], raw[2], raw[3], raw[4], raw[5] & _MASK64, (raw[6], raw[7])
 
 
 def read_trailer(buf: torch.Tensor) -> tuple[int, int, int, int, int, tuple[int, int]]:
     """(status, manifest id, index, nbytes, digest, mac) of a filled buffer."""
-    raw = buf[-TRAILER_BYTES:].cpu().view(torch.int64).tolist()
-    if raw[0] != _MAGIC:
-        raise TransportError("received a bucket without an enginehooks trailer (bad magic)")
-    return raw[1], raw[2], raw[3], raw[4], raw[5] & _MASK64, (raw[6], raw[7])
+    return parse_trailer(read_trailer_raw(buf))
+
+
+def read_trailer_raw(buf: torch.Tensor) -> list[int]:
+    """The eight int64 of `buf`'s trailer, read to the host."""
+    raw: list[int] = buf[-TRAILER_BYTES:].cpu().view(torch.int64).tolist()
+    return raw
 
 
 def write_abort(buf: torch.Tensor, mid: int, index: int, reason: str,
@@ -168,9 +252,20 @@ def pack(
         nonlocal fused, buf
         b = buf if buf is not None else open_bucket(i)  # a bucket with no pieces
         nbytes = manifest.buckets[i].nbytes
-        # fused: the copies and the digest in one pass, launched now
-        dig = fused.seal(nbytes) if fused is not None else digest(manifest.checksum, b[:nbytes])
-        write_trailer(b, mid=mid, index=i, nbytes=nbytes, dig=dig, secret=secret)
+        # fused: the copies and the digest in one pass, launched now; without a secret
+        # the digest goes into the trailer on the device (no host sync per bucket)
+        if fused is not None:
+            raw = fused.seal(nbytes)
+            if manifest.checksum is None:  # the launch copied; its digest is not wanted
+                write_trailer(b, mid=mid, index=i, nbytes=nbytes, dig=0, secret=secret)
+            elif secret is None:
+                write_trailer_device(b, mid=mid, index=i, nbytes=nbytes, raw=raw)
+            else:  # the signature covers the digest: the host reads it
+                write_trailer(b, mid=mid, index=i, nbytes=nbytes,
+                              dig=finish_sum64(int(raw.item()), nbytes), secret=secret)
+        else:
+            write_trailer(b, mid=mid, index=i, nbytes=nbytes,
+                          dig=digest(manifest.checksum, b[:nbytes]), secret=secret)
         buf, fused = None, None
         return i, b
 
@@ -180,8 +275,14 @@ def pack(
         if payload.device != b.device:
             b[:nbytes].copy_(payload)
             payload = b[:nbytes]
-        dig = digest(manifest.checksum, payload)
-        write_trailer(b, mid=mid, index=i, nbytes=nbytes, dig=dig, secret=secret)
+        if _device_sum64(manifest.checksum, payload) and secret is None:
+            from enginehooks.core.checksums import sum64_tensor
+
+            write_trailer_device(b, mid=mid, index=i, nbytes=nbytes,
+                                 raw=sum64_tensor(payload))
+        else:
+            dig = digest(manifest.checksum, payload)
+            write_trailer(b, mid=mid, index=i, nbytes=nbytes, dig=dig, secret=secret)
         return i, payload
 
     if not n_buckets:  # only zero-size tensors: they travel in no bucket
@@ -220,6 +321,12 @@ def pack(
         index += 1
 
 
+def _device_sum64(checksum: str | None, buf: torch.Tensor) -> bool:
+    """Whether `buf`'s digest is `sum64` computed where it lies, on a GPU (it can then
+    stay on the device: written into a trailer by the device, compared by the device)."""
+    return checksum == "sum64" and buf.device.type == "cuda"
+
+
 class _FusedPack:
     """Packing one bucket on a CUDA device with the fused copy+digest kernel
     (`core/fused_copy.py`): the pieces' copies wait until the bucket is sealed and run as
@@ -242,7 +349,11 @@ class _FusedPack:
 
     @classmethod
     def open(cls, manifest: Manifest, buf: torch.Tensor) -> _FusedPack | None:
-        if (manifest.checksum != "sum64" or buf.device.type != "cuda" or buf.data_ptr() % 64
+        # without a checksum the launch is still one copy for the whole bucket (its
+        # digest is dropped): a MoE bucket of thousands of pieces is one launch, not
+        # thousands of `copy_` calls
+        if (manifest.checksum not in ("sum64", None) or buf.device.type != "cuda"
+                or buf.data_ptr() % 64
                 or os.environ.get("ENGINEHOOKS_FUSED_PACK", "1") == "0"):
             return None
         from enginehooks.core import fused_copy
@@ -269,7 +380,7 @@ class _FusedPack:
         self.read_runs.append((self.base + offset, nbytes, offset // 4))
         self.covered.append((offset, nbytes))
 
-    def seal(self, nbytes: int) -> int:
+    def seal(self, nbytes: int) -> torch.Tensor:
         import numpy as np
 
         from enginehooks.core import fused_copy
@@ -291,19 +402,21 @@ class _FusedPack:
             end = max(end, off + n)
         digests = torch.zeros(1, dtype=torch.int64, device=dev)
         with torch.cuda.device(dev):
+            stager = fused_copy.stager_for(dev)
             for runs in (self.copy_runs, gaps):  # apart: the pieces' launch stays aligned
                 if runs:
                     a = np.asarray(runs, dtype=np.int64)
                     fused_copy.launch(fused_copy.build(a[:, 0], a[:, 1], a[:, 2], a[:, 3],
-                                                       np.zeros(len(a), dtype=np.int64), dev),
+                                                       np.zeros(len(a), dtype=np.int64), dev,
+                                                       stager),
                                       digests, copy=True, pad=True)
             if self.read_runs:
                 r = np.asarray(self.read_runs, dtype=np.int64)
                 z = np.zeros(len(r), dtype=np.int64)
-                fused_copy.launch(fused_copy.build(r[:, 0], z, r[:, 1], r[:, 2], z, dev),
+                fused_copy.launch(fused_copy.build(r[:, 0], z, r[:, 1], r[:, 2], z, dev, stager),
                                   digests, copy=False)
         self.refs.clear()
-        return ((int(digests.item()) & _MASK64) ^ (nbytes << 40)) & _MASK64
+        return digests  # the weighted sum, on the device (`finish_sum64` adds the length)
 
 
 def _next(it: Iterator[tuple[str, torch.Tensor]], entry: TensorEntry) -> tuple[str, torch.Tensor]:
@@ -354,6 +467,64 @@ class Unpacker:
         self._per_bucket = manifest.by_bucket()
         self._partial: dict[str, torch.Tensor] = {}
         self._empty = [t for t in manifest.tensors if not t.pieces]
+        # deferred digests (`defer`): each bucket's weighted sum as the device computed
+        # it, and the value its trailer announced; compared by `finish`, once per push
+        self._sums: torch.Tensor | None = None
+        self._want: dict[int, int] = {}
+
+    def defer(self) -> bool:
+        """Whether this update's digests are compared on the device and read once, by
+        `finish` (`sum64` on a GPU), rather than bucket by bucket on the host."""
+        return self.manifest.checksum == "sum64" and self.device.type == "cuda"
+
+    def _sum_slot(self, index: int) -> torch.Tensor:
+        """Bucket `index`'s slot (int64 [1], zero) in the device vector of sums."""
+        if self._sums is None:
+            self._sums = torch.zeros(len(self.manifest.buckets), dtype=torch.int64,
+                                     device=self.device)
+        return self._sums[index : index + 1]
+
+    def defer_digest(self, index: int, payload: torch.Tensor, dig: int) -> None:
+        """Digest bucket `index`'s payload on the device; `dig` (its trailer's) is
+        compared by `finish`."""
+        from enginehooks.core.checksums import sum64_tensor
+
+        self._sum_slot(index).add_(sum64_tensor(payload).view(1))
+        self._want[index] = dig
+
+    def finish(self) -> None:
+        """Compare every deferred digest of the update at once (the one host read of the
+        push): a mismatch raises `ChecksumError` naming the first bad bucket. The bytes
+        have landed by then; the caller's failure makes the engine side mark the
+        replica torn, as for any failure once data moved."""
+        if not self._want:
+            return
+        assert self._sums is not None
+        wanted, self._want = self._want, {}
+        idx = sorted(wanted)
+        n = self.manifest.buckets
+        want = torch.tensor([_to_i64(wanted[k] ^ (n[k].nbytes << 40)) for k in idx],
+                            dtype=torch.int64)
+        got = self._sums[torch.tensor(idx, device=self.device)].cpu()
+        bad = (got != want).nonzero().flatten().tolist()
+        if bad:
+            k = idx[bad[0]]
+            mine = finish_sum64(int(got[bad[0]]), n[k].nbytes)
+            raise ChecksumError(
+                f"bucket {k}: sum64 {mine:#x} != sender's {wanted[k]:#x} (compared on the "
+                f"device once the update's bytes had landed; {len(bad)} bad bucket(s)); "
+                f"tensors {[e.name for e, _ in self._per_bucket[k]][:4]}..."
+            )
+
+    def verify_raw(self, index: int, raw: list[int]) -> tuple[int, int]:
+        """`verify(..., check_digest=False)` of a trailer already on the host (its eight
+        int64, read without a sync by the receive loop): (nbytes, digest)."""
+        status, mid, got_index, nbytes, dig, mac = parse_trailer(raw)
+        self._check_mac(index, mid, got_index, nbytes, dig, mac)
+        if status == STATUS_ABORT:
+            return -1 - nbytes, dig
+        self._check_fields(index, mid, got_index, nbytes)
+        return nbytes, dig
 
     def empties(self) -> Iterator[tuple[str, torch.Tensor]]:
         """Zero-size tensors, which travel in no bucket (yielded with bucket 0)."""
@@ -379,15 +550,20 @@ class Unpacker:
         update, index and size are checked before the payload may be received into a
         destination. Returns -1, or, for an abort notice, the length of the sender's
         reason, which follows as a message of its own (`aborted`)."""
-        status, mid, got_index, nbytes, dig, mac = read_trailer(trailer)
+        return self.check_header_raw(index, read_trailer_raw(trailer))[0]
+
+    def check_header_raw(self, index: int, raw: list[int]) -> tuple[int, int]:
+        """`check_header` of a trailer already on the host (its eight int64): (-1 or
+        the abort reason's length, the digest it announces)."""
+        status, mid, got_index, nbytes, dig, mac = parse_trailer(raw)
         self._check_mac(index, mid, got_index, nbytes, dig, mac)
         if status == STATUS_ABORT:
             if nbytes > MAX_REASON_BYTES:
                 raise TransportError(f"abort notice of bucket {index} announces a reason of "
                                      f"{nbytes} bytes (at most {MAX_REASON_BYTES})")
-            return nbytes
+            return nbytes, dig
         self._check_fields(index, mid, got_index, nbytes)
-        return -1
+        return -1, dig
 
     def aborted(self, reason: torch.Tensor) -> None:
         """Raise the sender's abort notice, whose reason is `reason`'s bytes."""
@@ -442,7 +618,8 @@ class Unpacker:
             return None
         return whole[piece.start : piece.start + piece.nbytes]
 
-    def land(self, index: int, buf: torch.Tensor) -> dict[int, torch.Tensor] | None:
+    def land(self, index: int, buf: torch.Tensor, dig: int | None = None
+             ) -> dict[int, torch.Tensor] | None:
         """Fused verify-and-copy of packed bucket `index`, received in `buf` (CUDA,
         `sum64`): every piece whose destination the target offers (`into`, as for a
         rejoined tensor: same dtype, shape, contiguous, on this device) is copied from
@@ -457,8 +634,9 @@ class Unpacker:
         pays where a bucket holds many tensors (MoE experts: 1.4 -> 3.0 x faster than
         one broadcast per tensor, with the fused pack) and costs where it holds a few
         large ones (Qwen2.5-7B shapes in 256 MiB buckets: 72 -> 104 ms; neutral at
-        1 GiB). So by default (`ENGINEHOOKS_FUSED_UNPACK=auto`) it runs for buckets of
-        at least `FUSED_UNPACK_MIN_PIECES` pieces; `1` always, `0` never.
+        1 GiB). So by default (`ENGINEHOOKS_FUSED_UNPACK=auto`) it runs where
+        `fused_landing_pays` (measured: all but buckets under 512 MiB of a few pieces
+        over 16 MiB); `1` always, `0` never.
 
         A bad digest raises after bytes landed in the destinations, as for a direct
         bucket: the update fails and the engine side marks the replica torn, as it does
@@ -473,9 +651,10 @@ class Unpacker:
         the caller then verifies and unpacks as before."""
         m = self.manifest
         mode = os.environ.get("ENGINEHOOKS_FUSED_UNPACK", "auto")
-        if (self.into is None or m.checksum != "sum64" or buf.device.type != "cuda"
+        if (self.into is None or m.checksum not in ("sum64", None) or buf.device.type != "cuda"
                 or m.buckets[index].direct or buf.data_ptr() % 4 or mode == "0"
-                or (mode != "1" and len(self._per_bucket[index]) < FUSED_UNPACK_MIN_PIECES)):
+                or (mode != "1" and not fused_landing_pays(len(self._per_bucket[index]),
+                                                           m.buckets[index].nbytes))):
             return None
         from enginehooks.core import fused_copy
 
@@ -515,31 +694,43 @@ class Unpacker:
             spans.append((dst, dst + piece.nbytes, True))
         if not placed or _overlap(spans):
             return None
-        # the digest-only runs: every payload byte no copy run reads
+        # the digest-only runs: every payload byte no copy run reads (none without a
+        # checksum: the launch is then only the copies)
         reads: list[tuple[int, int, int]] = []
         end = 0
-        for src, _dst, n, _word in [*sorted(copies), (base + nbytes, 0, 0, 0)]:
+        tail = [] if m.checksum is None else [(base + nbytes, 0, 0, 0)]
+        for src, _dst, n, _word in ([] if m.checksum is None else [*sorted(copies), *tail]):
             if src - base > end:
                 reads.append((base + end, src - base - end, end // 4))
             end = max(end, src - base + n)
         import numpy as np
 
-        digests = torch.zeros(1, dtype=torch.int64, device=buf.device)
+        deferred = dig is not None
+        digests = (self._sum_slot(index) if deferred
+                   else torch.zeros(1, dtype=torch.int64, device=buf.device))
         with torch.cuda.device(buf.device):
+            stager = fused_copy.stager_for(buf.device)
             a = np.asarray(copies, dtype=np.int64)
             fused_copy.launch(fused_copy.build(a[:, 0], a[:, 1], a[:, 2], a[:, 3],
-                                               np.zeros(len(a), dtype=np.int64), buf.device),
+                                               np.zeros(len(a), dtype=np.int64), buf.device,
+                                               stager),
                               digests, copy=True)
             if reads:
                 r = np.asarray(reads, dtype=np.int64)
                 z = np.zeros(len(r), dtype=np.int64)
-                fused_copy.launch(fused_copy.build(r[:, 0], z, r[:, 1], r[:, 2], z, buf.device),
+                fused_copy.launch(fused_copy.build(r[:, 0], z, r[:, 1], r[:, 2], z, buf.device,
+                                                   stager),
                                   digests, copy=False)
         for pos, whole in placed.items():
             entry, _piece = self._per_bucket[index][pos]
             if len(entry.pieces) > 1:
                 self._partial[entry.name] = whole
-        mine = ((int(digests.item()) & _MASK64) ^ (nbytes << 40)) & _MASK64
+        if m.checksum is None:
+            return placed
+        if dig is not None:  # compared on the device, read once per update (`finish`)
+            self._want[index] = dig
+            return placed
+        mine = finish_sum64(int(digests.item()), nbytes)
         dig = read_trailer(buf)[4]
         if mine != dig:
             raise ChecksumError(

@@ -124,7 +124,7 @@ class Stager:
     """Reused pinned host and device memory for the tables of successive launches on one
     stream (a ring of three slots), so a launch costs no host allocation and no sync."""
 
-    SLOTS = 3
+    SLOTS = 16  # a slot is reused 16 uploads later: its event has long completed
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
@@ -156,6 +156,22 @@ class Stager:
         ev.record()
         self.done[k] = ev
         return d
+
+
+_STAGERS: dict[tuple[torch.device, int], Stager] = {}
+
+
+def stager_for(device: torch.device) -> Stager:
+    """This thread's reused staging ring for launches on `device` (a receive loop or a
+    pack builds a table per bucket: without a ring each would pin fresh host memory,
+    which costs a driver call and, on some systems, a sync)."""
+    import threading
+
+    key = (torch.device(device), threading.get_ident())
+    st = _STAGERS.get(key)
+    if st is None:
+        st = _STAGERS[key] = Stager(torch.device(device))
+    return st
 
 
 def build(src: np.ndarray, dst: np.ndarray, nbytes: np.ndarray, word_base: np.ndarray,

@@ -32,6 +32,9 @@ class PushReport:
     #: the class name of the error that ended the push (`ManifestError`, `PushTimeout`,
     #: ...): what metrics count failures by
     error_kind: str | None = None
+    #: the sender's own account of the transfer (`SendStats`: seconds, and the
+    #: transport's extras such as `phases_ms`, where its time went on the trainer side)
+    sender: dict[str, Any] = field(default_factory=dict)
 
     @property
     def ok(self) -> bool:

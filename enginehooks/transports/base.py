@@ -296,6 +296,9 @@ class Transport(ABC):
     #: buckets, sent from their own storage (`core/manifest.py`); None: this transport
     #: frames every bucket as one packed message.
     direct_min: ClassVar[int | None] = None
+    #: `WeightSync`'s bucket size when none is given: what measured fastest for this
+    #: transport (the GPU transports override it; docs/transports.md has the runs)
+    default_bucket_bytes: ClassVar[int] = 256 << 20
     #: Whether several trainer ranks may each send a part of one update
     #: (`WeightSync(senders=...)`, `docs/scale.md`): each then opens a sender of its own,
     #: and a receiver accepts an endpoint that lists the senders' endpoints.

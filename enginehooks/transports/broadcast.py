@@ -9,11 +9,17 @@ communication stream), so packing can never tear bytes still being sent.
 
 NCCL specifics (what each guards against):
 - `Work.wait()` on NCCL does not block the host; it only makes the current stream wait.
-  A host that then syncs (a digest, the trailer read) would block inside CUDA where
-  neither the coordinator's `Abort` nor our timeout can reach it. So after each
-  `Work.wait()` we record an event and wait for it on a helper thread, while this
-  thread waits on the `Abort` condition with `timeout_s`: a dead peer becomes a
-  `TransportError` and `pg.abort()`, which also releases the helper.
+  A host that then syncs would block inside CUDA where neither the coordinator's `Abort`
+  nor our timeout can reach it. So every wait for a collective is a wait for a CUDA
+  event, polled (`host_wait`) against the `Abort` condition and `timeout_s`: a dead peer
+  becomes a `TransportError` and `pg.abort()`.
+- No host sync per bucket (issue 37): the event of each collective is recorded on a side
+  stream (`Arrivals`), so it marks that collective alone, not the work queued on the
+  current stream after it (later packs on the sender, the target's copies on a
+  receiver); a bucket's trailer is copied to pinned memory on the same side stream, so
+  the receiver reads it without a sync; with `sum64` on a GPU digests are compared on the
+  device and read once per push (`Unpacker.finish`). A GPU sender has `SENDER_SLOTS`
+  buffers and packs ahead of the wire while earlier broadcasts are in flight.
 - NCCL's own watchdog kills the whole process when a collective outlives the group's
   timeout. The group is therefore built with a longer timeout than ours
   (`_nccl_timeout`), so our error path, not a process teardown, ends a stuck update.
@@ -31,7 +37,8 @@ and the primitives it is built from (`bcast`, `wait_work`, `wait_within`, `host_
 `bury`) are public for that module. A whole transfer is bounded by the package's one
 `Deadline` (`core/deadline.py`).
 
-Direct buckets (gloo, `GlooTransport.direct_min` in `collectives.py`; see `core/manifest.py`): the sender
+Direct buckets (gloo, and nccl for tensors that fill a bucket: `direct_min` in
+`collectives.py`; see `core/manifest.py`): the sender
 broadcasts the bucket's trailer, then the payload from the tensor's own storage (no
 packing copy); the receiver checks the trailer (signature, update, index, size, or an
 abort notice whose reason follows as its own message) before it posts the payload's
@@ -65,7 +72,7 @@ from enginehooks.core.buckets import (
     write_abort,
 )
 from enginehooks.core.deadline import Deadline
-from enginehooks.core.errors import TransferStalled, TransportError
+from enginehooks.core.errors import PeerLost, TransferStalled, TransportError
 from enginehooks.core.manifest import Manifest
 from enginehooks.transports._rendezvous import (
     call_off,
@@ -85,18 +92,23 @@ from enginehooks.transports.base import (
 )
 from enginehooks.wire.endpoint import GroupEndpoint
 
+#: Bucket buffers of a sender on a GPU: the host packs up to `SENDER_SLOTS - 1` buckets
+#: ahead of the wire, each slot freed by a CUDA event after its broadcast (never a host
+#: sync on the stream), so the host's work for the next buckets overlaps the wire.
+SENDER_SLOTS = 3
+
 
 class _Buffers:
-    """Two reusable byte buffers, grown when a manifest needs more."""
+    """`count` reusable byte buffers (two by default), grown when a manifest needs more."""
 
-    def __init__(self, device: torch.device, pin: bool) -> None:
-        self.device, self.pin = device, pin
+    def __init__(self, device: torch.device, pin: bool, count: int = 2) -> None:
+        self.device, self.pin, self.count = device, pin, count
         self.bufs: list[torch.Tensor] = []
 
     def get(self, nbytes: int) -> list[torch.Tensor]:
         if not self.bufs or self.bufs[0].numel() < nbytes:
-            self.bufs = []  # free the old pair before allocating the new one
-            for _ in range(2):
+            self.bufs = []  # free the old ones before allocating the new ones
+            for _ in range(self.count):
                 b = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
                 self.bufs.append(b.pin_memory() if self.pin else b)
         return self.bufs
@@ -155,24 +167,50 @@ def _collective_error(work: Any, what: str) -> None:
 def host_wait(ev: torch.cuda.Event, abort: Abort | None, timeout_s: float, what: str) -> None:
     """Block this thread until `ev` completed on the GPU, `abort` fires, or `timeout_s`.
 
-    CUDA offers no wait that a condition variable can interrupt, so a short-lived
-    helper thread does the `cudaEventSynchronize` and pokes the condition.
+    CUDA offers no wait that a condition variable can interrupt, so the event is polled:
+    tightly for the first millisecond (a bucket that is about to arrive costs no thread
+    start and no wake-up latency), then every 100 us. `abort` is checked on every poll.
     """
     if ev.query():
         return
-    cv = abort if abort is not None else Abort()
-    done = threading.Event()
+    t0 = time.monotonic()
+    end, spin = t0 + timeout_s, t0 + 0.001
+    while not ev.query():
+        if abort is not None and abort.error is not None:
+            raise PeerLost(f"update aborted: {abort.error}") from abort.error
+        now = time.monotonic()
+        if now >= end:
+            raise TransferStalled(f"{what} did not complete within {timeout_s}s")
+        time.sleep(0 if now < spin else 1e-4)
 
-    def sync() -> None:
-        try:
-            ev.synchronize()
-        finally:
-            done.set()
-            cv.poke()
 
-    threading.Thread(target=sync, name="enginehooks-cuda-wait", daemon=True).start()
-    if not cv.wait_for(done.is_set, timeout_s):
-        raise TransferStalled(f"{what} did not complete within {timeout_s}s")
+class Arrivals:
+    """Events that mark when collectives completed on the GPU, recorded on a side
+    stream of their own: waiting for one never waits for the work queued on the
+    current stream (the packs of later buckets, the target's copies out of earlier
+    ones), which a host sync on the current stream would. A small trailer can be read
+    back through pinned memory in the same step (`read`)."""
+
+    def __init__(self, device: torch.device, rows: int) -> None:
+        self.device = device
+        self.side = torch.cuda.Stream(device)
+        self.pinned = torch.empty((rows, TRAILER_BYTES // 8), dtype=torch.int64).pin_memory()
+
+    def mark(self, work: Any, what: str, trailer: torch.Tensor | None = None,
+             row: int = 0) -> torch.cuda.Event:
+        """An event that completes once `work` did (and, with `trailer`, once its 64
+        bytes were copied to pinned row `row`)."""
+        with torch.cuda.stream(self.side):
+            _collective_error(work, what)  # the side stream waits for the collective
+            if trailer is not None:
+                self.pinned[row].view(torch.uint8).copy_(trailer, non_blocking=True)
+            ev = torch.cuda.Event()
+            ev.record(self.side)
+        return ev
+
+    def read(self, row: int) -> list[int]:
+        """The trailer copied to `row` (call once its event completed)."""
+        return self.pinned[row].tolist()
 
 
 def wait_work(work: Any, abort: Abort | None, timeout_s: float, what: str,
@@ -252,7 +290,9 @@ class BroadcastSender(Sender):
         self.group_id = uuid.uuid4().hex[:12]
         self.pg: Any = None
         self.world_size = 0
-        self._buffers = _Buffers(self.device, pin=False)
+        cuda = self.device.type == "cuda"
+        self._buffers = _Buffers(self.device, pin=False, count=SENDER_SLOTS if cuda else 2)
+        self._arrivals: Arrivals | None = None
 
     def endpoint(self) -> dict[str, Any]:
         return {
@@ -293,45 +333,61 @@ class BroadcastSender(Sender):
             raise TransportError("send() before connect(): the group has not formed")
         t0 = time.perf_counter()
         bufs = self._buffers.get(buffer_bytes(manifest))
-        pending: list[Any] = [None, None]
+        slots = len(bufs)
+        cuda = self.device.type == "cuda"
+        if cuda and self._arrivals is None:
+            self._arrivals = Arrivals(self.device, 1)
+        arrivals = self._arrivals
+        pending: list[Any] = [None] * slots
         # a direct bucket's trailer broadcast, and the payload (the trainer's own tensor)
         # it must keep alive until its broadcast completed, per slot
-        trailers: list[Any] = [None, None]
+        trailers: list[Any] = [None] * slots
+        # on a GPU: the event that marks each slot's broadcasts done (`Arrivals`)
+        done: list[torch.cuda.Event | None] = [None] * slots
         sizes = [message_bytes(b.nbytes) for b in manifest.buckets]
 
         # where the sender's time goes (stats.extra["phases_ms"]): waiting for the wire to
         # free a buffer, posting broadcasts, and the rest (the trainer's stream, packing,
-        # digests), which double buffering hides behind the wire when it is shorter
+        # digests), which the slots hide behind the wire when it is shorter
         waited = posted = 0.0
 
         def drain(slot: int, what: str) -> None:
             nonlocal waited
             t = time.perf_counter()
-            for w in (trailers[slot], pending[slot]):
-                if w is not None:
-                    wait_work(w, abort, self.timeout_s, what, self.device)
-            trailers[slot] = pending[slot] = None
+            ev = done[slot]
+            if ev is not None:  # the slot's broadcasts completed: no sync on the stream
+                host_wait(ev, abort, self.timeout_s, what)
+                for w in (trailers[slot], pending[slot]):
+                    if w is not None:  # order the next pack into the slot after them
+                        _collective_error(w, what)
+            else:
+                for w in (trailers[slot], pending[slot]):
+                    if w is not None:
+                        wait_work(w, abort, self.timeout_s, what, self.device)
+            trailers[slot] = pending[slot] = done[slot] = None
             waited += time.perf_counter() - t
 
         def next_buffer(index: int) -> torch.Tensor:
-            drain(index % 2, f"broadcast of bucket {index - 2}")
-            return bufs[index % 2][: sizes[index]]
+            drain(index % slots, f"broadcast of bucket {index - slots}")
+            return bufs[index % slots][: sizes[index]]
 
         stats = SendStats()
         index = -1
         try:
             for index, buf in pack(manifest, stream, next_buffer, self.secret):
                 t = time.perf_counter()
-                slot = index % 2
+                slot = index % slots
                 if manifest.buckets[index].direct:  # trailer first, then the payload
                     trailer = bufs[slot][: sizes[index]][-TRAILER_BYTES:]
                     trailers[slot] = bcast(self.pg, trailer, self.timeout_s)
                 pending[slot] = bcast(self.pg, buf, self.timeout_s)
+                if arrivals is not None:
+                    done[slot] = arrivals.mark(pending[slot], f"broadcast of bucket {index}")
                 stats.bytes += manifest.buckets[index].nbytes
                 stats.buckets += 1
                 posted += time.perf_counter() - t
-            for slot in (0, 1):
-                drain(slot, "the last broadcasts")
+            for k in range(index + 1, index + 1 + slots):  # oldest first
+                drain(k % slots, "the last broadcasts")
         except TransportError:
             bury(*pending, *trailers, bufs)
             self._break()
@@ -346,6 +402,7 @@ class BroadcastSender(Sender):
         stats.extra["phases_ms"] = {
             "wait_wire": waited * 1e3, "post": posted * 1e3,
             "stream_pack_digest": (stats.seconds - waited - posted) * 1e3}
+        stats.extra["slots"] = slots
         return stats
 
     def _abort_receivers(
@@ -358,14 +415,15 @@ class BroadcastSender(Sender):
                 if pending[slot] is not None:
                     pending[slot].wait()
                     pending[slot] = None
-            buf = self._buffers.bufs[index % 2][: message_bytes(manifest.buckets[index].nbytes)]
+            bufs = self._buffers.bufs
+            buf = bufs[index % len(bufs)][: message_bytes(manifest.buckets[index].nbytes)]
             mid = Unpacker(manifest).mid
             if manifest.buckets[index].direct:  # its receivers wait for a trailer alone
                 trailer = buf[-TRAILER_BYTES:]
                 text = direct_abort(trailer, mid, index, reason, self.secret)
                 bcast(self.pg, trailer, self.timeout_s).wait()
-                if text.numel():
-                    bcast(self.pg, text, self.timeout_s).wait()
+                if text.numel():  # where the group's buffers live (NCCL: the GPU)
+                    bcast(self.pg, text.to(buf.device), self.timeout_s).wait()
                 return
             write_abort(buf, mid, index, reason, self.secret)
             bcast(self.pg, buf, self.timeout_s).wait()
@@ -418,6 +476,7 @@ class BroadcastReceiver(Receiver):
         self.secret = load_secret()  # this engine process's shared secret, if any
         self.pg: Any = None
         self._buffers = _Buffers(device, pin=False)
+        self._arrivals: Arrivals | None = None
         self.phases: dict[str, float] = {}  # the last stream's, in ms (see `stream`)
 
     def connect(self) -> None:
@@ -458,6 +517,12 @@ class BroadcastReceiver(Receiver):
     @property
     def broken(self) -> bool:
         return self.pg is None
+
+    def arrivals(self) -> Arrivals:
+        """This receiver's side stream and pinned trailer rows (made once)."""
+        if self._arrivals is None:
+            self._arrivals = Arrivals(self.device, 4)
+        return self._arrivals
 
     def buffers(self, manifest: Manifest) -> list[torch.Tensor]:
         """This receiver's two bucket buffers, large enough for `manifest`."""
@@ -526,22 +591,47 @@ def receive_in_order(
     times = phases if phases is not None else {}
     times.update(wait_wire=0.0, check=0.0)
     started = time.perf_counter()
+    # On a GPU: each receive's arrival is an event on a side stream, and its trailer
+    # comes back through pinned memory with it (`Arrivals`): checking a trailer never
+    # waits for the target's work on the current stream, and with `sum64` the digests
+    # are compared on the device and read once, at the end (`Unpacker.finish`).
+    cuda = device.type == "cuda"
+    arrivals = receivers[0].arrivals() if cuda else None
 
-    def waited(work: Any, what: str) -> None:
-        times["wait_wire"] += wait_within(deadline, work, what, device)
+    def waited(work: Any, what: str, ev: torch.cuda.Event | None = None) -> None:
+        if ev is None:
+            times["wait_wire"] += wait_within(deadline, work, what, device)
+            return
+        t = time.perf_counter()
+        try:
+            host_wait(ev, None, left(what), what)
+        except TransferStalled as e:
+            raise deadline.late(what) from e
+        _collective_error(work, what)  # the current stream waits for the receive
+        times["wait_wire"] += (time.perf_counter() - t) * 1e3
 
     j = order[0][0]  # the group of the bucket an error belongs to
+    digs: list[list[int]] = [[0, 0] for _ in manifests]  # each slot's announced digest
 
-    def post(g: int) -> Any:
+    def post(g: int) -> tuple[Any, torch.cuda.Event | None]:
         """Post the receive of the g-th bucket of `order`."""
         nonlocal j
         j, k = order[g]
         m, u, slot = manifests[j], unpackers[j], k % 2
         if not m.buckets[k].direct:
-            return bcast(pgs[j], bufs[j][slot][: sizes[j][k]], left(f"receive of bucket {k}"))
+            what = f"receive of bucket {k}"
+            buf = bufs[j][slot][: sizes[j][k]]
+            w = bcast(pgs[j], buf, left(what))
+            return w, (arrivals.mark(w, what, buf[-TRAILER_BYTES:], slot)
+                       if arrivals is not None else None)
         what = f"receive of bucket {k}'s trailer"
-        waited(bcast(pgs[j], heads[j][slot], left(what)), what)
-        reason = u.check_header(k, heads[j][slot])
+        w = bcast(pgs[j], heads[j][slot], left(what))
+        if arrivals is not None:
+            waited(w, what, arrivals.mark(w, what, heads[j][slot], 2 + slot))
+            reason, digs[j][slot] = u.check_header_raw(k, arrivals.read(2 + slot))
+        else:
+            waited(w, what)
+            reason = u.check_header(k, heads[j][slot])
         if reason >= 0:
             text = torch.empty(reason, dtype=torch.uint8, device=device)
             if reason:
@@ -552,42 +642,60 @@ def receive_in_order(
         landed[j][slot] = region is not None
         payload = region if region is not None else bufs[j][slot][: m.buckets[k].nbytes]
         payloads[j][slot] = payload
-        return bcast(pgs[j], payload, left(f"receive of bucket {k}"))
+        what = f"receive of bucket {k}"
+        w = bcast(pgs[j], payload, left(what))
+        return w, arrivals.mark(w, what) if arrivals is not None else None
 
     work: Any = None
     try:
-        work = post(0)
+        work, ev = post(0)
         for g in range(n):
             j, k = order[g]
             m, u, slot = manifests[j], unpackers[j], k % 2
             buf = bufs[j][slot][: sizes[j][k]]
-            waited(work, f"receive of bucket {k}")
+            waited(work, f"receive of bucket {k}", ev)
             work = None
             direct = m.buckets[k].direct
+            defer = u.defer()
             # Read the trailer before posting the next receive: after an abort notice
             # no collective may be left in flight (destroying a pending Work blocks
             # until it times out, which would delay the error). The digest is checked
             # while the next bucket is already on its way.
             t = time.perf_counter()
             if not direct:
-                u.verify(k, buf, check_digest=False)
+                if arrivals is not None:
+                    nbytes, digs[j][slot] = u.verify_raw(k, arrivals.read(slot))
+                    if nbytes < 0:  # an abort notice: its reason is in the payload
+                        u.aborted(buf[: -1 - nbytes])
+                else:
+                    u.verify(k, buf, check_digest=False)
             if g + 1 < n:
-                work = post(g + 1)
+                work, ev = post(g + 1)
                 j = order[g][0]  # errors below are this bucket's
             if direct and landed[j][slot]:
                 payload = payloads[j][slot]
                 assert payload is not None  # landed: post() received it there
-                u.verify_digest(k, payload, heads[j][slot])
+                if defer:
+                    u.defer_digest(k, payload, digs[j][slot])
+                else:
+                    u.verify_digest(k, payload, heads[j][slot])
                 times["check"] += (time.perf_counter() - t) * 1e3
                 yield from u.unpack(k, buf, verified=True, landed=True)
                 continue
             # a packed bucket on a GPU: copied into the target's destinations while
             # its digest is computed (`Unpacker.land`), where the target offers them
-            placed = None if direct else u.land(k, buf)
+            placed = None if direct else u.land(k, buf, digs[j][slot] if defer else None)
             if placed is None:
-                u.verify_digest(k, buf, heads[j][slot] if direct else None)
+                if defer:
+                    u.defer_digest(k, buf[: m.buckets[k].nbytes], digs[j][slot])
+                else:
+                    u.verify_digest(k, buf, heads[j][slot] if direct else None)
             times["check"] += (time.perf_counter() - t) * 1e3
             yield from u.unpack(k, buf, verified=True, placed=placed)
+        t = time.perf_counter()
+        for u in unpackers:  # the deferred digests: one read for the update
+            u.finish()
+        times["check"] += (time.perf_counter() - t) * 1e3
         times["target_and_rest"] = ((time.perf_counter() - started) * 1e3
                                     - times["wait_wire"] - times["check"])
     except BaseException as e:

@@ -43,6 +43,14 @@ class NcclTransport(Transport):
     name = "nccl"
     several_senders: ClassVar[bool] = True
     default_checksum = "sum64"
+    #: a tensor that fills a bucket travels in direct buckets: broadcast from its own
+    #: storage and received into its destination (no pack copy, no unpack copy); smaller
+    #: ones are packed, where one launch per bucket beats a collective per tensor
+    direct_min: ClassVar[int | None] = 1 << 62
+    #: measured on H100/H200 (docs/transports.md): larger buckets amortise the per-bucket
+    #: latency of a collective; memory is `SENDER_SLOTS` buffers on the trainer, two on
+    #: each engine worker
+    default_bucket_bytes: ClassVar[int] = 1 << 30
 
     def sender(self, **options: Any) -> Sender:
         return BroadcastSender("nccl", **options)

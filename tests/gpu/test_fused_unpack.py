@@ -149,14 +149,18 @@ def test_fused_unpack_steps_aside_for_overlapping_destinations(monkeypatch) -> N
 
 @needs_gpu
 def test_fused_unpack_by_default_only_for_buckets_of_many_pieces(monkeypatch) -> None:
-    """`auto` (the default): a bucket of a few large tensors goes the plain way; one of
+    """`auto` (the default, `fused_landing_pays`): a bucket under 512 MiB of a few tensors
+    over 16 MiB goes the plain way (measured faster there); one of
     `FUSED_UNPACK_MIN_PIECES` tensors or more (MoE experts) is landed fused, bit-exact."""
     from enginehooks.core.buckets import FUSED_UNPACK_MIN_PIECES
 
     monkeypatch.delenv("ENGINEHOOKS_FUSED_UNPACK", raising=False)
-    src = _model(5)
-    m = _manifest(src)
-    dest, target = _target()
+    g = torch.Generator().manual_seed(5)
+    src = {f"w{i}": torch.randn(3072, 4096, generator=g).to(torch.bfloat16) for i in range(2)}
+    specs = [TensorSpec(n, "bfloat16", tuple(t.shape)) for n, t in src.items()]
+    m = plan(specs, weight_version=1, bucket_bytes=64 << 20, checksum="sum64")
+    assert len(m.buckets) == 1  # two 24 MiB tensors in one 64 MiB bucket
+    target = ModuleTarget({n: torch.zeros_like(t, device=DEV) for n, t in src.items()})
     assert _receive(m, list(_packed(m, src, poison=False)), target) == [None] * len(m.buckets)
     g = torch.Generator().manual_seed(6)
     experts = {f"e{i}": torch.randn(8, 16, generator=g).to(torch.bfloat16)
