@@ -306,8 +306,12 @@ class EngineSide:
 
     def _problems(self, manifest: Manifest) -> list[str]:
         # `meta["keep"]`: whole modules the update leaves out (frozen parts), which
-        # the engine keeps as they are where it can keep them whole
-        return self.expectations().problems(manifest.specs(), keep=kept_modules(manifest.meta))
+        # the engine keeps as they are where it can keep them whole (asked only then:
+        # an `Expectations` written before `keep` existed still answers full updates)
+        keep = kept_modules(manifest.meta)
+        if keep:
+            return self.expectations().problems(manifest.specs(), keep=keep)
+        return self.expectations().problems(manifest.specs())
 
     def receive(self, manifest_json: str, group: str,
                 auth: str | None = None) -> wire.ReceiveReply:
