@@ -25,7 +25,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import FIRST_COMPLETED, FIRST_EXCEPTION, Future, wait
 from typing import Any
 
@@ -52,6 +52,7 @@ from enginehooks.core.errors import (
     TransferStalled,
     TransportError,
 )
+from enginehooks.core.keep import KEEP_KEY
 from enginehooks.core.manifest import Manifest, plan
 from enginehooks.core.report import PushReport, ReplicaResult
 from enginehooks.core.senders import decide_parts
@@ -59,6 +60,7 @@ from enginehooks.plugins import get_plugin_manager, get_transport, transports
 from enginehooks.trainer_side.channel import Bye, End, RanksBroken, TrainerRanks
 from enginehooks.trainer_side.choose import adapter_for
 from enginehooks.trainer_side.contract import TrainerAdapter
+from enginehooks.trainer_side.keep import leave_out, module_names
 from enginehooks.transports.base import Abort, JoinSender, LeaveSender, Sender
 
 DEFAULT_BUCKET_BYTES = 256 << 20
@@ -245,19 +247,28 @@ class WeightSync:
             self._ensure_group()
 
     # -- the push -------------------------------------------------------------------------
-    def push(self, model: Any, version: int | str) -> PushReport:
+    def push(self, model: Any, version: int | str, *, keep: Sequence[str] = ()) -> PushReport:
         """Push `model`'s weights as `version` to every replica; raise on any failure.
 
         `model` is anything a registered trainer adapter accepts (an `nn.Module`, an HF
         model), or an adapter itself. The report is returned on success and attached
         to the raised error (`error.report`) on failure.
 
+        `keep`: modules left out of the update whole (checkpoint name prefixes such as
+        "model.vision_tower" for a frozen tower): the manifest lists them, the engines
+        keep what they hold for them, and every module that is sent must be sent whole
+        (`trainer_side.keep`).
+
         With several senders, call it on every rank: rank 0 returns the report; the
         other ranks return a report of their own part (bytes, buckets), and raise when
         the push failed anywhere.
         """
+        keep = module_names(keep)
         if self.senders is None:
-            return self._push_here(model, version)
+            return self._push_here(model, version, keep)
+        if keep:
+            raise ConfigError("push(keep=...) takes one sender for now; with several, "
+                              "send the whole model")
         if self.device is None and self.transport_name == "nccl":
             # each rank's sender on its own GPU (the current device of the rank's
             # process), not on the coordinator's
@@ -279,14 +290,15 @@ class WeightSync:
             with contextlib.suppress(RanksBroken):
                 self._last_word = self.senders.post(message)
 
-    def _push_here(self, model: Any, version: int | str) -> PushReport:
+    def _push_here(self, model: Any, version: int | str,
+                   keep: tuple[str, ...] = ()) -> PushReport:
         with self._lock:
             if not self._replicas:
                 raise EngineHooksError("push() with no replica registered (add_replica first)")
             report = PushReport(version=version, transport=self.transport_name)
             report.replicas = [ReplicaResult(r.name) for r in self._replicas]
             try:
-                self._push(model, version, report)
+                self._push(model, version, report, keep)
             except BaseException as e:
                 report.error = f"{type(e).__name__}: {e}"
                 report.error_kind = type(e).__name__
@@ -300,7 +312,8 @@ class WeightSync:
     def _phase(self, name: str, report: PushReport, run: Callable[[], Any]) -> Any:
         return self._pm.hook.run_phase(phase=name, report=report, run=run)
 
-    def _push(self, model: Any, version: int | str, report: PushReport) -> None:
+    def _push(self, model: Any, version: int | str, report: PushReport,
+              keep: tuple[str, ...] = ()) -> None:
         """The push routine, for one sender and several."""
         def make_plan() -> tuple[TrainerAdapter, Manifest]:
             if isinstance(model, TrainerAdapter):
@@ -310,11 +323,14 @@ class WeightSync:
             else:
                 default, exceptions = self.wire_dtypes()
                 adapter = adapter_for(model, dtype=default, dtypes=exceptions)
+            meta: dict[str, Any] = {"transport": self.transport_name, "verify": self.verify}
+            if keep:
+                adapter = leave_out(adapter, keep, in_place=not isinstance(model, TrainerAdapter))
+                meta[KEEP_KEY] = list(keep)
             layout: dict[str, Any] = dict(
                 weight_version=version, bucket_bytes=self.bucket_bytes,
                 checksum=self.checksum, split=self.transport.split,
-                direct_min=self.transport.direct_min,
-                meta={"transport": self.transport_name, "verify": self.verify})
+                direct_min=self.transport.direct_min, meta=meta)
             if self.senders is None:
                 return adapter, plan(adapter.specs(), **layout)
             # several senders: every rank says what it can stream; one manifest lists

@@ -25,6 +25,7 @@ from safetensors import safe_open
 
 from enginehooks.core.dtypes import dtype_name, torch_dtype
 from enginehooks.core.errors import ManifestError
+from enginehooks.core.keep import under
 from enginehooks.core.manifest import DTYPE_SIZES, TensorSpec
 from enginehooks.engine.copy_plan import CopyPlan, record_plan
 from enginehooks.engine.trace import ByteTracer, MetaScalars
@@ -37,9 +38,14 @@ class Expectations(ABC):
     """The engine's answer to "would you load these tensors?"."""
 
     @abstractmethod
-    def problems(self, specs: Sequence[TensorSpec]) -> list[str]:
+    def problems(self, specs: Sequence[TensorSpec], keep: Sequence[str] = ()) -> list[str]:
         """Every reason the engine would refuse an update of `specs` (names, wire
-        dtypes, shapes), each naming its tensor; empty when it takes it."""
+        dtypes, shapes), each naming its tensor; empty when it takes it.
+
+        `keep`: the modules the update declares it leaves out (checkpoint name
+        prefixes, the manifest's `meta["keep"]`: `core.keep`): their tensors may be
+        absent, and the engine keeps what it holds for them, where the engine can keep
+        them whole (see `LoaderExpectations`)."""
 
     @abstractmethod
     def checkpoint_spec(self, name: str) -> TensorSpec | None:
@@ -63,6 +69,17 @@ class Expectations(ABC):
         return []
 
 
+
+def sent_but_kept(specs: Sequence[TensorSpec], keep: Sequence[str]) -> list[str]:
+    """An update that sends tensors of a module it says it keeps contradicts itself."""
+    both = sorted(s.name for s in specs if under(s.name, keep))
+    if not both:
+        return []
+    return [f"{len(both)} tensors of the update belong to modules it declares kept "
+            f"{sorted(k for k in keep if any(under(n, (k,)) for n in both))[:5]}, first: "
+            f"{both[:5]}: a kept module is left out whole"]
+
+
 class CheckpointExpectations(Expectations):
     """Expectations read from the checkpoint the engine was loaded from: names and
     shapes exactly; a floating tensor may come in another floating dtype (the module
@@ -75,8 +92,8 @@ class CheckpointExpectations(Expectations):
     def checkpoint_spec(self, name: str) -> TensorSpec | None:
         return self.specs.get(name)
 
-    def problems(self, specs: Sequence[TensorSpec]) -> list[str]:
-        problems = []
+    def problems(self, specs: Sequence[TensorSpec], keep: Sequence[str] = ()) -> list[str]:
+        problems = sent_but_kept(specs, keep)
         for t in specs:
             want = self.specs.get(t.name)
             if want is None:
@@ -90,7 +107,7 @@ class CheckpointExpectations(Expectations):
                                 f"{want.dtype}")
         if self.require_all:
             sent = {t.name for t in specs}
-            missing = sorted(n for n in self.specs if n not in sent)
+            missing = sorted(n for n in self.specs if n not in sent and not under(n, keep))
             if missing:
                 problems.append(f"{len(missing)} tensors of the model are missing from the "
                                 f"update (engines reload whole layers), first: {missing[:5]}")
@@ -353,7 +370,7 @@ class LoaderExpectations(Expectations):
         return self._copies
 
     # -- the verdict ------------------------------------------------------------------------
-    def problems(self, specs: Sequence[TensorSpec]) -> list[str]:
+    def problems(self, specs: Sequence[TensorSpec], keep: Sequence[str] = ()) -> list[str]:
         try:
             base = self.baseline()
         except Exception as e:
@@ -362,14 +379,14 @@ class LoaderExpectations(Expectations):
             return [f"the {self.engine} loader dry run cannot build this model here "
                     f"({_first_line(e)}); the update is refused before any byte moves and "
                     "the engine keeps serving its current weights (report it to enginehooks)"]
-        problems: list[str] = []
+        problems: list[str] = sent_but_kept(specs, keep)
         for s in specs:
             ck = self.checkpoint.get(s.name)
             if ck is not None and tuple(ck.shape) != tuple(s.shape):
                 problems.append(f"tensor {s.name!r}: shape {list(s.shape)} but the {self.engine} "
                                 f"engine's checkpoint has {list(ck.shape)}")
         if problems:
-            return problems + self._missing(specs, base)
+            return problems + self._missing(specs, base, keep=keep)
         landed = self.landings(specs)
         for s in specs:
             landing = landed[s.name]
@@ -395,7 +412,7 @@ class LoaderExpectations(Expectations):
                 if not floating and ck is not None and ck.dtype != s.dtype:
                     problems.append(f"tensor {s.name!r}: dtype {s.dtype} but the engine's "
                                     f"checkpoint has {ck.dtype}")
-        return problems + self._missing(specs, base, landed)
+        return problems + self._missing(specs, base, landed, keep)
 
     def fresh_load_needed(self, specs: Sequence[TensorSpec]) -> list[str]:
         """The parameters this update's tensors land in (by the dry run) that the live
@@ -406,10 +423,45 @@ class LoaderExpectations(Expectations):
         self._ready()
         return needs_fresh_load(landed, removed_parameters(self._live(), self._built))
 
+    def kept(self, specs: Sequence[TensorSpec], keep: Sequence[str]) -> list[str]:
+        """The engine modules an update of `specs` leaves out whole under `keep` (they
+        keep the values they hold): the receive reply reports them."""
+        if not keep:
+            return []
+        base = self.baseline()
+        got: dict[str, int] = {}
+        for landing in self.landings(specs).values():
+            for p, n in landing.numel.items():
+                got[p] = got.get(p, 0) + n
+        return sorted({_module(p) for p in self._kept(specs, base, got, keep)})
+
+    @staticmethod
+    def _kept(specs: Sequence[TensorSpec], base: Mapping[str, Landing], got: Mapping[str, int],
+              keep: Sequence[str]) -> set[str]:
+        """Engine parameters an update may leave on the values they hold: every
+        checkpoint tensor the engine loads into them belongs to a module the update
+        declares kept and is absent, and no tensor of the update lands anywhere in their
+        engine module. The engines reload by module (vLLM's layerwise reload rebuilds a
+        layer from what it receives; a layer that receives nothing keeps its tensors), so
+        an engine module is sent whole or not at all."""
+        if not keep:
+            return set()
+        sent = {s.name for s in specs}
+        feeders: dict[str, set[str]] = {}
+        for name, landing in base.items():
+            for p in landing.params:
+                feeders.setdefault(p, set()).add(name)
+        touched = {_module(p) for p, n in got.items() if n > 0}
+        return {p for p, names in feeders.items()
+                if _module(p) not in touched
+                and all(n not in sent and under(n, keep) for n in names)}
+
     def _missing(self, specs: Sequence[TensorSpec], base: Mapping[str, Landing],
-                 landed: Mapping[str, Landing] | None = None) -> list[str]:
+                 landed: Mapping[str, Landing] | None = None,
+                 keep: Sequence[str] = ()) -> list[str]:
         """Engine parameters the update would cover less than the engine's checkpoint
-        did (vLLM and SGLang reload whole layers: a partial layer keeps old values)."""
+        did (vLLM and SGLang reload whole layers: a partial layer keeps old values),
+        except those of engine modules the update leaves out whole (`_kept`)."""
         want: dict[str, int] = {}
         for landing in base.values():
             for p, n in landing.numel.items():
@@ -420,9 +472,11 @@ class LoaderExpectations(Expectations):
                 got[p] = got.get(p, 0) + n
         if landed is None:  # shapes already refused: name what is absent by name
             sent = {s.name for s in specs}
-            absent = sorted(n for n in self.checkpoint if n not in sent and base[n].params)
+            absent = sorted(n for n in self.checkpoint
+                            if n not in sent and base[n].params and not under(n, keep))
         else:
-            short = {p for p, n in want.items() if got.get(p, 0) < n}
+            kept = self._kept(specs, base, got, keep)
+            short = {p for p, n in want.items() if got.get(p, 0) < n and p not in kept}
             sent = {s.name for s in specs}
             absent = sorted(n for n, landing in base.items()
                             if n not in sent and short.intersection(landing.params))
@@ -441,6 +495,11 @@ class LoaderExpectations(Expectations):
             return []
         return [f"{len(absent)} tensors the {self.engine} engine loads are missing from the update "
                 f"(engines reload whole layers), first: {absent[:5]}"]
+
+
+def _module(param: str) -> str:
+    """The engine module that owns parameter `param` (its name minus the last part)."""
+    return param.rpartition(".")[0]
 
 
 def _first_line(e: BaseException) -> str:

@@ -52,6 +52,7 @@ from enginehooks.core.errors import (
     ReplicaBusy,
     TransportError,
 )
+from enginehooks.core.keep import kept_modules
 from enginehooks.core.manifest import Manifest
 from enginehooks.engine.contract import EngineBinding, dispatch
 from enginehooks.engine.expectations import Expectations
@@ -325,6 +326,12 @@ class EngineSide:
         return self._problems(Manifest.from_json(manifest_json))
 
     def _problems(self, manifest: Manifest) -> list[str]:
+        # `meta["keep"]`: whole modules the update leaves out (frozen parts), which
+        # the engine keeps as they are where it can keep them whole (asked only then:
+        # an `Expectations` written before `keep` existed still answers full updates)
+        keep = kept_modules(manifest.meta)
+        if keep:
+            return self.expectations().problems(manifest.specs(), keep=keep)
         return self.expectations().problems(manifest.specs())
 
     def receive(self, manifest_json: str, group: str,
@@ -368,6 +375,10 @@ class EngineSide:
         stats = dict(stats or {})
         stats["seconds"] = time.perf_counter() - t0
         stats["version"] = m.weight_version
+        keep = kept_modules(m.meta)
+        if keep:  # the engine modules this update left on the values they held
+            kept = getattr(self.expectations(), "kept", None)
+            stats["kept"] = kept(m.specs(), keep) if callable(kept) else list(keep)
         stats.update(self.binding.after_update(m.weight_version))
         self._set_state("current")
         return cast(wire.ReceiveReply, stats)

@@ -77,6 +77,35 @@ def flush_kwargs(flush_cache: Callable[..., Any], device: torch.device) -> dict[
     return {}
 
 
+def mm_embedding_cache() -> Any:
+    """SGLang's multimodal embedding cache of this process (`mm_schedule.embedding_cache`:
+    vision-encoder outputs keyed by the input's hash), or None where this SGLang has none."""
+    try:
+        from sglang.srt.managers import mm_schedule
+    except ImportError:
+        return None
+    return getattr(mm_schedule, "embedding_cache", None)
+
+
+def drop_stale_caches(sched: Any, device: torch.device) -> bool:
+    """Drop every cache SGLang 0.5.23 derives from the weights (read in its source):
+
+    - the multimodal embedding cache (`mm_embedding_cache`): encoder outputs of the old
+      vision tower, reused for the same image otherwise; SGLang's own `flush_cache`
+      leaves it, and its weight updates do not touch it. Cleared always (an entry a
+      running request needs again is recomputed on a miss);
+    - the radix (prefix) cache and the KV pools, and a speculative draft's cache pool:
+      `Scheduler.flush_cache`, which refuses while requests run (returns False).
+
+    SGLang's tokenizer-side caches hold processor outputs (pixel values, token ids),
+    which do not depend on the weights."""
+    cache = mm_embedding_cache()
+    if cache is not None:
+        cache.clear()
+    flush_cache = sched.flush_cache
+    return bool(flush_cache(**flush_kwargs(flush_cache, device)))
+
+
 def _device(sched: Any) -> torch.device:
     mr = _model_runner(sched)
     kind = str(getattr(mr, "device", "cpu"))
@@ -204,13 +233,18 @@ class SGLangBinding(ApplyBinding):
         return {"flushed": flushed}
 
     def flush(self) -> bool:
-        flush_cache = self.sched.flush_cache
-        return bool(flush_cache(**flush_kwargs(flush_cache, self._target.device)))
+        """Drop what the new weights make stale (`drop_stale_caches`); True when the
+        prefix cache went too (SGLang refuses that while requests run)."""
+        return drop_stale_caches(self.sched, self._target.device)
 
     def info(self) -> dict[str, Any]:
         from sglang.srt.runtime_context import get_serving
 
-        return {"engine_weight_version": get_serving().weight_version, **super().info()}
+        cache = mm_embedding_cache()
+        return {"engine_weight_version": get_serving().weight_version,
+                # entries of the multimodal embedding cache (emptied by every update)
+                "mm_embedding_cache": len(cache) if cache is not None else None,
+                **super().info()}
 
     def state_changed(self, state: dict[str, Any]) -> None:
         super().state_changed(state)

@@ -15,6 +15,19 @@ After an update a handle records its version as vLLM's weight version; after a f
 one it records `TORN` there, so outputs are never stamped with a version whose weights
 the engine does not hold (the next successful push replaces it).
 
+What an update makes stale, from what vLLM 0.32 caches (read in its source), and what
+`flush_cache` (the push's finish, while still paused) does about it:
+- the prefix cache (KV blocks computed by the old weights): reset (`reset_prefix_cache`);
+- the encoder cache (a multimodal model's encoder outputs, vision embeddings, kept by
+  the scheduler's `EncoderCacheManager` and the model runner's `encoder_cache`, keyed by
+  the input's hash only): reset (`reset_encoder_cache`, which clears both), else the
+  same image after a push is answered with the old tower's embeddings;
+- the multimodal processor caches (the front end's processor cache, the worker's
+  receiver cache): they hold the HF processor's outputs (pixel values, token
+  placements), computed from the inputs and the processor's config, never from the
+  weights, so they stay valid and are not reset (a reset while requests are in flight
+  can desynchronise the sender and receiver caches: vLLM's own warning).
+
 `VLLMEngine` and `VLLMServer` also implement vLLM's own `VLLMWeightSyncClient`
 protocol (`init_weight_transfer_engine`, `start_weight_update`, `update_weights`,
 `finish_weight_update`, plus `shutdown_weight_transfer_engine`,
@@ -189,6 +202,7 @@ class VLLMEngine(_VLLMHandle):
 
     def flush_cache(self, timeout_s: float, auth: str | None = None) -> None:
         self.llm.reset_prefix_cache()
+        self.reset_encoder_cache()
 
     def sleep(self, level: int, timeout_s: float) -> None:
         self.llm.sleep(level=level)
@@ -228,6 +242,10 @@ class VLLMEngine(_VLLMHandle):
     def reset_prefix_cache(self) -> None:
         self.llm.reset_prefix_cache()
 
+    def reset_encoder_cache(self) -> None:
+        """Drop cached encoder outputs (vision embeddings of the old weights)."""
+        self.llm.llm_engine.reset_encoder_cache()
+
     def update_weight_version(self, new_version: str) -> None:
         self.llm.update_weight_version(new_version)
 
@@ -263,6 +281,7 @@ class VLLMAsyncEngine(_VLLMHandle):
 
     def flush_cache(self, timeout_s: float, auth: str | None = None) -> None:
         self._run(self.engine.reset_prefix_cache(), timeout_s)
+        self._run(self.engine.reset_encoder_cache(), timeout_s)
 
     def pause(self, timeout_s: float) -> None:
         self._run(self.engine.pause_generation(mode=self.pause_mode), timeout_s)
@@ -352,6 +371,7 @@ class VLLMServer(_VLLMHandle):
 
     def flush_cache(self, timeout_s: float, auth: str | None = None) -> None:
         self._post("/reset_prefix_cache", None, timeout_s)
+        self.reset_encoder_cache(timeout_s)
 
     def pause(self, timeout_s: float) -> None:
         self._post(f"/pause?mode={self.pause_mode}", None, timeout_s)
@@ -435,7 +455,11 @@ class VLLMServer(_VLLMHandle):
         self._post("/shutdown_weight_transfer_engine", None, self.timeout_s)
 
     def reset_prefix_cache(self) -> None:
-        self.flush_cache(self.timeout_s)
+        self._post("/reset_prefix_cache", None, self.timeout_s)
+
+    def reset_encoder_cache(self, timeout_s: float | None = None) -> None:
+        """Drop cached encoder outputs (vision embeddings of the old weights)."""
+        self._post("/reset_encoder_cache", None, timeout_s or self.timeout_s)
 
     def update_weight_version(self, new_version: str) -> None:
         self.set_engine_version(new_version, self.timeout_s)

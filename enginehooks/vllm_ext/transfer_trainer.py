@@ -290,9 +290,12 @@ class ClientReplica(EngineHandle):
     def flush_cache(self, timeout_s: float, auth: str | None = None) -> None:
         self.client.finish_weight_update(weight_version=self._version)
         self._in_session = False
-        reset = getattr(self.client, "reset_prefix_cache", None)
-        if callable(reset):
-            reset()
+        # what the new weights make stale: cached prefixes and cached encoder outputs
+        # (vision embeddings), where the client can reset them (vllm_ext.handles)
+        for cache in ("reset_prefix_cache", "reset_encoder_cache"):
+            reset = getattr(self.client, cache, None)
+            if callable(reset):
+                reset()
 
     def version(self, timeout_s: float = 30.0) -> int | str | None:
         """The version of the last update this replica finished (as vLLM records it)."""

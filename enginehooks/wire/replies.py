@@ -40,6 +40,9 @@ class ReceiveReply(TypedDict, total=False):
     in_order: bool
     version: int | str
     flushed: bool
+    #: the engine modules the update left out whole (manifest `meta["keep"]`), which
+    #: keep the values they held
+    kept: list[str]
 
 
 class FlushReply(TypedDict):
