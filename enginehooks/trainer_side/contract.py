@@ -129,6 +129,11 @@ class CheckpointAdapter(TrainerAdapter):
         self.rename = rename
         self._format: CheckpointFormat | None = None
         self._layout: LayoutPlan | None = None
+        #: what one push reads of the model once (its state dict's references), shared
+        #: by the plan and every group of the stream (`_once`); emptied when the stream
+        #: ends, and by a new plan
+        self._per_push: dict[str, Any] = {}
+        self._planned_now = False
 
     # -- what subclasses provide ------------------------------------------------------
     @abstractmethod
@@ -144,11 +149,21 @@ class CheckpointAdapter(TrainerAdapter):
     def _checkpoint_format(self) -> CheckpointFormat:
         return CheckpointFormat(self.model)
 
+    def _once(self, key: str, build: Callable[[], Any]) -> Any:
+        """`build()` once per push (a `state_dict()` walks every module: ~1-2 ms per call
+        on a real model, once per conversion group before). The result holds references
+        to the model's tensors, not copies, so it stays current while the push runs."""
+        if key not in self._per_push:
+            self._per_push[key] = build()
+        return self._per_push[key]
+
     # -- plan and stream ----------------------------------------------------------------
     def _keep(self, name: str) -> bool:
         return self.include is None or self.include(name)
 
     def _replan(self) -> tuple[CheckpointFormat, LayoutPlan]:
+        self._per_push.clear()  # a new plan reads the model anew
+        self._planned_now = True
         fmt = self._format = self._format or self._checkpoint_format()
         layout = self._layout = fmt.plan(self._sources())
         return fmt, layout
@@ -162,15 +177,21 @@ class CheckpointAdapter(TrainerAdapter):
         fmt, layout = self._format, self._layout
         if fmt is None or layout is None:
             fmt, layout = self._replan()
-        with torch.no_grad():
-            for group in layout.groups:
-                wanted = [o.name for o in group.outputs if self._keep(o.name)]
-                if not wanted:
-                    continue
-                converted = dict(fmt.convert(group, self._produce(group.sources)))
-                for name in wanted:
-                    yield name, self.to_wire(converted.pop(name), name)
-                del converted
+        if not self._planned_now:  # a stream without a plan of its own (a kept layout)
+            self._per_push.clear()
+        self._planned_now = False
+        try:
+            with torch.no_grad():
+                for group in layout.groups:
+                    wanted = [o.name for o in group.outputs if self._keep(o.name)]
+                    if not wanted:
+                        continue
+                    converted = dict(fmt.convert(group, self._produce(group.sources)))
+                    for name in wanted:
+                        yield name, self.to_wire(converted.pop(name), name)
+                    del converted
+        finally:
+            self._per_push.clear()  # no reference to the model outlives the push
 
     def specs(self) -> list[TensorSpec]:
         return self._plan()

@@ -49,7 +49,12 @@ class FSDP2Adapter(LockstepAdapter, CheckpointAdapter):
     Options (besides `dtype`, `include`, `rename`): `group` (the process group of
     every rank that iterates; default: the parameters' mesh group for a 1-D mesh, the
     default group otherwise), `sender` (rank of the sender within it), `timeout_s`,
-    `start_timeout_s` (see `Lockstep`).
+    `start_timeout_s` (see `Lockstep`), `flag_elements` (elements between two lockstep
+    flags, `lockstep.flag_points`).
+
+    Per push it reads the model's `state_dict()` once (references to the DTensors, no
+    collective); a tensor whose mesh has one rank is taken as its local tensor
+    (`to_local()`, no gather and no DTensor dispatch).
     """
 
     name = "fsdp2"
@@ -77,16 +82,23 @@ class FSDP2Adapter(LockstepAdapter, CheckpointAdapter):
         return {self.rename(raw): t for raw, t in self.model.state_dict().items()}
 
     def _sources(self) -> list[Source]:
-        return [Source(n, t.dtype, tuple(t.shape)) for n, t in self._module_state().items()]
+        return [Source(n, t.dtype, tuple(t.shape))
+                for n, t in self._once("state", self._module_state).items()]
 
     def _produce(self, names: Sequence[str]) -> Mapping[str, torch.Tensor]:
         dt = _dtensor_type()
-        state = self._module_state()
+        state = self._once("state", self._module_state)  # one state_dict() per push
         out: dict[str, torch.Tensor] = {}
         for name in names:
             t = state[name]
             wire = self.precast_dtype(t.dtype)
             if dt is not None and isinstance(t, dt):
+                if _whole_here(t):
+                    # one rank holds the whole tensor: no gather (and no DTensor
+                    # dispatch); every rank decides alike, from the mesh alone
+                    local = t.to_local()
+                    out[name] = local if local.dtype == wire else local.to(wire)
+                    continue
                 # local cast, then gather (torch's stubs type a DTensor's `.to` as Tensor)
                 local = t if t.dtype == wire else cast("DTensor", t.to(wire))
                 out[name] = local.full_tensor()
@@ -94,6 +106,13 @@ class FSDP2Adapter(LockstepAdapter, CheckpointAdapter):
             else:
                 out[name] = t.detach().to(wire)
         return out
+
+
+def _whole_here(t: DTensor) -> bool:
+    """Whether `t`'s local tensor is the whole tensor: a mesh of one rank whose
+    placements hold no pending reduction (`Partial`), so `full_tensor()` would only
+    copy it."""
+    return t.device_mesh.size() == 1 and not any(p.is_partial() for p in t.placements)
 
 
 class FSDP1Adapter(LockstepAdapter, CheckpointAdapter):
