@@ -155,11 +155,12 @@ class Bench:
 
     # (a) and (b)
     def pushes(self, key: str, mode: str) -> None:
-        times, transfer, checks = [], [], []
+        times, transfer, checks, outs = [], [], [], []
         for i in range(self.args.warmup + self.args.reps):
             self.seed += 1
             self.p.perturb(self.seed)
             out = self.p.push(mode, self.seed)
+            outs.append(out)
             times.append(out["seconds"])
             transfer.append(out.get("phases", {}).get("transfer", float("nan")))
             c = self.p.check()
@@ -177,6 +178,13 @@ class Bench:
                  tensors=checks[0]["tensors"], bytes_pushed=out.get("bytes"),
                  buckets=out.get("buckets"), phases_last=out.get("phases"),
                  senders_seen_by_replicas=seen,
+                 # both sides, ms: the coordinator's push phases (medians of the timed
+                 # pushes), the sender's and the replicas' transport phases (last push);
+                 # calls per replica per push and the path each took (planned / prepared)
+                 phases_ms=phases_ms(outs[w:] or outs),
+                 rpcs_per_push=[o.get("rpcs") for o in outs],
+                 rpcs_steady=max((o.get("rpcs") or 0) for o in (outs[w:] or outs)),
+                 layouts=[o.get("layout") for o in outs],
                  received_in_send_order=sorted({str(w.get("in_order")) for r in out.get(
                      "replica_stats") or [] for w in (r or {}).get("workers") or []}))
 
@@ -186,6 +194,20 @@ class Bench:
         self.raw("raw_multi", [0, 1], self.multi_sizes())
         self.pushes("multi", "multi")
         self.pushes("single", "single")
+
+
+def phases_ms(outs: list[dict[str, Any]]) -> dict[str, Any]:
+    """A push row's `phases_ms`: the coordinator's push phases (medians, ms) and what
+    the push spent outside them; the sender's and replicas' transport phases of the last
+    push."""
+    names = sorted({k for o in outs for k in o.get("phases") or {}})
+    trainer = {k: statistics.median((o.get("phases") or {}).get(k, 0.0) for o in outs) * 1e3
+               for k in names}
+    trainer["outside_phases"] = statistics.median(
+        o["seconds"] - sum((o.get("phases") or {}).values()) for o in outs) * 1e3
+    last = outs[-1]
+    return {"trainer": trainer, "sender": last.get("sender_phases_ms") or {},
+            "replica": last.get("replica_phases_ms") or []}
 
 
 def ratios(rows: dict[str, Any]) -> dict[str, float]:
@@ -210,14 +232,18 @@ def ratios(rows: dict[str, Any]) -> dict[str, float]:
 def table(res: dict[str, Any]) -> str:
     lines = [f"# bench_multisender_gpu ({res.get('kind')}, {res['machine'].get('date')})", "",
              f"model: {res.get('model')}", "",
-             "| row | median ms | GB/s | transfer-phase ms | bit-exact | all ms |",
-             "| --- | ---: | ---: | ---: | --- | --- |"]
+             "| row | median ms | GB/s | transfer-phase ms | bit-exact | rpcs/replica | all ms |",
+             "| --- | ---: | ---: | ---: | --- | --- | --- |"]
     for k, v in res.get("rows", {}).items():
         tr = v.get("transfer_seconds_median")
         lines.append(f"| {k} | {v['seconds_median'] * 1e3:.2f} | {v['gbps']:.2f} | "
                      f"{'' if tr is None else f'{tr * 1e3:.2f}'} | "
                      f"{v.get('bit_exact', 'n/a (raw)')} | "
+                     f"{v.get('rpcs_per_push', '')} | "
                      f"{', '.join(f'{x * 1e3:.1f}' for x in v['seconds_all'])} |")
+    for k, v in res.get("rows", {}).items():
+        if "phases_ms" in v:
+            lines.append(f"\n{k} phases_ms: {json.dumps(v['phases_ms'])}")
     lines += ["", "| ratio | value |", "| --- | ---: |"]
     lines += [f"| {k} | {v:.3f} |" for k, v in res.get("ratios", {}).items()]
     for k, v in res.get("not_run", {}).items():

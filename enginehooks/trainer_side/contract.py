@@ -83,6 +83,17 @@ class TrainerAdapter(ABC):
     def stream(self) -> Iterator[tuple[str, torch.Tensor]]:
         """The planned tensors, in order, contiguous, in their wire dtype."""
 
+    def layout_key(self) -> str | None:
+        """A digest of everything `specs()` depends on (names, dtypes, shapes, the wire
+        dtypes, the adapter's options), cheap to compute: a push whose key equals the
+        last push's reuses its plan (`core/layout.py`). None: unknown, plan every push."""
+        return None
+
+    def reuse_plan(self, other: TrainerAdapter, specs: Sequence[TensorSpec]) -> bool:
+        """Take `other`'s plan (an adapter of the same model whose `layout_key()` was
+        this one's, `specs` its plan) instead of planning; False if it cannot."""
+        return False
+
     def cancel(self, reason: str) -> None:  # noqa: B027 - optional: single-process adapters
         """The push failed on the sender before or while streaming: release whatever
         waits on this stream (other trainer ranks). Idempotent."""
@@ -198,3 +209,26 @@ class CheckpointAdapter(TrainerAdapter):
 
     def stream(self) -> Iterator[tuple[str, torch.Tensor]]:
         return self._items()
+
+    def layout_key(self) -> str | None:
+        """Names, dtypes and global shapes of the module-layout tensors (one
+        `state_dict()`, which the stream then shares), the wire dtypes and the options.
+        The conversion is a function of these and of the model's class."""
+        from enginehooks.core.layout import layout_key
+
+        sources = [(s.name, dtype_name(s.dtype), list(s.shape)) for s in self._sources()]
+        self._planned_now = True  # the stream reuses the state dict just read
+        dtypes = {n: dtype_name(d) if d is not None else None for n, d in self.dtypes.items()}
+        return layout_key([type(self).__name__, type(self.model).__name__, sources,
+                           dtype_name(self.dtype) if self.dtype is not None else None,
+                           dtypes, id(self.include) if self.include is not None else None,
+                           id(self.rename)])
+
+    def reuse_plan(self, other: TrainerAdapter, specs: Sequence[TensorSpec]) -> bool:
+        # `other` is alive (the layout holds it), so equal ids in the key are the same
+        # `include` / `rename` objects, never a new function at a recycled address
+        if (type(other) is not type(self) or not isinstance(other, CheckpointAdapter)
+                or other.model is not self.model or other._layout is None):
+            return False
+        self._format, self._layout = other._format, other._layout
+        return True

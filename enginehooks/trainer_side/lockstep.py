@@ -236,6 +236,16 @@ class LockstepAdapter(TrainerAdapter):
         self._state, self._gen, self._reason = "planned", None, ""
         return list(self._specs)
 
+    def reuse_plan(self, other: TrainerAdapter, specs: Sequence[TensorSpec]) -> bool:
+        """Take a kept plan (`TrainerAdapter.reuse_plan`), and be ready to stream it."""
+        if not (isinstance(other, LockstepAdapter)
+                and other.flag_elements == self.flag_elements
+                and super().reuse_plan(other, specs)):
+            return False
+        self._specs = list(specs)
+        self._state, self._gen, self._reason = "planned", None, ""
+        return True
+
     def stream(self) -> Iterator[tuple[str, torch.Tensor]]:
         if self._specs is None or self._state not in ("planned", "idle"):
             self.specs()

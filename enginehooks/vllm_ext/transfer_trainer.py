@@ -187,6 +187,9 @@ class ClientReplica(EngineHandle):
     of them, and the per-worker stats of a receive do not travel back.
     """
 
+    #: vLLM's client protocol carries the whole manifest on every update
+    prepared_layouts = False
+
     def __init__(self, client: Any, workers: int, name: str = "vllm",
                  dtype: str | None = None) -> None:
         for method in ("init_weight_transfer_engine", "start_weight_update", "update_weights",
