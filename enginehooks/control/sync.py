@@ -43,7 +43,13 @@ import torch
 from enginehooks import wire
 from enginehooks.control._futures import spawn
 from enginehooks.control.handles import EngineHandle
-from enginehooks.control.senders import Follower, SenderSet, ask_plans, with_send_order
+from enginehooks.control.senders import (
+    Follower,
+    SenderSet,
+    ask_plans,
+    owners_of,
+    with_send_order,
+)
 from enginehooks.core.auth import AuthError, load_secret
 from enginehooks.core.checksums import check_name
 from enginehooks.core.deadline import Deadline
@@ -438,8 +444,10 @@ class WeightSync:
             # several senders: every rank says what it can stream; one manifest lists
             # each sender's part (and, for lockstep ranks, the order they send in)
             per_rank = ask_plans(self.senders, adapter)
-            manifest = plan(parts=decide_parts(per_rank), **layout)
-            return adapter, with_send_order(manifest, per_rank)
+            manifest = with_send_order(plan(parts=decide_parts(per_rank), **layout), per_rank)
+            # this rank gathers, converts and casts only its own part (the others theirs)
+            adapter.owners = owners_of(manifest, self.senders)
+            return adapter, manifest
 
         adapter, manifest = self._phase("plan", report, make_plan)
         self._transact(adapter, manifest, report, None)

@@ -277,6 +277,12 @@ class TrainerRanks:
     def coordinator(self) -> bool:
         return self.rank == self.root
 
+    def global_rank(self, rank: int) -> int:
+        """The default group's rank of this channel's rank `rank`."""
+        if not self.active or self.group is None or self.group is dist.group.WORLD:
+            return rank
+        return int(dist.get_global_rank(self.group, rank))
+
     # -- lockstep flags -------------------------------------------------------------------
     def flag(self, message: Message | None, timeout_s: float | None) -> Message:
         """One fixed-size frame from the root (`message` there, None elsewhere), in one

@@ -85,6 +85,30 @@ class FSDP2Adapter(LockstepAdapter, CheckpointAdapter):
         return [Source(n, t.dtype, tuple(t.shape))
                 for n, t in self._once("state", self._module_state).items()]
 
+    def _produce_for(self, names: Sequence[str], dests: Mapping[str, set[int]]
+                     ) -> Mapping[str, torch.Tensor]:
+        """A tensor one rank sends is gathered to that rank alone (`dist.gather`: the
+        others send their shard, receive nothing, convert nothing); one that several
+        ranks need, or another layout than FSDP2's, is all-gathered as before."""
+        dt = _dtensor_type()
+        state = self._once("state", self._module_state)
+        out: dict[str, torch.Tensor] = {}
+        for name in names:
+            t, dst = state[name], dests.get(name, set())
+            if dt is None or not isinstance(t, dt) or len(dst) != 1 or _whole_here(t):
+                out.update(self._produce([name]))
+                continue
+            wire = self.precast_dtype(t.dtype)
+            local = t.to_local()
+            local = local if local.dtype == wire else local.to(wire)
+            handled, got = _gather_to(local, t, next(iter(dst)))
+            del local
+            if not handled:  # not FSDP2's layout: every rank gathers
+                out.update(self._produce([name]))
+            elif got is not None:
+                out[name] = got
+        return out
+
     def _produce(self, names: Sequence[str]) -> Mapping[str, torch.Tensor]:
         dt = _dtensor_type()
         state = self._once("state", self._module_state)  # one state_dict() per push
@@ -106,6 +130,35 @@ class FSDP2Adapter(LockstepAdapter, CheckpointAdapter):
             else:
                 out[name] = t.detach().to(wire)
         return out
+
+
+def _gather_to(local: torch.Tensor, t: DTensor, dst: int
+               ) -> tuple[bool, torch.Tensor | None]:
+    """`t` (its `local` shard, already cast) gathered on global rank `dst` only: (True,
+    the tensor) there, (True, None) on the other ranks, which send their shard and get
+    nothing. For a 1-D mesh sharded on dim 0 (FSDP2's layout; uneven shards are padded
+    to the largest, as `torch.chunk` cuts them); any other layout answers (False, None)
+    on every rank, which then gathers everywhere."""
+    import torch.distributed as dist
+    from torch.distributed.tensor import Shard
+
+    mesh = t.device_mesh
+    if mesh.ndim != 1 or len(t.placements) != 1:
+        return False, None
+    p = t.placements[0]
+    if not (isinstance(p, Shard) and p.dim == 0) or t.dim() == 0:
+        return False, None
+    group, world = mesh.get_group(), mesh.size()
+    rows = t.shape[0]
+    chunk = -(-rows // world)
+    padded = local.new_zeros((chunk, *local.shape[1:]))
+    padded[: local.shape[0]].copy_(local)
+    if dist.get_rank() != dst:
+        dist.gather(padded, None, dst=dst, group=group)
+        return True, None
+    parts = [torch.empty_like(padded) for _ in range(world)]
+    dist.gather(padded, parts, dst=dst, group=group)
+    return True, torch.cat(parts)[:rows]
 
 
 def _whole_here(t: DTensor) -> bool:

@@ -236,6 +236,18 @@ class LockstepAdapter(TrainerAdapter):
         self._state, self._gen, self._reason = "planned", None, ""
         return list(self._specs)
 
+    def _stream_owners(self) -> dict[str, int] | None:
+        """`owners` if set (several senders); else, with followers, the lockstep sender
+        sends every tensor: the followers only contribute their shards to each gather,
+        and assemble, convert and cast nothing."""
+        if self.owners is not None:
+            return self.owners
+        ls = self.lockstep
+        if ls.alone or not ls.active:
+            return None
+        sender = ls.channel.global_rank(ls.sender)
+        return dict.fromkeys((s.name for s in self._specs or []), sender)
+
     def reuse_plan(self, other: TrainerAdapter, specs: Sequence[TensorSpec]) -> bool:
         """Take a kept plan (`TrainerAdapter.reuse_plan`), and be ready to stream it."""
         if not (isinstance(other, LockstepAdapter)

@@ -11,7 +11,9 @@ one rank, pushes a tiny Llama into an in-process module replica (`LocalEngine`):
 - the pushed bytes are unchanged: the replica equals the gathered state dict bit for bit
   (the oracle of `tests/vllm/test_trainer_sharded.py`'s FSDP1 test);
 - a push that stops mid-stream still releases the follower with the sender's reason
-  (the sender finishes the collectives up to the next flag, then says STOP there).
+  (the sender finishes the collectives up to the next flag, then says STOP there);
+- each rank produces only what it sends (item 5): with one sender the follower gathers
+  to the sender and converts nothing; with both ranks sending, each casts its share.
 
 Each scenario runs this file as a script in WORLD processes (`python
 tests/unit/test_trainer_stream.py SCENARIO RANK WORLD PORT OUT`).
@@ -128,8 +130,23 @@ def _bit_exact(target: Any, want: dict[str, Any]) -> bool:
     return sorted(got) == sorted(want) and all(torch.equal(got[k], want[k]) for k in want)
 
 
+class ClassCounted:
+    """Counts calls of a class's method in this process."""
+
+    def __init__(self, cls: Any, attr: str) -> None:
+        self.calls = 0
+        inner = getattr(cls, attr)
+
+        def counted(obj: Any, *args: Any, **kwargs: Any) -> Any:
+            self.calls += 1
+            return inner(obj, *args, **kwargs)
+
+        setattr(cls, attr, counted)
+
+
 def scenario_two(rank: int, extra: dict[str, Any], out: Path) -> dict[str, Any]:
     import torch
+    from torch.distributed.tensor import DTensor
 
     from enginehooks import WeightSync
     from enginehooks.engine.local import LocalEngine
@@ -138,7 +155,10 @@ def scenario_two(rank: int, extra: dict[str, Any], out: Path) -> dict[str, Any]:
     path = Path(extra["model"])
     model = _sharded(path, seed=91)
     calls = Counted(model, "state_dict")
-    res: dict[str, Any] = {"state_dict_calls": [], "flags": [], "bit_exact": []}
+    gathers = ClassCounted(DTensor, "full_tensor")
+    casts = ClassCounted(FSDP2Adapter, "to_wire")
+    res: dict[str, Any] = {"state_dict_calls": [], "flags": [], "bit_exact": [],
+                           "full_tensor_calls": [], "to_wire_calls": []}
     sync = target = None
     if rank == 0:
         target = _replica(path)
@@ -146,10 +166,13 @@ def scenario_two(rank: int, extra: dict[str, Any], out: Path) -> dict[str, Any]:
         sync.add_replica(LocalEngine(target, name="fsdp2-replica"))
     for version in (1, 2):
         adapter = FSDP2Adapter(model, start_timeout_s=60.0)
-        before = calls.calls
+        before, gathered, cast = calls.calls, gathers.calls, casts.calls
         push(adapter, version, sync=sync)
         res["state_dict_calls"].append(calls.calls - before)
         res["flags"].append(adapter.flags)
+        res["full_tensor_calls"].append(gathers.calls - gathered)
+        res["to_wire_calls"].append(casts.calls - cast)
+        res["tensors"] = adapter.planned
         want = _full(model)  # a collective: every rank
         if rank == 0:
             res["bit_exact"].append(_bit_exact(target, want))
@@ -176,6 +199,40 @@ def scenario_two(rank: int, extra: dict[str, Any], out: Path) -> dict[str, Any]:
     if rank == 0:
         assert sync is not None
         sync.close()
+    return res
+
+
+def scenario_multi(rank: int, extra: dict[str, Any], out: Path) -> dict[str, Any]:
+    """Both ranks send (`WeightSync(senders=...)`): each gathers, converts and casts
+    only its own share."""
+    import torch.distributed as dist
+    from torch.distributed.tensor import DTensor
+
+    from enginehooks import WeightSync
+    from enginehooks.engine.local import LocalEngine
+    from enginehooks.trainer_side import FSDP2Adapter, TrainerRanks
+
+    path = Path(extra["model"])
+    model = _sharded(path, seed=95)
+    control = dist.new_group(backend="gloo")  # FSDP2 gathers on the default group
+    sync = WeightSync("gloo", senders=TrainerRanks(control, timeout_s=60), host="127.0.0.1",
+                      timeout_s=60, bucket_bytes=BUCKET)
+    target = None
+    if rank == 0:
+        target = _replica(path)
+        sync.add_replica(LocalEngine(target, name="multi-replica"))
+    gathers = ClassCounted(DTensor, "full_tensor")
+    casts = ClassCounted(FSDP2Adapter, "to_wire")
+    report = sync.push(model, 1)
+    res: dict[str, Any] = {"full_tensor_calls": gathers.calls, "to_wire_calls": casts.calls,
+                           "part_tensors": report.tensors if rank else None}
+    want = _full(model)
+    if rank == 0:
+        assert target is not None
+        res["bit_exact"] = _bit_exact(target, want)
+        res["tensors"] = report.tensors
+    sync.close()
+    dist.barrier()  # rank 0 stays until rank 1's close has its last answer
     return res
 
 
@@ -248,6 +305,22 @@ def test_two_fsdp2_ranks_read_the_state_dict_once_and_flag_once_per_push(
         assert r["flags"] == [1, 1]  # one GO per push for a model this small, never per tensor
     assert r0["mid_flags"] >= 1
     assert r1["mid"] == "stopped on purpose"
+    # each rank produces only what it sends (issue 37 item 5): the sender gathers every
+    # tensor to itself alone (no all-gather), the follower contributes its shards and
+    # converts or casts nothing
+    n = r0["tensors"]
+    assert r0["full_tensor_calls"] == r1["full_tensor_calls"] == [0, 0]
+    assert r0["to_wire_calls"] == [n, n] and r1["to_wire_calls"] == [0, 0]
+
+
+def test_several_fsdp2_senders_each_produce_only_their_share(
+        tiny_llama: Path, tmp_path: Path) -> None:
+    r0, r1 = run_ranks("multi", tmp_path, {"model": str(tiny_llama)}, world=2)
+    assert r0["bit_exact"] is True
+    assert r0["full_tensor_calls"] == r1["full_tensor_calls"] == 0
+    # every tensor is cast once, by the rank that sends it; both ranks send a share
+    assert r0["to_wire_calls"] + r1["to_wire_calls"] == r0["tensors"]
+    assert 0 < r1["to_wire_calls"] < r0["tensors"]
 
 
 def test_a_mesh_of_one_rank_gathers_nothing(tiny_llama: Path, tmp_path: Path) -> None:
