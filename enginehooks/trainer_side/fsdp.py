@@ -151,14 +151,18 @@ def _gather_to(local: torch.Tensor, t: DTensor, dst: int
     group, world = mesh.get_group(), mesh.size()
     rows = t.shape[0]
     chunk = -(-rows // world)
-    padded = local.new_zeros((chunk, *local.shape[1:]))
-    padded[: local.shape[0]].copy_(local)
+    if local.shape[0] == chunk and local.is_contiguous():
+        padded = local  # a full shard travels as it is
+    else:
+        padded = local.new_zeros((chunk, *local.shape[1:]))
+        padded[: local.shape[0]].copy_(local)
     if dist.get_rank() != dst:
         dist.gather(padded, None, dst=dst, group=group)
         return True, None
-    parts = [torch.empty_like(padded) for _ in range(world)]
-    dist.gather(padded, parts, dst=dst, group=group)
-    return True, torch.cat(parts)[:rows]
+    # every shard lands in its place of one buffer: the tensor is a view of it, no cat
+    whole = padded.new_empty((chunk * world, *padded.shape[1:]))
+    dist.gather(padded, list(whole.split(chunk)), dst=dst, group=group)
+    return True, whole[:rows]
 
 
 def _whole_here(t: DTensor) -> bool:
