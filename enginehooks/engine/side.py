@@ -328,6 +328,11 @@ class EngineSide:
         self._authorize("receive", auth, manifest=manifest_json, group=group)
         with self._exclusive("receive"):
             if ref is not None:
+                if self.receiver is None or group != self.group:
+                    # a prepared push assumes the group it was prepared in: another
+                    # trainer took this worker over, or it left; the full path rejoins
+                    raise LayoutUnknown(f"this worker is in group {self.group!r} now, not "
+                                        f"{group!r}: push the whole manifest (it rejoins)")
                 return self._receive(with_version(self._layouts[ref[0]], ref[1]), group,
                                      checked=True)
             return self._receive(Manifest.from_json(manifest_json), group)

@@ -5,8 +5,9 @@ same layout is one signed `receive` per replica (`rpcs == 1`) naming the layout,
 lands the same bytes. Each change falls back to the full path: another dtype, a new
 tensor (which the replica still refuses, in `check`, before any byte moves), a replica
 that restarted (a new instance with no layout: `LayoutUnknown`, answered before its
-token is read), a replica that lost the layout while still in the group, another replica
-set. A reference is still signed: a forged one is refused and changes nothing.
+token is read), a replica that lost the layout while still in the group, another
+replica set, another trainer that took a replica over. A reference is still signed: a
+forged one is refused and changes nothing.
 """
 
 from __future__ import annotations
@@ -127,6 +128,24 @@ def test_a_replica_without_the_layout_falls_back_to_the_full_path(
         train(src)
         again = sync.push(src, 4)  # the full path established the layout anew
         assert again.layout == "prepared" and again.rpcs == 1
+
+
+def test_a_replica_another_trainer_took_over_falls_back_and_rejoins(
+        replicas: list[LocalEngine]) -> None:
+    src, other = net(1), net(7)
+    with WeightSync("gloo", timeout_s=4, secret=SECRET) as sync:
+        sync.add_replica(replicas[0])
+        sync.push(src, 1)
+        assert sync.push(src, 2).layout == "prepared"
+        with WeightSync("gloo", timeout_s=20, secret=SECRET) as thief:
+            thief.add_replica(replicas[0])
+            thief.push(other, 100)
+            assert same(other, replicas[0].target.module)
+            train(src)
+            report = sync.push(src, 3)  # the worker is in the thief's group now
+            assert report.ok and report.layout.startswith("fallback: replica 'r0'")
+            assert "group" in report.layout
+            assert same(src, replicas[0].target.module) and replicas[0].side.version == 3
 
 
 def test_another_replica_set_takes_the_full_path(replicas: list[LocalEngine]) -> None:
