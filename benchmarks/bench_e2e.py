@@ -133,6 +133,9 @@ class ProcessReplica(EngineHandle):
                           "timeout_s": timeout_s}, timeout_s + 30)["ok"]
         return list(out)
 
+    def flush_pending(self) -> bool:
+        return False  # a module has no cache: no call to make
+
     def flush_cache(self, timeout_s: float, auth: str | None = None) -> None:
         """A module has no cache."""
 
@@ -149,6 +152,32 @@ class ProcessReplica(EngineHandle):
             self.proc.join(timeout=60)
             if self.proc.is_alive():
                 self.proc.kill()
+
+
+def push_facts(report: Any) -> dict[str, Any]:
+    """What a push report says about where its time went, JSON-able: calls per replica,
+    the path (planned / prepared), the sender's and each replica worker's phases."""
+    workers = [w for res in report.replicas for w in (res.stats or {}).get("workers") or []]
+    return {"rpcs": report.rpcs, "layout": report.layout,
+            "sender_phases_ms": dict(report.sender.get("phases_ms") or {}),
+            "replica_phases_ms": [dict(w.get("phases_ms") or {}) for w in workers],
+            "replica_seconds": [w.get("seconds") for w in workers]}
+
+
+def phases_ms(reports: list[dict[str, Any]]) -> dict[str, Any]:
+    """`phases_ms` of a benchmark row: the trainer's push phases, medians in ms, the
+    trainer-side total outside them; the sender's and replicas' transport phases of the
+    last push."""
+    names = sorted({k for r in reports for k in r["phases"]})
+    trainer = {k: statistics.median(r["phases"].get(k, 0.0) for r in reports) * 1e3
+               for k in names}
+    if all("seconds" in r for r in reports):
+        trainer["outside_phases"] = statistics.median(
+            r["seconds"] - sum(r["phases"].values()) for r in reports) * 1e3
+    last = reports[-1]
+    return {"trainer": trainer, "sender": last.get("sender_phases_ms", {}),
+            "replica": last.get("replica_phases_ms", []),
+            "replica_receive_ms": [s * 1e3 for s in last.get("replica_seconds", []) if s]}
 
 
 def free_port() -> int:
@@ -235,13 +264,10 @@ def main(argv: list[str] | None = None) -> int:
             def once(sync: Any = sync, reports: list[dict[str, Any]] = reports) -> None:
                 nonlocal version
                 version += 1
+                t0 = time.perf_counter()
                 r = push(model, version, sync=sync)
-                reports.append({
-                    "phases": dict(r.phases), "bytes": r.bytes,
-                    # both sides of the transfer: the trainer's sender, each engine worker
-                    "sender_phases_ms": r.sender.get("phases_ms"),
-                    "receiver_phases_ms": [w.get("phases_ms") for rr in r.replicas
-                                           for w in rr.stats.get("workers", [])]})
+                reports.append({"phases": dict(r.phases), "bytes": r.bytes,
+                                "seconds": time.perf_counter() - t0, **push_facts(r)})
 
             item = med(once)
             prof = os.environ.get("ENGINEHOOKS_BENCH_PROFILE")
@@ -259,14 +285,18 @@ def main(argv: list[str] | None = None) -> int:
                 with open(f"{prof}.trainer-{cs}.txt", "w") as f:
                     f.write(buf.getvalue())
             ok = replica.digest() == mine
+            steady = reports[args.warmup:] or reports
             item.update(checksum=cs, bit_exact=ok,
                         transfer_seconds_median=statistics.median(
                             r["phases"].get("transfer", float("nan")) for r in reports),
                         phases_last=reports[-1]["phases"],
-                        sender_phases_ms_last=reports[-1]["sender_phases_ms"],
-                        receiver_phases_ms_last=reports[-1]["receiver_phases_ms"],
-                        phases_ms={"sender": reports[-1]["sender_phases_ms"],
-                                   "receivers": reports[-1]["receiver_phases_ms"]})
+                        # both sides, milliseconds: the trainer's push phases (median over
+                        # the timed pushes), the sender's and the replica's transport phases
+                        # (last push); calls per replica per push, and the path each took
+                        phases_ms=phases_ms(steady),
+                        rpcs_per_push=[r["rpcs"] for r in reports],
+                        rpcs_steady=max(r["rpcs"] for r in steady),
+                        layouts=[r["layout"] for r in reports])
             res["items"][f"push[checksum={cs}]"] = item
             sync.close()
             print(f"push checksum={cs}: {item['seconds_median'] * 1e3:.1f} ms (transfer "
@@ -290,6 +320,10 @@ def main(argv: list[str] | None = None) -> int:
     print("| item | median ms |\n| --- | ---: |")
     for k, v in res["items"].items():
         print(f"| {k} | {v['seconds_median'] * 1e3:.2f} |")
+    for k, v in res["items"].items():
+        if "phases_ms" in v:
+            print(f"\n{k}: rpcs per replica per push {v['rpcs_per_push']} ({v['layouts'][-1]}); "
+                  f"phases_ms {json.dumps(v['phases_ms'])}")
     print("\n| ratio | value |\n| --- | ---: |")
     for k, v in res["summary"].items():
         print(f"| {k} | {v:.3f} |")

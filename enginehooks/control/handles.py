@@ -24,6 +24,11 @@ class EngineHandle(ABC):
 
     #: label used in reports and errors
     name: str = "engine"
+    #: whether `receive` hands its manifest argument to the workers' contract verb as
+    #: it is, so that a push on a prepared layout (`core/layout.py`) can send a
+    #: reference instead; a handle that translates the manifest into another protocol
+    #: (vLLM's own weight-transfer client) says False and always gets the whole one
+    prepared_layouts: bool = True
 
     @abstractmethod
     def rpc(self, method: str, *args: Any, timeout_s: float) -> list[Any]:
@@ -33,6 +38,12 @@ class EngineHandle(ABC):
     def flush_cache(self, timeout_s: float, auth: str | None = None) -> None:
         """Drop cached prefixes computed with old weights (`auth`: the signed `flush`
         message, for handles that flush through the engine contract's verb)."""
+
+    def flush_pending(self) -> bool:
+        """Whether `flush_cache` has a call to make after this push's `receive`: False
+        where the engine flushed inside the receive (SGLang) or has no cache, so the
+        push makes no call for it (`PushReport.rpcs`)."""
+        return True
 
     def pause(self, timeout_s: float) -> None:  # noqa: B027 - optional
         """Stop scheduling new work so no request sees torn weights."""

@@ -88,6 +88,13 @@ def with_send_order(manifest: Manifest, per_rank: list[list[TensorSpec]]) -> Man
     return Manifest.from_dict(d)
 
 
+def owners_of(manifest: Manifest, ranks: TrainerRanks) -> dict[str, int]:
+    """Checkpoint name -> the global rank of the trainer rank that sends it: what each
+    rank's adapter needs to produce only its own part (`TrainerAdapter.owners`)."""
+    return {t.name: ranks.global_rank(j) for j, part in enumerate(parts(manifest))
+            for t in part.tensors}
+
+
 class SenderSet(Sender):
     """Trainer rank 0's sender while every rank of `ranks` sends its part: `own` (this
     rank's sender, from the transport) plus the other ranks' senders, which it opens,
@@ -281,8 +288,11 @@ class Follower:
         if isinstance(cmd, Send):
             if self.adapter is None:
                 raise TransportError("send before plan")
-            part = parts(Manifest.from_json(cmd.manifest))[self.ranks.rank]
+            manifest = Manifest.from_json(cmd.manifest)
+            part = parts(manifest)[self.ranks.rank]
             names = {t.name for t in part.tensors}
+            # this rank gathers, converts and casts only its part (issue 37 item 5)
+            self.adapter.owners = owners_of(manifest, self.ranks)
             stats = self._here().send(part, only(self.adapter.stream(), names), Abort())
             return Answer(seconds=stats.seconds, bytes=part.total_bytes), stats
         if isinstance(cmd, Close):

@@ -18,6 +18,13 @@ Phases of a push (each timed through the `run_phase` hook):
   check     every replica validates the manifest against its model: before data moves
   transfer  sender streams buckets while every replica receives and applies
   finish    replicas flush prefix caches and resume
+
+Plan once, push many (`core/layout.py`): a push whose model and replicas are laid out as
+the last successful one's (the same layout key, the same replicas, the group intact)
+skips plan, info, group and check, and sends each replica one signed `receive` naming
+the layout; a replica that no longer holds it answers `LayoutUnknown` and the push falls
+back to the full path. `PushReport.layout` says which path ran, each replica's `rpcs`
+how many calls it got.
 """
 
 from __future__ import annotations
@@ -25,8 +32,10 @@ from __future__ import annotations
 import contextlib
 import functools
 import threading
+import uuid
 from collections.abc import Callable, Sequence
 from concurrent.futures import FIRST_COMPLETED, FIRST_EXCEPTION, Future, wait
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -35,7 +44,13 @@ from enginehooks import wire
 from enginehooks.control._futures import spawn
 from enginehooks.control.adapters import AdapterReport, AdapterVersions, adapter_upload
 from enginehooks.control.handles import EngineHandle
-from enginehooks.control.senders import Follower, SenderSet, ask_plans, with_send_order
+from enginehooks.control.senders import (
+    Follower,
+    SenderSet,
+    ask_plans,
+    owners_of,
+    with_send_order,
+)
 from enginehooks.core.auth import AuthError, load_secret
 from enginehooks.core.checksums import check_name
 from enginehooks.core.deadline import Deadline
@@ -44,6 +59,7 @@ from enginehooks.core.errors import (
     ChecksumError,
     ConfigError,
     EngineHooksError,
+    LayoutUnknown,
     ManifestError,
     PeerLost,
     PushTimeout,
@@ -53,7 +69,8 @@ from enginehooks.core.errors import (
     TransportError,
 )
 from enginehooks.core.keep import KEEP_KEY
-from enginehooks.core.manifest import Manifest, plan
+from enginehooks.core.layout import LAYOUT_KEY, layout_key, reference, with_version
+from enginehooks.core.manifest import Manifest, TensorSpec, plan
 from enginehooks.core.report import PushReport, ReplicaResult
 from enginehooks.core.senders import decide_parts
 from enginehooks.plugins import get_plugin_manager, get_transport, transports
@@ -61,6 +78,7 @@ from enginehooks.trainer_side.channel import Bye, End, RanksBroken, TrainerRanks
 from enginehooks.trainer_side.choose import adapter_for
 from enginehooks.trainer_side.contract import TrainerAdapter
 from enginehooks.trainer_side.keep import leave_out, module_names
+from enginehooks.trainer_side.lockstep import LockstepAdapter
 from enginehooks.transports.base import Abort, JoinSender, LeaveSender, Sender
 
 DEFAULT_BUCKET_BYTES = 256 << 20
@@ -103,6 +121,11 @@ def blame(error: BaseException | None) -> int:
     return OWN
 
 
+def _has_followers(adapter: TrainerAdapter) -> bool:
+    """Whether other trainer ranks iterate `adapter`'s stream in lockstep with this one."""
+    return isinstance(adapter, LockstepAdapter) and not adapter.lockstep.alone
+
+
 def require_several_senders(transport: str) -> None:
     """Refuse a transport that cannot split an update over several senders (one copy per
     replica, or files: no groups to split it over)."""
@@ -110,6 +133,25 @@ def require_several_senders(transport: str) -> None:
     if not get_transport(transport).several_senders:
         raise ConfigError(f"several senders run over {able}, not {transport!r} "
                           "(docs/scale.md)")
+
+
+@dataclass
+class PreparedLayout:
+    """What the first push to a set of replicas established (`core/layout.py`)."""
+
+    #: the id the workers keep the manifest under
+    id: str
+    #: the adapter's layout key and the push options, digested
+    key: str
+    #: the manifest they checked and took (any weight version)
+    manifest: Manifest
+    #: the adapter that planned it (kept alive: a later adapter adopts its plan)
+    adapter: TrainerAdapter
+    specs: list[TensorSpec]
+    #: the replicas it was established with, in order
+    replicas: list[EngineHandle]
+    #: the wire dtypes the replicas asked for then (`wire_dtypes`)
+    wire: tuple[torch.dtype | None, dict[str, torch.dtype | None]]
 
 
 class WeightSync:
@@ -209,6 +251,15 @@ class WeightSync:
                           if senders is not None and not senders.coordinator else None)
         self._last_word: list[Any] = []  # the coordinator's `end`, kept until it completes
         self._adapters = AdapterVersions()
+        #: the layout the last successful push established (None: plan the next one)
+        self._layout: PreparedLayout | None = None
+        #: the replicas' wire dtypes as last asked (`wire_dtypes`)
+        self._wire: tuple[torch.dtype | None, dict[str, torch.dtype | None]] | None = None
+        #: calls made to each replica (by id) in the push under way (`PushReport.rpcs`)
+        self._rpcs: dict[int, int] = {}
+        self._rpcs_lock = threading.Lock()
+        #: the receive calls of the last transfer (a fallback waits for them to end)
+        self._receives: list[Future[Any]] = []
 
     # -- membership ---------------------------------------------------------------------
     def add_replica(self, handle: EngineHandle) -> None:
@@ -297,32 +348,109 @@ class WeightSync:
                 raise EngineHooksError("push() with no replica registered (add_replica first)")
             report = PushReport(version=version, transport=self.transport_name)
             report.replicas = [ReplicaResult(r.name) for r in self._replicas]
+            self._rpcs = {}
             try:
                 self._push(model, version, report, keep)
             except BaseException as e:
+                self._layout = None  # whatever failed, plan the next push in full
                 report.error = f"{type(e).__name__}: {e}"
                 report.error_kind = type(e).__name__
                 if isinstance(e, EngineHooksError):
                     e.report = report
                 raise
             finally:
+                for res, r in zip(report.replicas, self._replicas):
+                    res.rpcs = self._rpcs.get(id(r), 0)
                 self._pm.hook.push_finished(report=report)
             return report
 
     def _phase(self, name: str, report: PushReport, run: Callable[[], Any]) -> Any:
         return self._pm.hook.run_phase(phase=name, report=report, run=run)
 
+    def _adapter(self, model: Any) -> TrainerAdapter:
+        """The push's adapter, told the replicas' wire dtypes (kept while a layout is)."""
+        if isinstance(model, TrainerAdapter):
+            adapter = model
+            if adapter.dtype is None and not adapter.dtypes:
+                adapter.dtype, adapter.dtypes = self.wire_dtypes()
+            return adapter
+        default, exceptions = self.wire_dtypes()
+        return adapter_for(model, dtype=default, dtypes=exceptions)
+
+    def _options_key(self, adapter_key: str) -> str:
+        """The layout key: the adapter's, and every push option the plan depends on."""
+        return layout_key([adapter_key, self.transport_name, self.bucket_bytes, self.checksum,
+                           self.transport.split, self.transport.direct_min, self.verify])
+
+    def _prepared(self, adapter: TrainerAdapter) -> PreparedLayout | None:
+        """The kept layout if this push may use it: same replicas, group intact, same
+        key (`core/layout.py`); else None (the full path)."""
+        lay = self._layout
+        if (lay is None or self.senders is not None or lay.replicas != self._replicas
+                or self._sender is None or self._sender.broken
+                or self._members != self._replicas):
+            return None
+        key = adapter.layout_key()
+        if key is None or self._options_key(key) != lay.key:
+            return None
+        return lay if adapter.reuse_plan(lay.adapter, lay.specs) else None
+
     def _push(self, model: Any, version: int | str, report: PushReport,
               keep: tuple[str, ...] = ()) -> None:
-        """The push routine, for one sender and several."""
+        """The push routine, for one sender and several. A push that leaves modules out
+        (`keep`) takes the full path and keeps no layout: its manifest is not the
+        model's whole layout."""
+        if keep:
+            self._layout = None
+        if self._layout is not None:
+            adapter = self._adapter(model)
+            lay = self._phase("plan", report, lambda: self._prepared(adapter))
+            if lay is not None:
+                manifest = with_version(lay.manifest, version)
+                report.layout = "prepared"
+                self._receives = []
+                try:
+                    self._transact(adapter, manifest, report, lay)
+                    return
+                except BaseException as e:
+                    self._layout, self._wire = None, None
+                    gone = self._layout_gone()
+                    if gone is None or _has_followers(adapter):
+                        # Other trainer ranks stream in lockstep with this one and are
+                        # released now (STOP): they cannot follow a second stream in the
+                        # same push, so the push fails; the next one plans in full.
+                        adapter.cancel(f"{type(e).__name__}: {e}")
+                        raise
+                    # a replica lost the layout (restarted): nothing changed there; the
+                    # others may have begun and failed with the broken group (torn):
+                    # the full push below repairs them all
+                    report.layout = f"fallback: {gone}"
+                    report.phases.pop("transfer", None)
+            self._layout = None
+        self._push_full(model, version, report, keep)
+
+    def _layout_gone(self) -> str | None:
+        """After a failed prepared push: why a replica refused the layout, if one did
+        (`LayoutUnknown`, which a worker answers at once), once every receive of that
+        push ended (the full path must find no worker still busy with it)."""
+        futs = self._receives
+        wait(futs, timeout=min(GRACE_S, self.timeout_s), return_when=FIRST_EXCEPTION)
+        why = next((f"replica {r.name!r}: {f.exception()}" for r, f in zip(self._replicas, futs)
+                    if f.done() and isinstance(f.exception(), LayoutUnknown)), None)
+        if why is not None:
+            # The others' receives end when their data plane does: a collective group
+            # with a member gone cannot carry an abort notice to them, so a receiver
+            # waiting for a bucket waits out its own timeout (`timeout_s`).
+            wait(futs, timeout=self.timeout_s + GRACE_S)
+        return why
+
+    def _push_full(self, model: Any, version: int | str, report: PushReport,
+                   keep: tuple[str, ...] = ()) -> None:
+        layout_id = uuid.uuid4().hex
+        kept: dict[str, Any] = {}
+
         def make_plan() -> tuple[TrainerAdapter, Manifest]:
-            if isinstance(model, TrainerAdapter):
-                adapter = model
-                if adapter.dtype is None and not adapter.dtypes:
-                    adapter.dtype, adapter.dtypes = self.wire_dtypes()
-            else:
-                default, exceptions = self.wire_dtypes()
-                adapter = adapter_for(model, dtype=default, dtypes=exceptions)
+            adapter = self._adapter(model)
             meta: dict[str, Any] = {"transport": self.transport_name, "verify": self.verify}
             if keep:
                 adapter = leave_out(adapter, keep, in_place=not isinstance(model, TrainerAdapter))
@@ -332,32 +460,61 @@ class WeightSync:
                 checksum=self.checksum, split=self.transport.split,
                 direct_min=self.transport.direct_min, meta=meta)
             if self.senders is None:
-                return adapter, plan(adapter.specs(), **layout)
+                key = (adapter.layout_key()
+                       if not keep and all(r.prepared_layouts for r in self._replicas)
+                       else None)
+                specs = adapter.specs()
+                if key is not None:  # the workers keep what they take under this id
+                    meta[LAYOUT_KEY] = layout_id
+                    kept.update(key=self._options_key(key), specs=specs)
+                return adapter, plan(specs, **layout)
             # several senders: every rank says what it can stream; one manifest lists
             # each sender's part (and, for lockstep ranks, the order they send in)
             per_rank = ask_plans(self.senders, adapter)
-            manifest = plan(parts=decide_parts(per_rank), **layout)
-            return adapter, with_send_order(manifest, per_rank)
+            manifest = with_send_order(plan(parts=decide_parts(per_rank), **layout), per_rank)
+            # this rank gathers, converts and casts only its own part (the others theirs)
+            adapter.owners = owners_of(manifest, self.senders)
+            return adapter, manifest
 
         adapter, manifest = self._phase("plan", report, make_plan)
+        self._transact(adapter, manifest, report, None)
+        if kept and self._wire is not None:
+            self._layout = PreparedLayout(layout_id, kept["key"], manifest, adapter,
+                                          kept["specs"], list(self._replicas), self._wire)
+
+    def _transact(self, adapter: TrainerAdapter, manifest: Manifest, report: PushReport,
+                  prepared: PreparedLayout | None) -> None:
         report.bytes, report.buckets = manifest.total_bytes, len(manifest.buckets)
         report.tensors = len(manifest.tensors)
         try:
-            self._group_check_transfer(adapter, manifest, report)
+            self._group_check_transfer(adapter, manifest, report, prepared)
         except BaseException as e:
             # Sharded trainers: the other ranks iterate the same stream in lockstep and
             # wait for the sender's go; tell them this push is off, with the reason, so
             # they return instead of blocking in a collective (trainer_side.lockstep).
-            adapter.cancel(f"{type(e).__name__}: {e}")
+            if prepared is None:
+                adapter.cancel(f"{type(e).__name__}: {e}")
             raise
 
+    def _count(self, r: EngineHandle, n: int = 1) -> None:
+        with self._rpcs_lock:
+            self._rpcs[id(r)] = self._rpcs.get(id(r), 0) + n
+
+    def _finish(self, r: EngineHandle) -> None:
+        if r.flush_pending():
+            self._count(r)
+            r.flush_cache(self.timeout_s, self._token("flush", r))
+
     def _group_check_transfer(self, adapter: TrainerAdapter, manifest: Manifest,
-                              report: PushReport) -> None:
-        self._phase("group", report, self._ensure_group)
-        manifest_json = manifest.to_json()
-        self._phase("check", report, lambda: self._all(
-            report, "check", lambda r: r.check(manifest_json, self.timeout_s,
-                                               self._token("check", r, manifest=manifest_json))))
+                              report: PushReport, prepared: PreparedLayout | None = None
+                              ) -> None:
+        if prepared is None:
+            self._phase("group", report, self._ensure_group)
+            manifest_json = manifest.to_json()
+            self._phase("check", report, lambda: self._all(
+                report, "check", lambda r: r.check(
+                    manifest_json, self.timeout_s,
+                    self._token("check", r, manifest=manifest_json))))
         pause = self.pause and not self.wake_up
         if self.wake_up:
             self._phase("wake_weights", report, lambda: self._all(
@@ -365,12 +522,14 @@ class WeightSync:
         if pause:
             self._all(report, "pause", lambda r: r.pause(self.timeout_s))
         try:
-            self._phase("transfer", report, lambda: self._transfer(manifest, adapter, report))
+            text = (reference(prepared.id, manifest.weight_version)
+                    if prepared is not None else None)
+            self._phase("transfer", report,
+                        lambda: self._transfer(manifest, adapter, report, text))
             # Flush while still paused: no request may reuse a prefix computed with the
             # old weights, and some engines refuse a flush while requests run.
             self._phase("finish", report, lambda: self._all(
-                report, "finish", lambda r: r.flush_cache(self.timeout_s,
-                                                          self._token("flush", r))))
+                report, "finish", self._finish, count=False))
         finally:
             if pause:
                 self._all(report, "resume", lambda r: r.resume(self.timeout_s))
@@ -379,6 +538,7 @@ class WeightSync:
                 report, "wake KV cache", lambda r: r.wake_up(["kv_cache"], self.timeout_s)))
 
     def _wake_weights(self, r: EngineHandle) -> None:
+        self._count(r)  # two calls: is_sleeping, then wake_up
         if r.is_sleeping(self.timeout_s) is False:
             raise ConfigError(f"replica {r.name!r} is awake: WeightSync(wake_up=True) pushes "
                               "to sleeping engines; use pause=True for awake ones")
@@ -403,7 +563,10 @@ class WeightSync:
         tensors their loaders put in parameters of another dtype (derived by each
         engine from its own loader), or (None) that their loaders compute on before
         they land, which travel in the trainer's own dtype. `WeightSync(dtype=...)`
-        overrides the default."""
+        overrides the default. Kept while a prepared layout is (no call then)."""
+        if self._layout is not None and self._wire is not None:
+            kept_default, kept = self._wire
+            return kept_default, dict(kept)
         scratch = PushReport(version="", transport=self.transport_name)
         infos = [i for per_replica in self._all(scratch, "info", lambda r: r.info(self.timeout_s))
                  for i in per_replica]
@@ -423,14 +586,19 @@ class WeightSync:
         for info in infos:  # a loader that computes on a tensor gets it uncast, whatever
             for name in info.get("uncast") or []:  # another replica would cast it to
                 exceptions[name] = None
+        self._wire = (default, dict(exceptions))
         return default, exceptions
 
     # -- concurrency helpers ------------------------------------------------------------
     def _all(self, report: PushReport, what: str, call: Callable[[EngineHandle], Any],
-             replicas: list[EngineHandle] | None = None) -> list[Any]:
+             replicas: list[EngineHandle] | None = None, count: bool = True) -> list[Any]:
         """Run `call` on every replica concurrently; wait with the timeout; raise the
-        first failure, naming its replica. Results in replica order."""
+        first failure, naming its replica. Results in replica order. `count`: one call
+        to each replica (`PushReport.rpcs`); False where `call` counts its own."""
         reps = self._replicas if replicas is None else replicas
+        if count:
+            for r in reps:
+                self._count(r)
         futs = [spawn(call, r, name=f"enginehooks-{what}-{r.name}") for r in reps]
         return self._collect(report, what, reps, futs, self.timeout_s)
 
@@ -549,6 +717,8 @@ class WeightSync:
         for c in counts:
             offsets.append(acc)
             acc += c
+        for r in self._replicas:
+            self._count(r)
         futs = [spawn(r.join, endpoint, off, self.timeout_s,
                       self._token("join", r, endpoint=endpoint, rank_offset=off),
                       name=f"enginehooks-join-{r.name}")
@@ -616,6 +786,8 @@ class WeightSync:
         # partition, retransmitted once it healed, after the next push's join) is
         # ignored by a worker that is in a newer group by then (`EngineSide.leave`).
         group = self._group_id(sender)
+        for r in members:
+            self._count(r)
         futs = [spawn(r.leave, self.timeout_s, wire.leave_message(
                     group, self._token("leave", r, group=group)))
                 for r in members]
@@ -624,7 +796,10 @@ class WeightSync:
         self._leave_sender(sender)
 
     # -- transfer -------------------------------------------------------------------------
-    def _transfer(self, manifest: Manifest, adapter: TrainerAdapter, report: PushReport) -> None:
+    def _transfer(self, manifest: Manifest, adapter: TrainerAdapter, report: PushReport,
+                  text: str | None = None) -> None:
+        """Stream `manifest` to every replica; `text`: what each replica's `receive`
+        gets instead of the whole manifest (a prepared layout's reference)."""
         sender = self._sender
         if sender is None:
             raise TransportError("no transport group formed before the transfer")
@@ -638,13 +813,16 @@ class WeightSync:
                 abort.fail(ReplicaError(name, f"{type(e).__name__}: {e}"))
 
         def start_receivers(m: Manifest) -> list[Future[Any]]:
-            text = m.to_json()
-            futs = [spawn(r.receive, text, group, self.timeout_s,
-                          self._token("receive", r, manifest=text, group=group),
+            arg = text if text is not None else m.to_json()
+            for r in reps:
+                self._count(r)
+            futs = [spawn(r.receive, arg, group, self.timeout_s,
+                          self._token("receive", r, manifest=arg, group=group),
                           name=f"enginehooks-recv-{r.name}")
                     for r in reps]
             for r, f in zip(reps, futs):
                 f.add_done_callback(functools.partial(abort_on_failure, r.name))
+            self._receives = futs
             return futs
 
         futs: list[Future[Any]] = []
@@ -678,7 +856,7 @@ class WeightSync:
             if cause is not None:
                 raise cause from e
             raise
-        report.sender = {"seconds": stats.seconds, **stats.extra}
+        report.sender = dict(getattr(stats, "extra", None) or {})
         if not self.transport.streaming:
             futs = start_receivers(stats.manifest or manifest)
         try:

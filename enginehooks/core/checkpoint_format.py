@@ -56,6 +56,9 @@ class Group:
 
     sources: tuple[str, ...]
     outputs: tuple[Source, ...]
+    #: the plan saw transformers' conversion hand back the group's own tensors (same
+    #: objects, same names): converting it is skipped on every push
+    identity: bool = False
 
 
 @dataclass(frozen=True)
@@ -145,13 +148,19 @@ class CheckpointFormat:
         order: dict[str, list[str]] = {}
         for name in kept:  # state-dict order, so layers stream in module order
             order.setdefault(_group_key(name), []).append(name)
-        groups = tuple(
-            Group(tuple(names), _described(self._revert({n: kept[n] for n in names})))
-            for names in order.values())
+        groups = tuple(self._group(names, kept) for names in order.values())
         whole = _described(self._revert(dict(kept)))
         if _same(groups, whole):
             return LayoutPlan(groups)
         return LayoutPlan((Group(tuple(kept), whole),), grouped=False)
+
+    def _group(self, names: Sequence[str], kept: Mapping[str, torch.Tensor]) -> Group:
+        """One group, planned on meta tensors; `identity` when the conversion returned
+        exactly the tensors it was given (nothing renamed, split, fused or viewed)."""
+        given = {n: kept[n] for n in names}
+        out = self._revert(dict(given))
+        same = set(out) == set(given) and all(out[n] is given[n] for n in out)
+        return Group(tuple(names), _described(out), identity=same)
 
     def convert(self, group: Group, tensors: Mapping[str, torch.Tensor]
                 ) -> list[tuple[str, torch.Tensor]]:
@@ -162,6 +171,8 @@ class CheckpointFormat:
         missing = [n for n in group.sources if n not in tensors]
         if missing:
             raise ManifestError(f"the trainer produced no tensor for {missing[:4]}")
+        if group.identity:  # proved by the plan: no conversion call per push
+            return [(o.name, tensors[o.name]) for o in group.outputs]
         out = self._revert({n: tensors[n] for n in group.sources})
         return [(o.name, out[o.name]) for o in group.outputs]
 

@@ -82,6 +82,12 @@ class HTTPStatusError(ReplicaError):
         self.status = int(status)
 
 
+class LayoutUnknown(EngineHooksError):
+    """A push that named a prepared layout (`core/layout.py`) reached a worker that does
+    not hold it (restarted, or it never checked it): nothing was changed there, and the
+    trainer falls back to the full path (plan, check, transfer)."""
+
+
 class ReplicaBusy(EngineHooksError):
     """The worker is applying another update; nothing was changed."""
 

@@ -17,6 +17,9 @@ class ReplicaResult:
     seconds: float = 0.0
     error: str | None = None
     stats: dict[str, Any] = field(default_factory=dict)
+    #: calls the push made to this replica (contract verbs and engine controls): 1 for
+    #: a push on a prepared layout (`core/layout.py`)
+    rpcs: int = 0
 
 
 @dataclass
@@ -32,9 +35,18 @@ class PushReport:
     #: the class name of the error that ended the push (`ManifestError`, `PushTimeout`,
     #: ...): what metrics count failures by
     error_kind: str | None = None
-    #: the sender's own account of the transfer (`SendStats`: seconds, and the
-    #: transport's extras such as `phases_ms`, where its time went on the trainer side)
+    #: how the push was planned: "planned" (the full path: plan, info, check),
+    #: "prepared" (one call per replica on a layout established earlier), or
+    #: "fallback: <why>" (a prepared push that found the layout gone, then the full path)
+    layout: str = "planned"
+    #: the sender's own transport stats of the transfer (`SendStats.extra`: its
+    #: `phases_ms`, several senders' parts), for profiles of the trainer side
     sender: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def rpcs(self) -> int:
+        """The most calls any one replica got in this push."""
+        return max((r.rpcs for r in self.replicas), default=0)
 
     @property
     def ok(self) -> bool:
@@ -52,7 +64,7 @@ class PushReport:
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
-        d.update(ok=self.ok, seconds=self.seconds, gbps=self.gbps)
+        d.update(ok=self.ok, seconds=self.seconds, gbps=self.gbps, rpcs=self.rpcs)
         return d
 
     def table(self) -> str:

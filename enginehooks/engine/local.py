@@ -84,5 +84,8 @@ class LocalEngine(EngineHandle):
     def rpc(self, method: str, *args: Any, timeout_s: float) -> list[Any]:
         return [self.side.call(verb_of(method), *args)]
 
+    def flush_pending(self) -> bool:
+        return False  # a bare module has no cache: no call to make
+
     def flush_cache(self, timeout_s: float, auth: str | None = None) -> None:
         """A bare module has no cache."""

@@ -47,12 +47,14 @@ from enginehooks.core.dtypes import dtype_name
 from enginehooks.core.errors import (
     ConfigError,
     EngineHooksError,
+    LayoutUnknown,
     ManifestError,
     PeerLost,
     ReplicaBusy,
     TransportError,
 )
 from enginehooks.core.keep import kept_modules
+from enginehooks.core.layout import layout_of, parse_reference, with_version
 from enginehooks.core.manifest import Manifest
 from enginehooks.engine.contract import EngineBinding, dispatch
 from enginehooks.engine.expectations import Expectations
@@ -71,6 +73,8 @@ POLICIES = ("refuse", "serve")
 
 #: The most tensor names one `digests` call reads (each costs a crc32 of a weight).
 MAX_DIGEST_NAMES = 4096
+#: how many prepared layouts (`core/layout.py`) a worker keeps, the most recent
+MAX_LAYOUTS = 4
 #: how long a join waits for a leave in flight on the same worker (`_exclusive`)
 LEAVE_WAIT_S = 30.0
 
@@ -117,6 +121,9 @@ class EngineSide:
         #: points updates at another model of the engine (a speculative draft)
         self._own: tuple[Target, Expectations | None] | None = None
         self._others: dict[int, tuple[EngineBinding, Target, Expectations]] = {}
+        #: manifests this worker checked and took, by layout id (`core/layout.py`):
+        #: a later push names one instead of sending it again
+        self._layouts: dict[str, Manifest] = {}
         self.binding.state_changed(self.public_state())
 
     def retarget(self, other: EngineBinding | None) -> None:
@@ -336,14 +343,40 @@ class EngineSide:
 
     def receive(self, manifest_json: str, group: str,
                 auth: str | None = None) -> wire.ReceiveReply:
+        """Take and apply an update: `manifest_json` is the whole manifest, or a
+        reference to a layout this worker checked and took before (`core/layout.py`),
+        which is that manifest again under a new weight version."""
+        ref = parse_reference(manifest_json)
+        if ref is not None and ref[0] not in self._layouts:
+            # before the token: a restarted worker (a new instance, which the trainer's
+            # token does not name yet) must say "no such layout", not "bad token", so
+            # the trainer takes the full path; nothing is changed here either way
+            raise LayoutUnknown(f"this worker holds no layout {ref[0]!r} (restarted since, "
+                                "or it never took that layout): push the whole manifest")
         self._authorize("receive", auth, manifest=manifest_json, group=group)
         with self._exclusive("receive"):
+            if ref is not None:
+                if self.receiver is None or group != self.group:
+                    # a prepared push assumes the group it was prepared in: another
+                    # trainer took this worker over, or it left; the full path rejoins
+                    raise LayoutUnknown(f"this worker is in group {self.group!r} now, not "
+                                        f"{group!r}: push the whole manifest (it rejoins)")
+                return self._receive(with_version(self._layouts[ref[0]], ref[1]), group,
+                                     checked=True)
             return self._receive(Manifest.from_json(manifest_json), group)
 
-    def _receive(self, m: Manifest, group: str) -> wire.ReceiveReply:
-        problems = self._problems(m)
+    def _receive(self, m: Manifest, group: str, checked: bool = False) -> wire.ReceiveReply:
+        """`checked`: `m` is a layout this worker took before (its verdict is kept)."""
+        problems = [] if checked else self._problems(m)
         if problems:
             raise ManifestError("refused before any data moved: " + "; ".join(problems))
+        layout = layout_of(m)
+        if layout is not None and not checked:
+            # the trainer may name it from now on; the oldest goes when there are more
+            self._layouts.pop(layout, None)
+            self._layouts[layout] = m
+            while len(self._layouts) > MAX_LAYOUTS:
+                self._layouts.pop(next(iter(self._layouts)))
         receiver = self.receiver
         if receiver is None or self.transport is None:
             raise TransportError("this worker has not joined a transport group")

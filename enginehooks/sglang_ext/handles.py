@@ -46,6 +46,9 @@ class _FlushTracking(EngineHandle):
         self._last_flushed = all(bool(w.get("flushed")) for w in out)
         return out
 
+    def flush_pending(self) -> bool:
+        return not self._last_flushed  # the receive flushed in the scheduler already
+
     def flush_cache(self, timeout_s: float, auth: str | None = None) -> None:
         if self._last_flushed:
             return

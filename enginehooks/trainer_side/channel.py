@@ -84,14 +84,22 @@ class TrainerRanks:
     def coordinator(self) -> bool:
         return self.rank == self.root
 
+    def global_rank(self, rank: int) -> int:
+        """The default group's rank of this channel's rank `rank`."""
+        if not self.active or self.group is None or self.group is dist.group.WORLD:
+            return rank
+        return int(dist.get_global_rank(self.group, rank))
+
     # -- lockstep flags -------------------------------------------------------------------
     def flag(self, message: Message | None, timeout_s: float | None) -> Message:
         """One fixed-size frame from the root (`message` there, None elsewhere), in one
         collective on the group's device; `timeout_s` None is the group's own timeout.
+        The root gets its own `message` back without reading the buffer.
         A failed collective raises its `RuntimeError` (the lockstep reports it)."""
         buf = torch.zeros(FLAG_BYTES, dtype=torch.uint8)
+        framed = frame(message) if message is not None else b""
         if message is not None:
-            buf.copy_(torch.frombuffer(bytearray(frame(message)), dtype=torch.uint8))
+            buf.copy_(torch.frombuffer(bytearray(framed), dtype=torch.uint8))
         buf = buf.to(self.device)
         opts = dist.BroadcastOptions()
         opts.rootRank = self.root
@@ -101,6 +109,10 @@ class TrainerRanks:
         if group is None:
             raise TransportError("no process group: initialise torch.distributed first")
         group.broadcast([buf], opts).wait()
+        if message is not None:
+            # the root knows what it sent: no copy back to the host (on NCCL a
+            # `.cpu()` here would wait for the GPU on the sender's hot path)
+            return unframe(framed)
         return unframe(bytes(buf.cpu().numpy().tobytes()))
 
     # -- commands -------------------------------------------------------------------------

@@ -69,6 +69,11 @@ class TrainerAdapter(ABC):
         self.model = model
         self.dtype = dtype
         self.dtypes: dict[str, torch.dtype | None] = dict(dtypes or {})
+        #: where several trainer ranks iterate one stream (a sharded trainer): checkpoint
+        #: name -> the global rank that sends it. Each rank then produces (gathers,
+        #: converts, casts) only the tensors it sends, and yields `(name, None)` for the
+        #: others, whose collectives it still enters. None: every tensor, on every rank.
+        self.owners: dict[str, int] | None = None
 
     @classmethod
     @abstractmethod
@@ -82,6 +87,17 @@ class TrainerAdapter(ABC):
     @abstractmethod
     def stream(self) -> Iterator[tuple[str, torch.Tensor]]:
         """The planned tensors, in order, contiguous, in their wire dtype."""
+
+    def layout_key(self) -> str | None:
+        """A digest of everything `specs()` depends on (names, dtypes, shapes, the wire
+        dtypes, the adapter's options), cheap to compute: a push whose key equals the
+        last push's reuses its plan (`core/layout.py`). None: unknown, plan every push."""
+        return None
+
+    def reuse_plan(self, other: TrainerAdapter, specs: Sequence[TensorSpec]) -> bool:
+        """Take `other`'s plan (an adapter of the same model whose `layout_key()` was
+        this one's, `specs` its plan) instead of planning; False if it cannot."""
+        return False
 
     def cancel(self, reason: str) -> None:  # noqa: B027 - optional: single-process adapters
         """The push failed on the sender before or while streaming: release whatever
@@ -129,6 +145,12 @@ class CheckpointAdapter(TrainerAdapter):
         self.rename = rename
         self._format: CheckpointFormat | None = None
         self._layout: LayoutPlan | None = None
+        #: what one push reads of the model once (its state dict's references), shared
+        #: by the plan and every group of the stream (`_once`); emptied when the stream
+        #: ends, and by a new plan
+        self._per_push: dict[str, Any] = {}
+        self._planned_now = False  # the next stream shares the plan's reads
+        self._fresh = False  # `layout_key` just read the model: the plan shares it
 
     # -- what subclasses provide ------------------------------------------------------
     @abstractmethod
@@ -141,14 +163,32 @@ class CheckpointAdapter(TrainerAdapter):
         """The full tensors of `names` (one group). May run collectives: every trainer
         rank calls it with the same names. May return them already in their wire dtype."""
 
+    def _produce_for(self, names: Sequence[str], dests: Mapping[str, set[int]]
+                     ) -> Mapping[str, torch.Tensor]:
+        """The full tensors of `names` on the ranks that need them (`dests[name]`: the
+        global ranks that send a tensor made from it); other ranks may get nothing for a
+        name (they still enter its collectives). Default: every tensor on every rank."""
+        return self._produce(names)
+
     def _checkpoint_format(self) -> CheckpointFormat:
         return CheckpointFormat(self.model)
+
+    def _once(self, key: str, build: Callable[[], Any]) -> Any:
+        """`build()` once per push (a `state_dict()` walks every module: ~1-2 ms per call
+        on a real model, once per conversion group before). The result holds references
+        to the model's tensors, not copies, so it stays current while the push runs."""
+        if key not in self._per_push:
+            self._per_push[key] = build()
+        return self._per_push[key]
 
     # -- plan and stream ----------------------------------------------------------------
     def _keep(self, name: str) -> bool:
         return self.include is None or self.include(name)
 
     def _replan(self) -> tuple[CheckpointFormat, LayoutPlan]:
+        if not self._fresh:
+            self._per_push.clear()  # a new plan reads the model anew
+        self._fresh, self._planned_now = False, True
         fmt = self._format = self._format or self._checkpoint_format()
         layout = self._layout = fmt.plan(self._sources())
         return fmt, layout
@@ -162,18 +202,82 @@ class CheckpointAdapter(TrainerAdapter):
         fmt, layout = self._format, self._layout
         if fmt is None or layout is None:
             fmt, layout = self._replan()
-        with torch.no_grad():
-            for group in layout.groups:
-                wanted = [o.name for o in group.outputs if self._keep(o.name)]
-                if not wanted:
-                    continue
-                converted = dict(fmt.convert(group, self._produce(group.sources)))
-                for name in wanted:
-                    yield name, self.to_wire(converted.pop(name), name)
-                del converted
+        if not self._planned_now:  # a stream without a plan of its own (a kept layout)
+            self._per_push.clear()
+        self._planned_now = self._fresh = False
+        owners = self._stream_owners()
+        me = _global_rank() if owners is not None else None
+        try:
+            with torch.no_grad():
+                for group in layout.groups:
+                    wanted = [o.name for o in group.outputs if self._keep(o.name)]
+                    if not wanted:
+                        continue
+                    if owners is None:
+                        converted = dict(fmt.convert(group, self._produce(group.sources)))
+                        for name in wanted:
+                            yield name, self.to_wire(converted.pop(name), name)
+                        del converted
+                        continue
+                    # several ranks, each producing only what it sends
+                    own = [n for n in wanted if owners.get(n) == me]
+                    direct = group.identity or fmt.hf is None  # output n is source n
+                    every = {owners.get(n, -1) for n in wanted}
+                    dests = {n: ({owners.get(n, -1)} if direct else every)
+                             for n in group.sources}
+                    got = self._produce_for(group.sources, dests)
+                    if direct:
+                        converted = {n: got[n] for n in own}
+                    else:
+                        converted = dict(fmt.convert(group, got)) if own else {}
+                    del got
+                    for name in wanted:
+                        t = converted.pop(name, None)
+                        # None only on a rank that sends no part of this tensor: its
+                        # stream is walked in step with the others, never packed
+                        yield name, (self.to_wire(t, name) if t is not None  # type: ignore[misc]
+                                     else None)
+                    del converted
+        finally:
+            self._per_push.clear()  # no reference to the model outlives the push
 
     def specs(self) -> list[TensorSpec]:
         return self._plan()
 
     def stream(self) -> Iterator[tuple[str, torch.Tensor]]:
         return self._items()
+
+    def _stream_owners(self) -> dict[str, int] | None:
+        """Who sends each tensor of this stream (`owners`), None: this rank, all."""
+        return self.owners
+
+    def layout_key(self) -> str | None:
+        """Names, dtypes and global shapes of the module-layout tensors (one
+        `state_dict()`, which the stream then shares), the wire dtypes and the options.
+        The conversion is a function of these and of the model's class."""
+        from enginehooks.core.layout import layout_key
+
+        self._per_push.clear()  # this push reads the model anew, once
+        sources = [(s.name, dtype_name(s.dtype), list(s.shape)) for s in self._sources()]
+        self._planned_now = self._fresh = True  # the plan and the stream share that read
+        dtypes = {n: dtype_name(d) if d is not None else None for n, d in self.dtypes.items()}
+        return layout_key([type(self).__name__, type(self.model).__name__, sources,
+                           dtype_name(self.dtype) if self.dtype is not None else None,
+                           dtypes, id(self.include) if self.include is not None else None,
+                           id(self.rename)])
+
+    def reuse_plan(self, other: TrainerAdapter, specs: Sequence[TensorSpec]) -> bool:
+        # `other` is alive (the layout holds it), so equal ids in the key are the same
+        # `include` / `rename` objects, never a new function at a recycled address
+        if (type(other) is not type(self) or not isinstance(other, CheckpointAdapter)
+                or other.model is not self.model or other._layout is None):
+            return False
+        self._format, self._layout = other._format, other._layout
+        return True
+
+
+def _global_rank() -> int:
+    """This process's rank in the default group (0 without torch.distributed)."""
+    import torch.distributed as dist
+
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0

@@ -49,7 +49,12 @@ class FSDP2Adapter(LockstepAdapter, CheckpointAdapter):
     Options (besides `dtype`, `include`, `rename`): `group` (the process group of
     every rank that iterates; default: the parameters' mesh group for a 1-D mesh, the
     default group otherwise), `sender` (rank of the sender within it), `timeout_s`,
-    `start_timeout_s` (see `Lockstep`).
+    `start_timeout_s` (see `Lockstep`), `flag_elements` (elements between two lockstep
+    flags, `lockstep.flag_points`).
+
+    Per push it reads the model's `state_dict()` once (references to the DTensors, no
+    collective); a tensor whose mesh has one rank is taken as its local tensor
+    (`to_local()`, no gather and no DTensor dispatch).
     """
 
     name = "fsdp2"
@@ -77,16 +82,47 @@ class FSDP2Adapter(LockstepAdapter, CheckpointAdapter):
         return {self.rename(raw): t for raw, t in self.model.state_dict().items()}
 
     def _sources(self) -> list[Source]:
-        return [Source(n, t.dtype, tuple(t.shape)) for n, t in self._module_state().items()]
+        return [Source(n, t.dtype, tuple(t.shape))
+                for n, t in self._once("state", self._module_state).items()]
+
+    def _produce_for(self, names: Sequence[str], dests: Mapping[str, set[int]]
+                     ) -> Mapping[str, torch.Tensor]:
+        """A tensor one rank sends is gathered to that rank alone (`dist.gather`: the
+        others send their shard, receive nothing, convert nothing); one that several
+        ranks need, or another layout than FSDP2's, is all-gathered as before."""
+        dt = _dtensor_type()
+        state = self._once("state", self._module_state)
+        out: dict[str, torch.Tensor] = {}
+        for name in names:
+            t, dst = state[name], dests.get(name, set())
+            if dt is None or not isinstance(t, dt) or len(dst) != 1 or _whole_here(t):
+                out.update(self._produce([name]))
+                continue
+            wire = self.precast_dtype(t.dtype)
+            local = t.to_local()
+            local = local if local.dtype == wire else local.to(wire)
+            handled, got = _gather_to(local, t, next(iter(dst)))
+            del local
+            if not handled:  # not FSDP2's layout: every rank gathers
+                out.update(self._produce([name]))
+            elif got is not None:
+                out[name] = got
+        return out
 
     def _produce(self, names: Sequence[str]) -> Mapping[str, torch.Tensor]:
         dt = _dtensor_type()
-        state = self._module_state()
+        state = self._once("state", self._module_state)  # one state_dict() per push
         out: dict[str, torch.Tensor] = {}
         for name in names:
             t = state[name]
             wire = self.precast_dtype(t.dtype)
             if dt is not None and isinstance(t, dt):
+                if _whole_here(t):
+                    # one rank holds the whole tensor: no gather (and no DTensor
+                    # dispatch); every rank decides alike, from the mesh alone
+                    local = t.to_local()
+                    out[name] = local if local.dtype == wire else local.to(wire)
+                    continue
                 # local cast, then gather (torch's stubs type a DTensor's `.to` as Tensor)
                 local = t if t.dtype == wire else cast("DTensor", t.to(wire))
                 out[name] = local.full_tensor()
@@ -94,6 +130,46 @@ class FSDP2Adapter(LockstepAdapter, CheckpointAdapter):
             else:
                 out[name] = t.detach().to(wire)
         return out
+
+
+def _gather_to(local: torch.Tensor, t: DTensor, dst: int
+               ) -> tuple[bool, torch.Tensor | None]:
+    """`t` (its `local` shard, already cast) gathered on global rank `dst` only: (True,
+    the tensor) there, (True, None) on the other ranks, which send their shard and get
+    nothing. For a 1-D mesh sharded on dim 0 (FSDP2's layout; uneven shards are padded
+    to the largest, as `torch.chunk` cuts them); any other layout answers (False, None)
+    on every rank, which then gathers everywhere."""
+    import torch.distributed as dist
+    from torch.distributed.tensor import Shard
+
+    mesh = t.device_mesh
+    if mesh.ndim != 1 or len(t.placements) != 1:
+        return False, None
+    p = t.placements[0]
+    if not (isinstance(p, Shard) and p.dim == 0) or t.dim() == 0:
+        return False, None
+    group, world = mesh.get_group(), mesh.size()
+    rows = t.shape[0]
+    chunk = -(-rows // world)
+    if local.shape[0] == chunk and local.is_contiguous():
+        padded = local  # a full shard travels as it is
+    else:
+        padded = local.new_zeros((chunk, *local.shape[1:]))
+        padded[: local.shape[0]].copy_(local)
+    if dist.get_rank() != dst:
+        dist.gather(padded, None, dst=dst, group=group)
+        return True, None
+    # every shard lands in its place of one buffer: the tensor is a view of it, no cat
+    whole = padded.new_empty((chunk * world, *padded.shape[1:]))
+    dist.gather(padded, list(whole.split(chunk)), dst=dst, group=group)
+    return True, whole[:rows]
+
+
+def _whole_here(t: DTensor) -> bool:
+    """Whether `t`'s local tensor is the whole tensor: a mesh of one rank whose
+    placements hold no pending reduction (`Partial`), so `full_tensor()` would only
+    copy it."""
+    return t.device_mesh.size() == 1 and not any(p.is_partial() for p in t.placements)
 
 
 class FSDP1Adapter(LockstepAdapter, CheckpointAdapter):

@@ -7,15 +7,21 @@ the sender rank (where `WeightSync` lives) transmits. The danger is a rank left 
 a collective that its peers will never enter: the push failed on the sender before
 the transfer (a replica refused the manifest), or a rank stopped iterating.
 
-The handshake: before each tensor the sender broadcasts a small fixed-size *flag*
-(256 bytes of JSON, no pickle) over the trainer's own process group, from the sender
-rank, through the one channel between trainer ranks (`trainer_side/channel.py`): `Go`
-(with the tensor index, the stream's fingerprint and the wire dtype) or `Stop` (with the
-reason). Followers read it before they enter the tensor's collective, so:
+The handshake: before the first tensor, and again after every `flag_elements` streamed
+elements (~256 MiB in bf16 by default; None: once per push), never per tensor, the sender
+broadcasts a small fixed-size *flag* (256 bytes of JSON, no pickle) over the trainer's
+own process group, from the sender rank, through the one channel between trainer ranks
+(`trainer_side/channel.py`): `Go` (with the tensor index, the stream's fingerprint and
+the wire dtype) or `Stop` (with the reason). The sender never reads its flag back (no
+host sync on its hot path); every rank computes the same flag positions from the plan
+(`flag_points`). Followers read a flag before they enter the collectives that follow
+it, so:
 
 - a push that fails before streaming sends STOP at tensor 0 (`cancel()`): followers
   raise `PushAborted` with the sender's reason at once, no collective left hanging;
-- a push that fails mid-stream closes the stream, which sends STOP at the next tensor;
+- a push that fails mid-stream closes the stream: the sender finishes the collectives
+  up to the next flag position (the followers are in them already), and sends STOP
+  there;
 - a rank that stops iterating leaves its peers in a flag broadcast or a gather that
   ends with the process group's timeout (or `timeout_s`), turned here into a
   `LockstepError` that says which tensor and why: never a silent hang;
@@ -26,6 +32,7 @@ reason). Followers read it before they enter the tensor's collective, so:
 
 from __future__ import annotations
 
+import math
 import zlib
 from abc import abstractmethod
 from collections.abc import Iterator, Sequence
@@ -56,10 +63,32 @@ class PushAborted(LockstepError):
         self.reason = reason
 
 
-def fingerprint(specs: Sequence[TensorSpec]) -> int:
-    """crc32 of names and shapes (not dtypes: followers learn the dtype from the sender)."""
+#: Elements streamed between two lockstep flags by default (~256 MiB in bf16, a bucket):
+#: how late a follower can learn that the push is off mid-stream, at one flag per stretch.
+FLAG_ELEMENTS = 128 << 20
+
+
+def fingerprint(specs: Sequence[TensorSpec], flag_elements: int | None = None) -> int:
+    """crc32 of names and shapes (not dtypes: followers learn the dtype from the sender),
+    and of where the flags are (`flag_elements`): ranks must agree on both."""
     text = ";".join(f"{s.name}:{','.join(map(str, s.shape))}" for s in specs)
+    if flag_elements != FLAG_ELEMENTS:
+        text += f"|flags:{flag_elements}"
     return zlib.crc32(text.encode())
+
+
+def flag_points(specs: Sequence[TensorSpec], every: int | None) -> list[int]:
+    """The tensor indices a flag precedes: 0, then the first tensor after each stretch
+    of at least `every` elements (None: 0 only, one flag per push). Computed from the
+    plan alone, so every rank finds the same ones."""
+    points = [0] if specs else []
+    run = 0
+    for i, spec in enumerate(specs):
+        if every is not None and i and run >= every:
+            points.append(i)
+            run = 0
+        run += math.prod(spec.shape)
+    return points
 
 
 class Lockstep:
@@ -149,9 +178,13 @@ class LockstepAdapter(TrainerAdapter):
 
     def __init__(self, model: Any, *, group: Any = None, sender: int = 0,
                  timeout_s: float | None = None, start_timeout_s: float | None = None,
-                 **kwargs: Any) -> None:
+                 flag_elements: int | None = FLAG_ELEMENTS, **kwargs: Any) -> None:
         super().__init__(model, **kwargs)  # dtype, and the next base's options
         self._group, self._sender = group, sender
+        #: elements between two lockstep flags (None: one flag per push; `flag_points`)
+        self.flag_elements = flag_elements
+        #: flags this rank sent or read in its last stream (the outcome flag excluded)
+        self.flags = 0
         self._timeouts = (timeout_s, start_timeout_s)
         self._lockstep: Lockstep | None = None
         self._specs: list[TensorSpec] | None = None
@@ -203,6 +236,28 @@ class LockstepAdapter(TrainerAdapter):
         self._state, self._gen, self._reason = "planned", None, ""
         return list(self._specs)
 
+    def _stream_owners(self) -> dict[str, int] | None:
+        """`owners` if set (several senders); else, with followers, the lockstep sender
+        sends every tensor: the followers only contribute their shards to each gather,
+        and assemble, convert and cast nothing."""
+        if self.owners is not None:
+            return self.owners
+        ls = self.lockstep
+        if ls.alone or not ls.active:
+            return None
+        sender = ls.channel.global_rank(ls.sender)
+        return dict.fromkeys((s.name for s in self._specs or []), sender)
+
+    def reuse_plan(self, other: TrainerAdapter, specs: Sequence[TensorSpec]) -> bool:
+        """Take a kept plan (`TrainerAdapter.reuse_plan`), and be ready to stream it."""
+        if not (isinstance(other, LockstepAdapter)
+                and other.flag_elements == self.flag_elements
+                and super().reuse_plan(other, specs)):
+            return False
+        self._specs = list(specs)
+        self._state, self._gen, self._reason = "planned", None, ""
+        return True
+
     def stream(self) -> Iterator[tuple[str, torch.Tensor]]:
         if self._specs is None or self._state not in ("planned", "idle"):
             self.specs()
@@ -240,24 +295,31 @@ class LockstepAdapter(TrainerAdapter):
     def _run(self) -> Iterator[tuple[str, torch.Tensor]]:
         ls = self.lockstep
         specs = self._specs or []
-        n, fp = len(specs), fingerprint(specs)
+        n, fp = len(specs), fingerprint(specs, self.flag_elements)
+        points = flag_points(specs, self.flag_elements)
+        flagged = set(points)
         self._state = "streaming"
+        self.flags = 0
         items: Iterator[tuple[str, torch.Tensor]] | None = None
         index = 0
         try:
             for index in range(n):
                 what = f"tensor {index} ({specs[index].name})"
-                if ls.is_sender:
-                    ls.go(index, n, fp, None if self.dtypes else self.dtype)
-                elif not ls.alone:
-                    flag = ls.wait(index, what)
-                    if index == 0:
-                        if (flag.count, flag.fingerprint) != (n, fp):
-                            raise LockstepError(
-                                f"trainer rank {ls.rank} would stream {n} tensors (fingerprint "
-                                f"{fp:08x}) but the sender streams {flag.count} ({flag.fingerprint:08x}): "
-                                "every rank must build its adapter with the same model and options")
-                        self.dtype = torch_dtype(flag.dtype) if flag.dtype else None
+                if index in flagged and not ls.alone:
+                    self.flags += 1
+                    if ls.is_sender:
+                        ls.go(index, n, fp, None if self.dtypes else self.dtype)
+                    else:
+                        flag = ls.wait(index, what)
+                        if index == 0:
+                            if (flag.count, flag.fingerprint) != (n, fp):
+                                raise LockstepError(
+                                    f"trainer rank {ls.rank} would stream {n} tensors (fingerprint "
+                                    f"{fp:08x}) but the sender streams {flag.count} "
+                                    f"({flag.fingerprint:08x}): "
+                                    "every rank must build its adapter with the same model and "
+                                    "options (flag_elements included)")
+                            self.dtype = torch_dtype(flag.dtype) if flag.dtype else None
                 if items is None:
                     items = self._items()
                 try:
@@ -277,10 +339,12 @@ class LockstepAdapter(TrainerAdapter):
             self._state = "streamed"
         except GeneratorExit:
             # The consumer stopped early: on the sender, the push failed mid-transfer.
-            # Followers have finished tensor `index` and wait for flag index + 1.
-            if ls.is_sender and self._state == "streaming" and index + 1 < n:
-                self._state = "cancelled"
-                ls.stop(index + 1, self._reason or "the sender stopped streaming")
+            # Followers have gone on with the collectives up to the next flag position
+            # (or to the outcome flag, at `n`): run those too, then say STOP there.
+            if ls.is_sender and self._state == "streaming" and not ls.alone:
+                stop_at = next((p for p in points if p > index), n)
+                if self._drain(items, index + 1, stop_at):
+                    ls.stop(stop_at, self._reason or "the sender stopped streaming")
             self._state = "cancelled"
             raise
         except BaseException:
@@ -289,6 +353,20 @@ class LockstepAdapter(TrainerAdapter):
         finally:
             if items is not None:
                 items.close()  # type: ignore[attr-defined]
+
+    @staticmethod
+    def _drain(items: Iterator[tuple[str, torch.Tensor]] | None, first: int, stop: int) -> bool:
+        """Sender: produce (and drop) tensors `first` .. `stop - 1`, whose collectives
+        the followers are in or will enter before the flag at `stop`. False if that
+        failed (a rank is gone: a STOP would wait out the group's timeout)."""
+        if items is None:
+            return True
+        try:
+            for _ in range(first, stop):
+                next(items)
+        except Exception:
+            return False
+        return True
 
 
 def follow(model: Any, **adapter_kwargs: Any) -> int:

@@ -118,7 +118,8 @@ class PeftAdapter(CheckpointAdapter):
         return out
 
     def _sources(self) -> list[Source]:
-        return [Source(n, t.dtype, tuple(t.shape)) for n, (t, _layer) in self._raw().items()]
+        return [Source(n, t.dtype, tuple(t.shape))
+                for n, (t, _layer) in self._once("raw", self._raw).items()]
 
     def _delta(self, layer: Any, base: torch.Tensor) -> torch.Tensor:
         if getattr(layer, "disable_adapters", False):
@@ -138,7 +139,7 @@ class PeftAdapter(CheckpointAdapter):
         return out
 
     def _produce(self, names: Sequence[str]) -> Mapping[str, torch.Tensor]:
-        raw = self._raw()
+        raw = self._once("raw", self._raw)
         inplace = self.merge == "inplace"
         out = {}
         for name in names:
@@ -154,6 +155,9 @@ class PeftAdapter(CheckpointAdapter):
     def _merged_in_place(self) -> Iterator[tuple[str, torch.Tensor]]:
         with torch.no_grad():
             self.model.base_model.merge_adapter()
+        # A merge may give a weight new storage (PEFT's safe merge): read the state
+        # dict again after it, not the plan's references.
+        self._planned_now = False
         try:
             yield from self._items()
         finally:

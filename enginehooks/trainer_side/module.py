@@ -39,10 +39,11 @@ class ModuleAdapter(CheckpointAdapter):
         return {self.rename(raw): t for raw, t in self.model.state_dict(keep_vars=False).items()}
 
     def _sources(self) -> list[Source]:
-        return [Source(n, t.dtype, tuple(t.shape)) for n, t in self._module_state().items()]
+        return [Source(n, t.dtype, tuple(t.shape))
+                for n, t in self._once("state", self._module_state).items()]
 
     def _produce(self, names: Sequence[str]) -> Mapping[str, torch.Tensor]:
-        state = self._module_state()
+        state = self._once("state", self._module_state)
         return {n: state[n] for n in names}
 
 

@@ -191,6 +191,9 @@ class ClientReplica(EngineHandle):
     of them, and the per-worker stats of a receive do not travel back.
     """
 
+    #: vLLM's client protocol carries the whole manifest on every update
+    prepared_layouts = False
+
     def __init__(self, client: Any, workers: int, name: str = "vllm",
                  dtype: str | None = None, draft: bool = False) -> None:
         start = "start_draft_weight_update" if draft else "start_weight_update"

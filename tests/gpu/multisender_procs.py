@@ -225,6 +225,13 @@ def trainer_main(spec: dict[str, Any]) -> None:
                                phases=dict(report.phases))
                     senders = [r.stats for r in getattr(report, "replicas", [])][:1]
                     out["replica_stats"] = senders
+                    if rank == 0:  # the coordinator's report: calls, path, both sides' phases
+                        workers = [w for r in report.replicas
+                                   for w in (r.stats or {}).get("workers") or []]
+                        out.update(rpcs=report.rpcs, layout=report.layout,
+                                   sender_phases_ms=dict(report.sender.get("phases_ms") or {}),
+                                   replica_phases_ms=[dict(w.get("phases_ms") or {})
+                                                      for w in workers])
             elif op == "close":
                 close(cmd["mode"])
             elif op == "digests":

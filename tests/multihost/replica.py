@@ -44,6 +44,9 @@ class RemoteModule(EngineHandle):
                            timeout_s=timeout_s + 5.0, who=self.name)
         return list(out["results"])
 
+    def flush_pending(self) -> bool:
+        return False  # a bare module has no cache: no call to make
+
     def flush_cache(self, timeout_s: float, auth: str | None = None) -> None:
         """A bare module has no cache."""
 

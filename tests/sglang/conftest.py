@@ -35,7 +35,7 @@ os.environ["SGLANG_PLUGINS"] = "enginehooks"  # only our plugin: no third-party 
 #: survive them in CI (its port refused connections, its log silent), so nothing uses
 #: it after them.
 FILE_ORDER = ["test_plugin_and_demo.py", "test_mixed.py", "test_copy_plan.py",
-              "test_engine_caches.py"]
+              "test_engine_caches.py", "test_layout_sglang.py"]
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:

@@ -41,7 +41,7 @@ def build_paligemma(folder: Path) -> Path:
     from tokenizers import Tokenizer, models, pre_tokenizers
 
     from enginehooks_testkit.tiny import save_tiny
-    from tests.conformance.families import FAMILIES
+    from tests.engines.conformance.families import FAMILIES
 
     family = FAMILIES["paligemma"]
     config = getattr(transformers, family.config)(**family.config_kwargs("sglang"))
