@@ -47,7 +47,7 @@ from enginehooks.engine.expectations import (
     resolve_model_dir,
 )
 from enginehooks.engine.transplant import transplant
-from enginehooks.engine.verify import Verifier
+from enginehooks.engine.verify import DigestCheck, Verifier
 from enginehooks.transports.base import Target
 
 __all__ = ["ApplyBinding", "ApplyTarget", "Update"]
@@ -61,9 +61,14 @@ class Update:
 
     `routes` are the planned tensors writable in this update (`ApplyTarget.writable`)."""
 
-    def __init__(self, routes: Mapping[str, Route], keeping: bool) -> None:
+    def __init__(self, routes: Mapping[str, Route], keeping: bool,
+                 digests: DigestCheck | None = None) -> None:
         self.routes = routes
         self.keeping = keeping
+        #: digests of what planned plain copies received (verification by digest), and
+        #: the dtype of each planned destination
+        self.digests = digests
+        self.dtypes: dict[str, torch.dtype] = {}
         self.fed: list[TensorSpec] = []
         self.kept: list[tuple[str, torch.Tensor]] = []
         self.planned = 0
@@ -242,7 +247,12 @@ class ApplyTarget(Target, ABC):
         checking = self.plan.state == "verifying" and bool(routes)
         verify = self.verifier.wanted(self.requested) or checking
         recording = self.plan.state == "pending"
-        update = Update({}, keeping=verify or recording)
+        # planned plain copies are proved by digests, except on the first update through
+        # the plan (judged against a fresh load in full)
+        digests = DigestCheck() if verify and routes and not checking else None
+        update = Update({}, keeping=verify or recording, digests=digests)
+        if self.plan.plan is not None:
+            update.dtypes = {n: lay.dtype for n, lay in self.plan.plan.layouts.items()}
 
         t0, c0 = time.perf_counter(), time.thread_time()
         self.begin()
@@ -277,6 +287,8 @@ class ApplyTarget(Target, ABC):
             if route is not None:
                 update.keep(name, t)
                 self.write_planned(name, t, route)
+                if update.digests is not None:
+                    update.digests.add(route.steps, t, update.dtypes)
                 update.planned += 1
                 continue
             c = self.loader_copy(t)
@@ -300,10 +312,14 @@ class ApplyTarget(Target, ABC):
             self.plan.check_on_shadow(plan, self.verifier, model,
                                       lambda hook: self.fresh_load(kept, before_processing=hook),
                                       dict(kept), landed, verify)
+            if not verify:
+                self.verifier.skipped()
         elif verify:
             planned = {st.dest for r in update.routes.values() for st in r.steps}
             self.plan.verify_update(self.verifier, model, lambda: self.fresh_load(kept), landed,
-                                    checking and update.planned > 0, planned)
+                                    checking and update.planned > 0, planned, update.digests)
+        elif update.fed:
+            self.verifier.skipped()
 
     def _apply_by_fresh_load(self, tensors: Iterator[tuple[str, torch.Tensor]]) -> None:
         """The update through the engine's fresh-load path, copied into the live model's
@@ -324,6 +340,8 @@ class ApplyTarget(Target, ABC):
         if self.verifier.wanted(self.requested):
             self.plan.verify_update(self.verifier, model, lambda: self.fresh_load(kept),
                                     self.landed(fed) - set(self.by_fresh_load), False, set())
+        else:
+            self.verifier.skipped()
 
 
 class ApplyBinding(EngineBinding):

@@ -14,19 +14,33 @@ module by module. What is compared is everything the forward can read:
 - tensors captured by callables a module holds (vLLM CPU's `cpu_linear` closures carry
   the prepacked weight the forward multiplies with).
 
-Bits are compared exactly. A mismatch is repaired in place (the shadow's bits copied
+Bits are compared exactly. Where a tensor's bits cannot be read (an opaque oneDNN handle,
+another layout), the two modules' forwards are compared on a fixed probe input
+(`probe`) instead; what neither can compare is listed as not verified, never skipped
+silently. A mismatch is repaired in place (the shadow's bits copied
 into the live tensor, so every reference the engine holds, CUDA graphs included, sees
 them) and verified again; what cannot be repaired (another shape, an opaque handle) ends
 the update `torn` naming the tensors. Workarounds are chosen by what verification
-observes, never by model name: an engine binding that once needed a repair verifies
-every later update in that process.
+observes, never by model name: a module that once needed a repair is always compared
+on a shadow afterwards.
+
+Not everything needs a shadow: a tensor the copy plan writes as a plain full copy holds
+exactly the bytes sent, so a digest of the destination after apply, compared with the
+digest of what was received, proves it (`DigestCheck`); a module whose every readable
+tensor is such a destination is verified that way alone, and the shadow (built only
+when some touched module needs it) is compared only where the loader computed.
+
+Every update is verified by default (`ENGINEHOOKS_VERIFY=always`): the failure class
+this guards against (post-load processing that is not safe to run again, repacking,
+dropped writes of a layerwise reload) shows on the second and later updates, not only
+the first. `first` and `never` remain opt-outs.
 """
 
 from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Callable, Collection, Iterator
+from collections.abc import Callable, Collection, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -37,7 +51,11 @@ from enginehooks.core.errors import ConfigError, EngineHooksError
 log = logging.getLogger("enginehooks.verify")
 
 VERIFY_ENV = "ENGINEHOOKS_VERIFY"
-POLICIES = ("first", "always", "never")
+POLICIES = ("always", "first", "never")
+DEFAULT_POLICY = "always"
+#: the digest that proves a plain copy (core/checksums.py: computed where the tensor
+#: lives, position-weighted, order-independent)
+DIGEST = "sum64"
 
 
 class WeightsMismatch(EngineHooksError):
@@ -46,9 +64,9 @@ class WeightsMismatch(EngineHooksError):
 
 
 def verify_policy() -> str:
-    """`ENGINEHOOKS_VERIFY`: "first" (default: the first update in a process, and every
-    update after one that needed a repair), "always", or "never"."""
-    policy = os.environ.get(VERIFY_ENV, "first").strip().lower()
+    """`ENGINEHOOKS_VERIFY`: "always" (default: every update), "first" (the first update
+    in a process, and every update after one that needed a repair), or "never"."""
+    policy = os.environ.get(VERIFY_ENV, DEFAULT_POLICY).strip().lower()
     if policy not in POLICIES:
         raise ConfigError(f"{VERIFY_ENV}={policy!r}: one of {POLICIES}")
     return policy
@@ -115,27 +133,184 @@ def _bits(t: torch.Tensor) -> torch.Tensor | None:
         return None
 
 
+#: the probe input's rows, and its seed (fixed: both forwards must see the same input)
+PROBE_ROWS, PROBE_SEED = 4, 0x5EED
+
+
+def _in_features(module: torch.nn.Module) -> int | None:
+    """How wide the input of a linear-like module's forward is (vLLM's linear layers,
+    `nn.Linear`), or None when it is not one."""
+    for attr in ("input_size_per_partition", "in_features", "input_size"):
+        v = getattr(module, attr, None)
+        if isinstance(v, int) and v > 0:
+            return v
+    return None
+
+
+def _dtype_of(module: torch.nn.Module) -> torch.dtype:
+    d = getattr(module, "params_dtype", None)
+    if isinstance(d, torch.dtype):
+        return d
+    for _, (_, t) in readable_tensors(module).items():
+        if t.is_floating_point():
+            return t.dtype
+    return torch.get_default_dtype()
+
+
+def _outputs(x: Any) -> list[torch.Tensor]:
+    if isinstance(x, torch.Tensor):
+        return [x]
+    if isinstance(x, (tuple, list)):
+        return [t for item in x for t in _outputs(item)]
+    return []
+
+
+def probe(live: torch.nn.Module, fresh: torch.nn.Module, device: torch.device) -> bool | None:
+    """Compare two modules through their forwards on a fixed probe input, for tensors
+    whose bits cannot be read (opaque prepacked storage): True when the outputs are
+    bit-identical, False when they differ, None when the module's forward cannot be
+    probed (not a linear-like module, or it fails on the probe)."""
+    width = _in_features(live)
+    if width is None:
+        return None
+    g = torch.Generator().manual_seed(PROBE_SEED)
+    x = torch.randn(PROBE_ROWS, width, generator=g).to(device=device, dtype=_dtype_of(live))
+    try:
+        with torch.no_grad():
+            a, b = _outputs(live(x)), _outputs(fresh(x.clone()))
+    except Exception as e:
+        log.info("probe of %s failed: %s: %s", type(live).__name__, type(e).__name__, e)
+        return None
+    if not a or len(a) != len(b):
+        return None
+    for p, q in zip(a, b):
+        if p.shape != q.shape or p.dtype != q.dtype:
+            return False
+        bp, bq = _bits(p), _bits(q.to(p.device))
+        if bp is None or bq is None or not torch.equal(bp, bq):
+            return False
+    return True
+
+
 @dataclass
 class Mismatch:
     name: str          # module.key
     kind: str          # param | buffer | attr | closure
-    why: str           # "values", "shape", "dtype"
-    live: torch.Tensor
-    fresh: torch.Tensor
+    why: str           # "values", "shape", "dtype", "forward" (the probe's outputs)
+    live: torch.Tensor | None
+    fresh: torch.Tensor | None
 
 
 @dataclass
 class Verdict:
-    """What one verification found."""
+    """What one verification found, and how each part of the update was verified:
+    `digest` (planned plain copies, by a digest of the destination against the bytes
+    received), `compared` on the shadow (of them `probed` through the forward, for
+    storage whose bits cannot be read), and what neither could (`unverified`)."""
 
     compared: int = 0
     mismatched: list[str] = field(default_factory=list)
     repaired: list[str] = field(default_factory=list)
     unreadable: list[str] = field(default_factory=list)
+    digest: int = 0
+    digest_bytes: int = 0
+    shadow_bytes: int = 0
+    probed: list[str] = field(default_factory=list)
+    unverified: list[str] = field(default_factory=list)
+    shadow: bool = True  # whether a shadow was built at all
+
+    @property
+    def how(self) -> str:
+        parts = [p for p, n in (("digest", self.digest), ("shadow", self.shadow and
+                                                           self.compared)) if n]
+        return "+".join(parts) or "nothing to compare"
 
     def to_dict(self) -> dict[str, Any]:
         return {"compared": self.compared, "mismatched": self.mismatched[:50],
-                "repaired": self.repaired[:50], "unreadable": self.unreadable[:50]}
+                "repaired": self.repaired[:50], "unreadable": self.unreadable[:50],
+                "how": self.how, "digest": self.digest, "digest_bytes": self.digest_bytes,
+                "shadow_bytes": self.shadow_bytes, "probed": self.probed[:50],
+                "unverified": self.unverified[:50]}
+
+
+@dataclass
+class DigestCheck:
+    """What the copy plan wrote as plain copies in one update, with the digest of each
+    run of bytes as it was received: destination name -> [(first element, end element,
+    digest)]. A destination whose runs cover it exactly once and each of which holds,
+    after apply, the digest of the bytes received for it holds exactly the bytes sent
+    (`check`): it needs no shadow. A destination some write of which is not a plain
+    contiguous copy of the same dtype (a constant fill, a strided or sharded source, a
+    clone first) is `unproved` and left to the shadow."""
+
+    runs: dict[str, list[tuple[int, int, int]]] = field(default_factory=dict)
+    unproved: set[str] = field(default_factory=set)
+    received_bytes: int = 0
+
+    def add(self, steps: Iterable[Any], received: torch.Tensor,
+            dtypes: Mapping[str, torch.dtype]) -> None:
+        """The steps (`copy_plan.Step`) of one planned tensor and the tensor received
+        (before or as it was written: the digest is of what arrived)."""
+        flat = received.detach().reshape(-1) if received.is_contiguous() else None
+        for st in steps:
+            if st.view.numel() == 0:
+                continue  # a write of no element
+            d, s = st.view.flat_range(), st.src.flat_range() if st.src is not None else None
+            if (flat is None or d is None or s is None or st.pre
+                    or dtypes.get(st.dest) != received.dtype):
+                self.unproved.add(st.dest)
+                continue
+            b = _bits(flat[s[0]:s[1]])
+            if b is None:
+                self.unproved.add(st.dest)
+                continue
+            self.runs.setdefault(st.dest, []).append((d[0], d[1], _digest(b)))
+            self.received_bytes += b.numel()
+
+    def check(self, live: Mapping[str, torch.Tensor]) -> tuple[list[str], list[str]]:
+        """(destinations proved to hold the bytes sent, those whose bytes differ)."""
+        good, bad = [], []
+        for dest, runs in self.runs.items():
+            t = live.get(dest)
+            if dest in self.unproved or t is None or not t.is_contiguous():
+                continue
+            flat = t.detach().reshape(-1)
+            at, covered = 0, True
+            for start, end, _ in sorted(runs):
+                covered = covered and start == at
+                at = end
+            if not covered or at != flat.numel():
+                continue  # written in part: what else is there is the loader's
+            same = True
+            for start, end, want in runs:
+                b = _bits(flat[start:end])
+                same = same and b is not None and _digest(b) == want
+            (good if same else bad).append(dest)
+        return good, bad
+
+
+def _digest(b: torch.Tensor) -> int:
+    from enginehooks.core.checksums import digest
+
+    return digest(DIGEST, b)
+
+
+def digest_only_modules(model: torch.nn.Module, landed: Collection[str],
+                        proved: Collection[str], suspect: Collection[str]) -> set[str]:
+    """Touched modules every readable tensor of which is a destination `proved` by its
+    digest (or that hold none): nothing the loader or post-load processing computed
+    lives there, so the shadow need not look at them. `suspect` modules (once repaired)
+    always go to the shadow."""
+    proved = set(proved)
+    out: set[str] = set()
+    modules = dict(model.named_modules())
+    for mname in touched_modules(model, _with_aliases(model, landed)):
+        if mname in suspect:
+            continue
+        keys = readable_tensors(modules[mname])
+        if all(f"{mname}.{k}".lstrip(".") in proved for k in keys):
+            out.add(mname)
+    return out
 
 
 def touched_modules(model: torch.nn.Module, landed: Collection[str]) -> set[str]:
@@ -173,18 +348,23 @@ def _with_aliases(model: torch.nn.Module, landed: Collection[str]) -> set[str]:
 
 
 def compare(live: torch.nn.Module, fresh: torch.nn.Module, landed: Collection[str],
-            verdict: Verdict) -> list[Mismatch]:
+            verdict: Verdict, skip: Collection[str] = ()) -> list[Mismatch]:
     """Every readable tensor of the touched modules of `live` that differs from
     `fresh`. Parameters are compared where this update landed something in them (others
     hold whatever they were initialised with, in both models); buffers, attributes and
-    captured tensors of touched modules always (they are derived from the weights)."""
+    captured tensors of touched modules always (they are derived from the weights).
+    Modules in `skip` were proved otherwise (digests). Bits that cannot be read are
+    compared through the modules' forwards on a probe input (`probe`), once per module;
+    what that cannot compare either is listed in `verdict.unverified`."""
     landed = _with_aliases(live, landed)
-    touched = touched_modules(live, landed)
+    touched = touched_modules(live, landed) - set(skip)
     fresh_modules = dict(fresh.named_modules())
     out: list[Mismatch] = []
+    device = next((t.device for _, t in live.named_parameters()), torch.device("cpu"))
     for mname, module in live.named_modules():
         if mname not in touched or mname not in fresh_modules:
             continue
+        opaque: list[str] = []
         mine, theirs = readable_tensors(module), readable_tensors(fresh_modules[mname])
         for key, (kind, t) in mine.items():
             full = f"{mname}.{key}".lstrip(".")
@@ -206,22 +386,54 @@ def compare(live: torch.nn.Module, fresh: torch.nn.Module, landed: Collection[st
             a, b = _bits(t), _bits(f.to(t.device))
             if a is None or b is None:
                 verdict.unreadable.append(full)
+                opaque.append(full)
                 continue
+            verdict.shadow_bytes += a.numel()
             if not torch.equal(a, b):
                 out.append(Mismatch(full, kind, "values", t, f))
+        if opaque:
+            same = probe(module, fresh_modules[mname], device)
+            if same is None:
+                verdict.unverified.extend(opaque)
+            elif same:
+                verdict.probed.extend(opaque)
+            else:
+                out.append(Mismatch(mname or "<model>", "forward", "forward", None, None))
     return out
 
 
 def verify_and_repair(live: torch.nn.Module, build_fresh: Callable[[], torch.nn.Module],
-                      landed: Collection[str], *, engine: str) -> Verdict:
-    """Build the fresh-load shadow, compare, repair in place what differs in values,
-    compare again. Raises `WeightsMismatch` naming what still differs."""
+                      landed: Collection[str], *, engine: str,
+                      digests: DigestCheck | None = None,
+                      suspect: Collection[str] = ()) -> Verdict:
+    """Prove what the digests of planned plain copies can (`DigestCheck`); build the
+    fresh-load shadow only when some touched module is left, compare it there, repair
+    in place what differs in values, compare again. Raises `WeightsMismatch` naming what
+    still differs."""
     verdict = Verdict()
+    skip: set[str] = set()
+    if digests is not None and (digests.runs or digests.unproved):
+        tensors = dict(named_live(live))
+        good, bad = digests.check(tensors)
+        if bad:
+            # a plain copy that does not hold the bytes sent: the shadow judges (and
+            # repairs) everything
+            log.warning("%s: %d planned copies do not hold the bytes received (%s): "
+                        "comparing everything with a fresh load", engine, len(bad), bad[:8])
+        else:
+            skip = digest_only_modules(live, landed, good, suspect)
+            proved = [d for d in good if d.rpartition(".")[0] in skip]
+            verdict.digest = len(proved)
+            verdict.digest_bytes = sum(tensors[d].nbytes for d in proved)
+    touched = touched_modules(live, _with_aliases(live, landed))
+    if touched <= skip:
+        verdict.shadow = False
+        return verdict
     fresh = build_fresh()
     with torch.no_grad():
-        first = compare(live, fresh, landed, verdict)
+        first = compare(live, fresh, landed, verdict, skip)
         for m in first:
-            if m.why == "values":
+            if m.why == "values" and m.live is not None and m.fresh is not None:
                 m.live.copy_(m.fresh.to(m.live.device))
                 verdict.repaired.append(m.name)
         verdict.mismatched = [m.name for m in first]
@@ -230,7 +442,7 @@ def verify_and_repair(live: torch.nn.Module, build_fresh: Callable[[], torch.nn.
                         "weights (%s); repaired in place from the fresh load: %s", engine,
                         len(first), ", ".join(f"{m.name} [{m.why}]" for m in first[:8]),
                         len(verdict.repaired))
-            again = compare(live, fresh, landed, Verdict())
+            again = compare(live, fresh, landed, Verdict(), skip)
             if again:
                 raise WeightsMismatch(
                     f"after the update, {len(again)} tensors the {engine} engine's forward reads "
@@ -242,15 +454,27 @@ def verify_and_repair(live: torch.nn.Module, build_fresh: Callable[[], torch.nn.
     return verdict
 
 
-class Verifier:
-    """When to verify, and what the last verification found, for one engine worker.
+def named_live(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+    """Every parameter and buffer by every name (aliases included)."""
+    yield from model.named_parameters(remove_duplicate=False)
+    yield from ((n, b) for n, b in model.named_buffers(remove_duplicate=False) if b is not None)
 
-    Policy (`ENGINEHOOKS_VERIFY`): "first" verifies the first update in the process and,
-    once any verification needed a repair, every later one (the engine's reload path is
-    then known to be wrong for this model); "always"; "never". A shadow that cannot be
-    built (the engine cannot construct a second model here) leaves the update
-    unverified, logged and reported by `state()`, rather than failing weights that the
-    engine's own reload path applied.
+
+#: what `Verifier.state()["updates"]` counts, per outcome of an update
+OUTCOMES = ("verified", "repaired", "unverified", "failed")
+
+
+class Verifier:
+    """When to verify, and what each verification found, for one engine worker.
+
+    Policy (`ENGINEHOOKS_VERIFY`): "always" (the default: every update); "first"
+    verifies the first update in the process and, once any verification needed a
+    repair, every later one; "never". A shadow that cannot be built (the engine cannot
+    construct a second model here) leaves the update unverified, logged and reported by
+    `state()`, rather than failing weights that the engine's own reload path applied.
+    `state()["updates"]` counts updates by outcome: verified (equal to a fresh load),
+    repaired (differed, repaired in place, equal after), unverified (not verified, or
+    some tensors could not be compared), failed (torn).
     """
 
     def __init__(self, engine: str) -> None:
@@ -258,11 +482,14 @@ class Verifier:
         try:
             self.policy = verify_policy()
         except ConfigError as e:
-            log.error("%s; verifying the first update only", e)
-            self.policy = "first"
+            log.error("%s; verifying every update", e)
+            self.policy = DEFAULT_POLICY
         self.verified = 0
         self.sticky = False
         self.last: dict[str, Any] | None = None
+        self.counts = dict.fromkeys(OUTCOMES, 0)
+        #: modules that once differed from a fresh load: always compared on a shadow
+        self.suspect: set[str] = set()
 
     def wanted(self, requested: bool = False) -> bool:
         """Whether this update is verified; `requested`: the trainer asked
@@ -273,24 +500,38 @@ class Verifier:
             return False
         return self.policy == "always" or self.verified == 0 or self.sticky
 
+    def skipped(self) -> None:
+        """An update the policy did not verify: counted and reported as such."""
+        self.counts["unverified"] += 1
+        self.last = {"ok": None, "how": "not verified",
+                     "error": f"not verified: {VERIFY_ENV}={self.policy}"}
+
     def run(self, live: torch.nn.Module, build_fresh: Callable[[], torch.nn.Module],
-            landed: Collection[str]) -> Verdict | None:
+            landed: Collection[str], digests: DigestCheck | None = None) -> Verdict | None:
         try:
-            verdict = verify_and_repair(live, build_fresh, landed, engine=self.engine)
+            verdict = verify_and_repair(live, build_fresh, landed, engine=self.engine,
+                                        digests=digests, suspect=self.suspect)
         except WeightsMismatch as e:
             self.sticky = True
+            self.counts["failed"] += 1
             self.last = {"ok": False, "error": str(e)}
             raise
         except Exception as e:  # the shadow could not be built: our own limitation
             log.warning("%s: could not verify this update (%s: %s); the weights were applied "
                         "by the engine's own reload path", self.engine, type(e).__name__, e)
+            self.counts["unverified"] += 1
             self.last = {"ok": None, "error": f"not verified: {type(e).__name__}: {e}"}
             return None
         self.verified += 1
         self.sticky = self.sticky or bool(verdict.mismatched)
-        self.last = {"ok": True, **verdict.to_dict()}
+        self.suspect.update(m.rpartition(".")[0] for m in verdict.mismatched)
+        outcome = ("repaired" if verdict.mismatched else
+                   "unverified" if verdict.unverified else "verified")
+        self.counts[outcome] += 1
+        self.last = {"ok": True, "outcome": outcome, **verdict.to_dict()}
         return verdict
 
     def state(self) -> dict[str, Any]:
         return {"policy": self.policy, "verified": self.verified,
-                "every_update": self.sticky or self.policy == "always", "last": self.last}
+                "every_update": self.sticky or self.policy == "always",
+                "updates": dict(self.counts), "last": self.last}

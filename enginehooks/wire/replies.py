@@ -40,6 +40,8 @@ class ReceiveReply(TypedDict, total=False):
     in_order: bool
     version: int | str
     flushed: bool
+    #: what verification found for this update, and how (`engine.verify.Verifier.last`)
+    verification: dict[str, Any]
 
 
 class FlushReply(TypedDict):

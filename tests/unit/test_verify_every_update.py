@@ -1,0 +1,139 @@
+"""Every update verified by default (issue 38), through the engine of docs/engines.md.
+
+Four successive pushes (the last returns exactly to the first's weights) are each
+verified: the first on the fresh-load shadow (it records the copy plan), the second
+through the plan against a fresh load in full, the later ones by the digests of what the
+plan wrote (no shadow built: the engine holds nothing the loader computed). A later push
+whose post-load step runs twice (the failure users report on the second and later
+syncs) is caught by the digest, repaired from a fresh load and counted as repaired, in
+`info()` and in Prometheus; the push after it is verified again (on a shadow: the
+module that differed is suspect from then on). With `ENGINEHOOKS_VERIFY=never` the same
+corruption stays: the check is what makes the difference.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from enginehooks import WeightSync
+from enginehooks.trainer_side import adapter_for
+from enginehooks_testkit.tiny import load_tiny, perturb
+from tests.support.engine_page import MinimalEngine
+from tests.unit.test_metrics import scrape, value
+
+
+def _holds(engine: MinimalEngine, model: Any) -> list[str]:
+    """Names of the engine's parameters that are not exactly the trainer's tensors."""
+    params = dict(engine.tiny.model.named_parameters())
+    return [n for n, t in adapter_for(model).stream() if not torch.equal(params[n], t)]
+
+
+def _verification(handle: Any) -> dict[str, Any]:
+    return handle.info(30)[0]["verification"]  # type: ignore[no-any-return]
+
+
+def _twice(engine: MinimalEngine) -> Any:
+    """An `after_load` whose post-load step (scaling the final norm) is applied a
+    second time on every update after the first: the class of engine bug issue 38
+    names (post-load processing that is not idempotent)."""
+    target = engine.handle().side.target  # type: ignore[attr-defined]
+    calls = {"n": 0}
+
+    def after_load(model: torch.nn.Module, landed: set[str]) -> None:
+        calls["n"] += 1
+        if calls["n"] >= 3 and "model.norm.weight" in landed:
+            with torch.no_grad():
+                model.model.norm.weight.mul_(2.0)  # type: ignore[union-attr, operator]
+
+    target.after_load = after_load
+    return target
+
+
+def test_every_push_is_verified_and_later_ones_by_digest(
+        model_dirs: dict[str, Path], monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("ENGINEHOOKS_VERIFY", raising=False)
+    monkeypatch.delenv("ENGINEHOOKS_COPY_PLAN", raising=False)
+    engine = MinimalEngine(model_dirs["llama"])
+    handle = engine.handle()
+    versions = [perturb(load_tiny(model_dirs["llama"]), seed=s) for s in (11, 12, 13)]
+    versions.append(versions[0])  # back to the first version's weights exactly
+    hows = []
+    with WeightSync("gloo", bucket_bytes=16 << 10, timeout_s=60) as sync:
+        sync.add_replica(handle)
+        for i, model in enumerate(versions):
+            report = sync.push(model, version=i + 1)
+            assert _holds(engine, model) == [], i
+            v = _verification(handle)
+            assert v["last"]["ok"] is True and v["last"]["outcome"] == "verified", v
+            assert v["last"]["unverified"] == [] and v["last"]["mismatched"] == []
+            worker = report.replicas[0].stats["workers"][0]
+            assert worker["verification"] == v["last"]  # the push report says it too
+            hows.append(v["last"]["how"])
+    assert hows[:2] == ["shadow", "shadow"], hows  # recording, then the plan's first use
+    assert hows[2:] == ["digest", "digest"], hows
+    v = _verification(handle)
+    assert v["policy"] == "always" and v["verified"] == 4
+    assert v["updates"] == {"verified": 4, "repaired": 0, "unverified": 0, "failed": 0}
+    assert v["last"]["digest_bytes"] == sum(t.nbytes for _, t in adapter_for(versions[0]).stream())
+    assert v["last"]["shadow_bytes"] == 0
+    engine.close()
+
+
+def test_a_later_push_corrupted_by_its_post_load_step_is_repaired_and_counted(
+        model_dirs: dict[str, Path], monkeypatch: pytest.MonkeyPatch, plugin: Any) -> None:
+    from enginehooks.metrics import PrometheusMetrics
+
+    monkeypatch.delenv("ENGINEHOOKS_VERIFY", raising=False)
+    metrics = plugin(PrometheusMetrics(), name="prometheus")
+    port = metrics.serve(0)
+    engine = MinimalEngine(model_dirs["llama"])
+    handle = engine.handle()
+    _twice(engine)
+    versions = [perturb(load_tiny(model_dirs["llama"]), seed=s) for s in (21, 22, 23, 24)]
+    try:
+        with WeightSync("gloo", bucket_bytes=16 << 10, timeout_s=60) as sync:
+            sync.add_replica(handle)
+            for i, model in enumerate(versions):
+                sync.push(model, version=i + 1)
+                # the exact oracle after every push, the corrupted ones included
+                assert _holds(engine, model) == [], i
+                v = _verification(handle)
+                if i == 2:  # the first corrupted push: the digest caught it
+                    assert v["last"]["outcome"] == "repaired", v
+                    assert v["last"]["repaired"] == ["model.norm.weight"], v
+                elif i == 3:  # and every later one is compared on a shadow there
+                    assert v["last"]["outcome"] == "repaired", v
+                    assert "shadow" in v["last"]["how"], v
+        m = scrape(port)
+    finally:
+        metrics.close()
+    v = _verification(handle)
+    assert v["updates"] == {"verified": 2, "repaired": 2, "unverified": 0, "failed": 0}
+    assert value(m, "enginehooks_replica_updates_total", replica="minimal",
+                 outcome="verified") == 2
+    assert value(m, "enginehooks_replica_updates_total", replica="minimal",
+                 outcome="repaired") == 2
+    engine.close()
+
+
+def test_with_verification_off_the_same_corruption_stays(
+        model_dirs: dict[str, Path], monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("ENGINEHOOKS_VERIFY", "never")
+    engine = MinimalEngine(model_dirs["llama"])
+    handle = engine.handle()
+    _twice(engine)
+    versions = [perturb(load_tiny(model_dirs["llama"]), seed=s) for s in (31, 32, 33)]
+    with WeightSync("gloo", bucket_bytes=16 << 10, timeout_s=60) as sync:
+        sync.add_replica(handle)
+        for i, model in enumerate(versions):
+            sync.push(model, version=i + 1)
+    assert _holds(engine, versions[-1]) == ["model.norm.weight"]
+    v = _verification(handle)
+    # the plan's first use is verified whatever the policy; the others are counted
+    assert v["updates"] == {"verified": 1, "repaired": 0, "unverified": 2, "failed": 0}, v
+    assert v["last"]["ok"] is None and v["last"]["how"] == "not verified", v
+    engine.close()
