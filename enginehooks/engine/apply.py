@@ -285,7 +285,10 @@ class ApplyTarget(Target, ABC):
             update.feed(name, t)
             route = update.routes.get(name)
             if route is not None:
-                update.keep(name, t)
+                if self._skip_copy(update, route, t):
+                    update.digests.uncopied.add(name)  # type: ignore[union-attr]
+                else:
+                    update.keep(name, t)
                 self.write_planned(name, t, route)
                 if update.digests is not None:
                     update.digests.add(route.steps, t, update.dtypes)
@@ -294,6 +297,17 @@ class ApplyTarget(Target, ABC):
             c = self.loader_copy(t)
             update.keep(name, t, c)
             yield name, c
+
+    def _skip_copy(self, update: Update, route: Route, t: torch.Tensor) -> bool:
+        """Whether a planned tensor needs no host copy for a shadow: on an accelerator
+        (where the copy is a transfer that would cost more than the check), a tensor the
+        digests will prove, written into modules that never differed from a fresh load.
+        On the host a copy is cheap, and keeps a digest failure repairable in place."""
+        if update.digests is None or self.device.type == "cpu":
+            return False
+        suspect = self.verifier.suspect
+        return (DigestCheck.provable(route.steps, t, update.dtypes)
+                and not any(st.dest.rpartition(".")[0] in suspect for st in route.steps))
 
     def _record_and_verify(self, model: torch.nn.Module, update: Update, landed: set[str],
                            checking: bool, verify: bool, recording: bool) -> None:

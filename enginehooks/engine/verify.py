@@ -237,15 +237,34 @@ class Verdict:
 class DigestCheck:
     """What the copy plan wrote as plain copies in one update, with the digest of each
     run of bytes as it was received: destination name -> [(first element, end element,
-    digest)]. A destination whose runs cover it exactly once and each of which holds,
-    after apply, the digest of the bytes received for it holds exactly the bytes sent
-    (`check`): it needs no shadow. A destination some write of which is not a plain
-    contiguous copy of the same dtype (a constant fill, a strided or sharded source, a
-    clone first) is `unproved` and left to the shadow."""
+    algorithm, digest)]. A destination whose runs cover it exactly once and each of
+    which holds, after apply, the digest of the bytes received for it holds exactly the
+    bytes sent (`check`): it needs no shadow. A destination some write of which is not
+    a plain contiguous copy of the same dtype (a constant fill, a strided or sharded
+    source, a clone first) is `unproved` and left to the shadow. `uncopied`: planned
+    tensors of which no host copy was kept (on an accelerator, where one costs a
+    transfer): a destination of theirs that fails its digest cannot be repaired from a
+    shadow in this update."""
 
-    runs: dict[str, list[tuple[int, int, int]]] = field(default_factory=dict)
+    runs: dict[str, list[tuple[int, int, str, int]]] = field(default_factory=dict)
     unproved: set[str] = field(default_factory=set)
+    uncopied: set[str] = field(default_factory=set)
     received_bytes: int = 0
+
+    @staticmethod
+    def provable(steps: Iterable[Any], received: torch.Tensor,
+                 dtypes: Mapping[str, torch.dtype]) -> bool:
+        """Whether every write of a planned tensor is a plain contiguous copy of the same
+        dtype (what `check` can prove)."""
+        if not received.is_contiguous():
+            return False
+        for st in steps:
+            if st.view.numel() == 0:
+                continue
+            if (st.src is None or st.pre or st.view.flat_range() is None
+                    or st.src.flat_range() is None or dtypes.get(st.dest) != received.dtype):
+                return False
+        return True
 
     def add(self, steps: Iterable[Any], received: torch.Tensor,
             dtypes: Mapping[str, torch.dtype]) -> None:
@@ -264,7 +283,8 @@ class DigestCheck:
             if b is None:
                 self.unproved.add(st.dest)
                 continue
-            self.runs.setdefault(st.dest, []).append((d[0], d[1], _digest(b)))
+            algo = digest_algorithm(b)
+            self.runs.setdefault(st.dest, []).append((d[0], d[1], algo, _digest(algo, b)))
             self.received_bytes += b.numel()
 
     def check(self, live: Mapping[str, torch.Tensor]) -> tuple[list[str], list[str]]:
@@ -276,23 +296,29 @@ class DigestCheck:
                 continue
             flat = t.detach().reshape(-1)
             at, covered = 0, True
-            for start, end, _ in sorted(runs):
+            for start, end, _, _ in sorted(runs):
                 covered = covered and start == at
                 at = end
             if not covered or at != flat.numel():
                 continue  # written in part: what else is there is the loader's
             same = True
-            for start, end, want in runs:
+            for start, end, algo, want in runs:
                 b = _bits(flat[start:end])
-                same = same and b is not None and _digest(b) == want
+                same = same and b is not None and _digest(algo, b) == want
             (good if same else bad).append(dest)
         return good, bad
 
 
-def _digest(b: torch.Tensor) -> int:
+def digest_algorithm(b: torch.Tensor) -> str:
+    """sum64 where the bytes are on an accelerator (computed there, no copy to the host);
+    xxh3 on the host (a few GB/s, where sum64's torch path is slow)."""
+    return DIGEST if b.device.type != "cpu" else "xxh3"
+
+
+def _digest(algo: str, b: torch.Tensor) -> int:
     from enginehooks.core.checksums import digest
 
-    return digest(DIGEST, b)
+    return digest(algo, b)
 
 
 def digest_only_modules(model: torch.nn.Module, landed: Collection[str],
@@ -415,6 +441,15 @@ def verify_and_repair(live: torch.nn.Module, build_fresh: Callable[[], torch.nn.
     if digests is not None and (digests.runs or digests.unproved):
         tensors = dict(named_live(live))
         good, bad = digests.check(tensors)
+        if bad and isinstance(suspect, set):
+            suspect.update(d.rpartition(".")[0] for d in bad)
+        if bad and digests.uncopied:
+            raise WeightsMismatch(
+                f"after the update, {len(bad)} tensors the copy plan wrote as plain copies do "
+                f"not hold the bytes received ({', '.join(bad[:8])}): something after the "
+                f"load changed them (the {engine} engine's post-load processing?); no host "
+                "copy of them was kept on this accelerator, so the engine is torn until the "
+                "next update, which compares them on a fresh-load shadow and repairs them")
         if bad:
             # a plain copy that does not hold the bytes sent: the shadow judges (and
             # repairs) everything

@@ -137,3 +137,81 @@ def test_with_verification_off_the_same_corruption_stays(
     assert v["updates"] == {"verified": 1, "repaired": 0, "unverified": 2, "failed": 0}, v
     assert v["last"]["ok"] is None and v["last"]["how"] == "not verified", v
     engine.close()
+
+
+def test_digests_prove_fused_destinations_and_name_what_differs() -> None:
+    from enginehooks.engine.copy_plan import Step, View
+    from enginehooks.engine.verify import DigestCheck, Verdict, WeightsMismatch, verify_and_repair
+
+    class Fused(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.qkv = torch.nn.Parameter(torch.zeros(6, 4))
+            self.part = torch.nn.Parameter(torch.zeros(4, 4))
+
+    q, k = torch.randn(4, 4), torch.randn(2, 4)
+    # q and k land in rows 0-3 and 4-5 of the fused qkv; `part` gets only its first rows
+    q_step = Step("qkv", View(0, (4, 4), (4, 1)), View(0, (4, 4), (4, 1)))
+    k_step = Step("qkv", View(16, (2, 4), (4, 1)), View(0, (2, 4), (4, 1)))
+    h_step = Step("part", View(0, (2, 4), (4, 1)), View(0, (2, 4), (4, 1)))
+    fill = Step("part", View(8, (2, 4), (4, 1)), None, 0.0)
+    dtypes = {"qkv": torch.float32, "part": torch.float32}
+    assert DigestCheck.provable([q_step], q, dtypes)
+    assert not DigestCheck.provable([h_step, fill], k, dtypes)  # a constant fill
+    assert not DigestCheck.provable([q_step], q.t(), dtypes)  # not contiguous
+    assert not DigestCheck.provable([q_step], q.double(), dtypes)  # converted on the way
+
+    live = Fused()
+    with torch.no_grad():
+        live.qkv[:4].copy_(q)
+        live.qkv[4:].copy_(k)
+        live.part[:2].copy_(k)
+    check = DigestCheck()
+    check.add([q_step], q, dtypes)
+    check.add([k_step], k, dtypes)
+    check.add([h_step], k, dtypes)
+    tensors = dict(live.named_parameters())
+    # `part` is written in part: what else it holds is not the plan's to prove
+    assert check.check(tensors) == (["qkv"], [])
+    with torch.no_grad():
+        live.qkv[5, 3] += 1.0
+    assert check.check(tensors) == ([], ["qkv"])
+    # without host copies (an accelerator), a digest failure cannot be repaired now: the
+    # update is torn, naming the tensor, and the module is compared on a shadow next time
+    check.uncopied.add("k")
+    suspect: set[str] = set()
+    with pytest.raises(WeightsMismatch, match=r"plain copies do not hold the bytes received "
+                                              r"\(qkv\)"):
+        verify_and_repair(live, Fused, {"qkv"}, engine="toy", digests=check, suspect=suspect)
+    assert suspect == {""}
+    assert Verdict(digest=1).how == "digest" and Verdict().how == "nothing to compare"
+
+
+class Opaque(torch.nn.Module):
+    """A linear layer whose forward reads a packed copy of its weight that cannot be
+    read as bytes (a sparse layout stands in for a oneDNN handle)."""
+
+    def __init__(self, w: torch.Tensor, in_features: int | None = 3) -> None:
+        super().__init__()
+        self.weight = torch.nn.Parameter(w.clone())
+        self.packed = w.clone().to_sparse()
+        if in_features is not None:
+            self.in_features = in_features
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.sparse.mm(self.packed, x.t()).t()
+
+
+def test_opaque_storage_is_compared_through_the_forward_never_skipped() -> None:
+    from enginehooks.engine.verify import WeightsMismatch, verify_and_repair
+
+    w = torch.randn(2, 3)
+    same = verify_and_repair(Opaque(w), lambda: Opaque(w), {"weight"}, engine="toy")
+    assert same.probed == ["packed"] and same.unverified == [] and same.mismatched == []
+    live = Opaque(w)
+    live.packed = (w * 2).to_sparse()  # post-load processing that went wrong
+    with pytest.raises(WeightsMismatch, match=r"<model> \(forward\)"):
+        verify_and_repair(live, lambda: Opaque(w), {"weight"}, engine="toy")
+    # a module whose forward cannot be probed: said, not skipped
+    blind = verify_and_repair(Opaque(w, None), lambda: Opaque(w, None), {"weight"}, engine="toy")
+    assert blind.unverified == ["packed"] and blind.probed == []
