@@ -289,7 +289,8 @@ class DigestCheck:
 
     def check(self, live: Mapping[str, torch.Tensor]) -> tuple[list[str], list[str]]:
         """(destinations proved to hold the bytes sent, those whose bytes differ)."""
-        good, bad = [], []
+        good: list[str] = []
+        bad: list[str] = []
         for dest, runs in self.runs.items():
             t = live.get(dest)
             if dest in self.unproved or t is None or not t.is_contiguous():
