@@ -38,8 +38,10 @@ the first. `first` and `never` remain opt-outs.
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
+import types
 from collections.abc import Callable, Collection, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -99,6 +101,36 @@ def _closure_tensors(fn: Any) -> Iterator[tuple[str, torch.Tensor]]:
     for i, value in enumerate(getattr(fn, "__defaults__", None) or ()):
         if isinstance(value, torch.Tensor):
             yield f"default{i}", value
+
+
+#: what a callable may capture that is no storage of weights
+_PLAIN = (torch.Tensor, torch.nn.Module, int, float, bool, str, bytes, type(None), torch.dtype,
+          torch.device, type, types.FunctionType, types.MethodType, types.BuiltinFunctionType,
+          functools.partial)
+
+
+def opaque_captures(module: torch.nn.Module) -> dict[str, str]:
+    """Callables `module` holds (not its children) that captured an object of an
+    engine's own type, attribute -> the captured name: storage that is no tensor, such
+    as vLLM CPU's oneDNN handler (`cpu_linear` captures a `CPUDNNLGEMMHandler` holding
+    the prepacked weight, while `weight` is left empty). Its bits cannot be read: it is
+    compared through the callable itself on a probe input (`probe_callable`)."""
+    out: dict[str, str] = {}
+    for name, value in vars(module).items():
+        if name.startswith("_") or isinstance(value, torch.nn.Module) or not callable(value):
+            continue
+        code = getattr(value, "__code__", None)
+        cells = getattr(value, "__closure__", None) or ()
+        names = code.co_freevars if code is not None else ()
+        for cname, cell in zip(names, cells):
+            try:
+                v = cell.cell_contents
+            except ValueError:
+                continue
+            if not isinstance(v, _PLAIN) and type(v).__module__ != "builtins":
+                out[name] = cname
+                break
+    return out
 
 
 def readable_tensors(module: torch.nn.Module) -> dict[str, tuple[str, torch.Tensor]]:
@@ -183,6 +215,41 @@ def probe(live: torch.nn.Module, fresh: torch.nn.Module, device: torch.device) -
         return None
     if not a or len(a) != len(b):
         return None
+    return _same_outputs(a, b)
+
+
+def _probe_input(module: torch.nn.Module, device: torch.device) -> torch.Tensor | None:
+    width = _in_features(module) or getattr(module, "embedding_dim", None)
+    if not isinstance(width, int) or width <= 0:
+        return None
+    g = torch.Generator().manual_seed(PROBE_SEED)
+    return torch.randn(PROBE_ROWS, width, generator=g).to(device=device, dtype=_dtype_of(module))
+
+
+def probe_callable(live: torch.nn.Module, fresh: torch.nn.Module, attr: str,
+                   device: torch.device) -> bool | None:
+    """Compare the callables `attr` of two modules (a prepacked GEMM and the like) on a
+    fixed probe input: called as the engine calls them, `(x, weight, bias)`, else `(x)`.
+    True: bit-identical outputs; False: they differ; None: not callable that way."""
+    x = _probe_input(live, device)
+    if x is None:
+        return None
+    f_live, f_fresh = getattr(live, attr), getattr(fresh, attr, None)
+    if f_fresh is None:
+        return None
+    for args in ((getattr(live, "weight", None), getattr(live, "bias", None)), ()):
+        fargs = (getattr(fresh, "weight", None), getattr(fresh, "bias", None)) if args else ()
+        try:
+            with torch.no_grad():
+                a, b = _outputs(f_live(x, *args)), _outputs(f_fresh(x.clone(), *fargs))
+        except Exception:
+            continue
+        if a and len(a) == len(b):
+            return _same_outputs(a, b)
+    return None
+
+
+def _same_outputs(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
     for p, q in zip(a, b):
         if p.shape != q.shape or p.dtype != q.dtype:
             return False
@@ -199,6 +266,11 @@ class Mismatch:
     why: str           # "values", "shape", "dtype", "forward" (the probe's outputs)
     live: torch.Tensor | None
     fresh: torch.Tensor | None
+    #: for an opaque callable: the modules holding it and its attribute (repaired by
+    #: taking the shadow's callable, which holds the freshly packed storage)
+    module: torch.nn.Module | None = None
+    fresh_module: torch.nn.Module | None = None
+    attr: str | None = None
 
 
 @dataclass
@@ -325,8 +397,9 @@ def _digest(algo: str, b: torch.Tensor) -> int:
 def digest_only_modules(model: torch.nn.Module, landed: Collection[str],
                         proved: Collection[str], suspect: Collection[str]) -> set[str]:
     """Touched modules every readable tensor of which is a destination `proved` by its
-    digest (or that hold none): nothing the loader or post-load processing computed
-    lives there, so the shadow need not look at them. `suspect` modules (once repaired)
+    digest (or that hold none), and no opaque storage (`opaque_captures`): nothing the
+    loader or post-load processing computed lives there, so the shadow need not look
+    at them. `suspect` modules (once repaired)
     always go to the shadow."""
     proved = set(proved)
     out: set[str] = set()
@@ -335,7 +408,8 @@ def digest_only_modules(model: torch.nn.Module, landed: Collection[str],
         if mname in suspect:
             continue
         keys = readable_tensors(modules[mname])
-        if all(f"{mname}.{k}".lstrip(".") in proved for k in keys):
+        if all(f"{mname}.{k}".lstrip(".") in proved for k in keys) \
+                and not opaque_captures(modules[mname]):
             out.add(mname)
     return out
 
@@ -426,6 +500,17 @@ def compare(live: torch.nn.Module, fresh: torch.nn.Module, landed: Collection[st
                 verdict.probed.extend(opaque)
             else:
                 out.append(Mismatch(mname or "<model>", "forward", "forward", None, None))
+        for attr, captured in opaque_captures(module).items():
+            full = f"{mname}.{attr}<{captured}>".lstrip(".")
+            verdict.compared += 1
+            same = probe_callable(module, fresh_modules[mname], attr, device)
+            if same is None:
+                verdict.unverified.append(full)
+            elif same:
+                verdict.probed.append(full)
+            else:
+                out.append(Mismatch(full, "opaque", "forward", None, None,
+                                    module=module, fresh_module=fresh_modules[mname], attr=attr))
     return out
 
 
@@ -471,6 +556,9 @@ def verify_and_repair(live: torch.nn.Module, build_fresh: Callable[[], torch.nn.
         for m in first:
             if m.why == "values" and m.live is not None and m.fresh is not None:
                 m.live.copy_(m.fresh.to(m.live.device))
+                verdict.repaired.append(m.name)
+            elif m.kind == "opaque" and m.module is not None and m.attr is not None:
+                setattr(m.module, m.attr, getattr(m.fresh_module, m.attr))
                 verdict.repaired.append(m.name)
         verdict.mismatched = [m.name for m in first]
         if first:

@@ -215,3 +215,41 @@ def test_opaque_storage_is_compared_through_the_forward_never_skipped() -> None:
     # a module whose forward cannot be probed: said, not skipped
     blind = verify_and_repair(Opaque(w, None), lambda: Opaque(w, None), {"weight"}, engine="toy")
     assert blind.unverified == ["packed"] and blind.probed == []
+
+
+class Handler:
+    """An engine's opaque packed weight (vLLM CPU's `CPUDNNLGEMMHandler` stands here)."""
+
+    def __init__(self, w: torch.Tensor) -> None:
+        self._w = w.clone()
+
+    def gemm(self, x: torch.Tensor) -> torch.Tensor:
+        return x @ self._w.t()
+
+
+class Packed(torch.nn.Module):
+    """A linear layer after CPU prepacking: `weight` emptied, the forward's GEMM a
+    closure over the handler."""
+
+    def __init__(self, w: torch.Tensor) -> None:
+        super().__init__()
+        self.input_size_per_partition = w.shape[1]
+        self.weight = torch.nn.Parameter(torch.empty(0))
+        handler = Handler(w)
+        self.cpu_linear = lambda x, weight, bias: handler.gemm(x)
+
+
+def test_a_packed_weight_held_by_a_closure_is_probed_and_repaired() -> None:
+    from enginehooks.engine.verify import digest_only_modules, opaque_captures, verify_and_repair
+
+    w = torch.randn(2, 3)
+    assert opaque_captures(Packed(w)) == {"cpu_linear": "handler"}
+    same = verify_and_repair(Packed(w), lambda: Packed(w), {"weight"}, engine="toy")
+    assert same.probed == ["cpu_linear<handler>"] and same.mismatched == []
+    stale = Packed(w * 3)  # the packed copy kept old values: the weight itself is empty
+    got = verify_and_repair(stale, lambda: Packed(w), {"weight"}, engine="toy")
+    assert got.repaired == ["cpu_linear<handler>"]
+    x = torch.randn(4, 3)
+    assert torch.equal(stale.cpu_linear(x, None, None), x @ w.t())
+    # a module holding such storage is never proved by digests alone
+    assert digest_only_modules(Packed(w), {"weight"}, {"weight"}, set()) == set()
