@@ -178,7 +178,7 @@ def push_rows(handle: Any, trainer: Callable[[int], Any], rounds: int) -> list[d
                          "apply_seconds": plan.get("seconds"),
                          "verification": {k: last.get(k) for k in (
                              "ok", "outcome", "how", "digest", "digest_bytes", "shadow_bytes",
-                             "compared", "probed", "unverified", "repaired", "error")},
+                             "compared", "probed", "unverified", "repaired", "error", "seconds")},
                          "planned_last": plan.get("planned_last"),
                          "loader_last": plan.get("loader_last")})
             print(json.dumps(rows[-1]), flush=True)

@@ -41,6 +41,7 @@ from __future__ import annotations
 import functools
 import logging
 import os
+import time
 import types
 from collections.abc import Callable, Collection, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
@@ -290,6 +291,8 @@ class Verdict:
     probed: list[str] = field(default_factory=list)
     unverified: list[str] = field(default_factory=list)
     shadow: bool = True  # whether a shadow was built at all
+    #: where the time went: digests, building the shadow, comparing (and repairing)
+    seconds: dict[str, float] = field(default_factory=dict)
 
     @property
     def how(self) -> str:
@@ -524,6 +527,7 @@ def verify_and_repair(live: torch.nn.Module, build_fresh: Callable[[], torch.nn.
     still differs."""
     verdict = Verdict()
     skip: set[str] = set()
+    t0 = time.perf_counter()
     if digests is not None and (digests.runs or digests.unproved):
         tensors = dict(named_live(live))
         good, bad = digests.check(tensors)
@@ -547,10 +551,14 @@ def verify_and_repair(live: torch.nn.Module, build_fresh: Callable[[], torch.nn.
             verdict.digest = len(proved)
             verdict.digest_bytes = sum(tensors[d].nbytes for d in proved)
     touched = touched_modules(live, _with_aliases(live, landed))
+    t1 = time.perf_counter()
+    verdict.seconds["digest"] = round(t1 - t0, 4)
     if touched <= skip:
         verdict.shadow = False
         return verdict
     fresh = build_fresh()
+    t2 = time.perf_counter()
+    verdict.seconds["shadow"] = round(t2 - t1, 4)
     with torch.no_grad():
         first = compare(live, fresh, landed, verdict, skip)
         for m in first:
@@ -575,6 +583,7 @@ def verify_and_repair(live: torch.nn.Module, build_fresh: Callable[[], torch.nn.
                     + "; the engine is torn and refuses generation until an update succeeds "
                     "(report it upstream: the engine's reload path)")
     del fresh
+    verdict.seconds["compare"] = round(time.perf_counter() - t2, 4)
     return verdict
 
 
@@ -652,7 +661,8 @@ class Verifier:
         outcome = ("repaired" if verdict.mismatched else
                    "unverified" if verdict.unverified else "verified")
         self.counts[outcome] += 1
-        self.last = {"ok": True, "outcome": outcome, **verdict.to_dict()}
+        self.last = {"ok": True, "outcome": outcome, **verdict.to_dict(),
+                     "seconds": verdict.seconds}
         return verdict
 
     def state(self) -> dict[str, Any]:

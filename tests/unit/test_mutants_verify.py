@@ -78,7 +78,9 @@ def test_state_reports_each_verification_exactly(monkeypatch: pytest.MonkeyPatch
         "last": {"ok": None, "how": "not verified",
                  "error": "not verified: ENGINEHOOKS_VERIFY=first"}}
     v.run(Conv(), Conv, {"weight"})
+    seconds = v.state()["last"].pop("seconds")
     assert v.state()["last"] == last
+    assert set(seconds) == {"digest", "shadow", "compare"}
 
 
 def test_an_unrepairable_update_is_reported_names_the_engine_and_verifies_every_update_after(

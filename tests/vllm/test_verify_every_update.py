@@ -101,6 +101,8 @@ def test_successive_pushes_are_each_verified_and_a_repeated_post_load_step_is_re
         v = _verification(engine)
         assert v["last"]["outcome"] == "verified" and v["last"]["digest"] > 0, v
         assert v["last"]["unverified"] == [], v
+        # the prepacked GEMMs (oneDNN handlers, no readable bytes) compared by a probe
+        assert any(p.endswith("cpu_linear<handler>") for p in v["last"]["probed"]), v
 
         assert engine.llm.collective_rpc(_post_load_twice, args=(True,))[0]
         try:
