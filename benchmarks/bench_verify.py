@@ -12,7 +12,11 @@ Engines:
 - `vllm`, `sglang`: the real engines on CPU, a checkpoint of Qwen2.5-0.5B's shapes
   (0.99 GB in bf16; `bench_gloo_cpu.py --preset qwen05b`), pushed from a bf16 trainer.
 - `module`: a module replica on one GPU (`--device cuda`), an `ApplyTarget` around a
-  plain torch model of ~`--gb` GB (no transformers needed), its loader a copy by name.
+  plain torch model of ~`--gb` GB (no transformers needed), its loader a copy by name,
+  in this process: pushed over gloo (the in-process transport; the bytes are staged
+  through the host, so the push is slower than cuda_ipc's), with a raw device copy of
+  the same weights as the floor (`machine.raw_device_copy_s`). Per push the verdict's
+  `seconds` give the verification's own time (digests, shadow, compare).
 
     python benchmarks/bench_verify.py --engine vllm --out benchmarks/results/verify/cpu.json
     python benchmarks/bench_verify.py --engine module --device cuda --out OUT.json
@@ -137,6 +141,22 @@ def module_replica(gb: float, device: torch.device) -> tuple[Any, Callable[[int]
         return {n: torch.randn(p.shape, generator=g, device=device, dtype=torch.float32)
                 .to(dtype) for n, p in model.state_dict().items()}
 
+    def raw_copy() -> float:
+        """Seconds of a device copy of every weight (the floor a push of them has)."""
+        src = [p.detach() for p in model.parameters()]
+        dst = [torch.empty_like(t) for t in src]
+        best = float("inf")
+        for _ in range(3):
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            t0 = time.perf_counter()
+            torch._foreach_copy_(dst, src)
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            best = min(best, time.perf_counter() - t0)
+        return best
+
+    Handle.raw_copy = staticmethod(raw_copy)  # type: ignore[attr-defined]
     return Handle(), trainer
 
 
@@ -146,12 +166,12 @@ def engine_replica(engine: str, model_dir: Path) -> tuple[Any, Any, Callable[[in
     from enginehooks_testkit.tiny import load_tiny, perturb
 
     running = start_engine(engine, model_dir, dtype="bfloat16")
-    base = load_tiny(model_dir)
+    # one bf16 trainer model, 'trained' in place before each push (a copy per push would
+    # hold another model's memory on a machine the engine and its shadow share)
+    base = load_tiny(model_dir).to(torch.bfloat16)
 
     def trainer(seed: int) -> Any:
-        import copy
-
-        return perturb(copy.deepcopy(base), seed=seed, scale=0.01).to(torch.bfloat16)
+        return perturb(base, seed=seed, scale=0.01)
 
     return running, running.handle(), trainer
 
@@ -169,7 +189,7 @@ def push_rows(handle: Any, trainer: Callable[[int], Any], rounds: int) -> list[d
             t0 = time.perf_counter()
             report = sync.push(weights, version=i + 1)
             wall = time.perf_counter() - t0
-            del weights
+            weights = None
             info = handle.info(120)[0]
             last = (info.get("verification") or {}).get("last") or {}
             plan = info.get("copy_plan") or {}
@@ -220,6 +240,7 @@ def main() -> int:
         handle, trainer = module_replica(args.gb, device)
         if device.type == "cuda":
             desc["gpu"] = torch.cuda.get_device_name(device)
+        desc["raw_device_copy_s"] = round(handle.raw_copy(), 5)
     else:
         model_dir = build_model(Path(args.model_dir), "qwen05b")
         running, handle, trainer = engine_replica(args.engine, model_dir)
