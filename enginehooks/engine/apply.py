@@ -299,15 +299,16 @@ class ApplyTarget(Target, ABC):
             yield name, c
 
     def _skip_copy(self, update: Update, route: Route, t: torch.Tensor) -> bool:
-        """Whether a planned tensor needs no host copy for a shadow: on an accelerator
-        (where the copy is a transfer that would cost more than the check), a tensor the
-        digests will prove, written into modules that never differed from a fresh load.
-        On the host a copy is cheap, and keeps a digest failure repairable in place."""
-        if update.digests is None or self.device.type == "cpu":
+        """Whether a planned tensor needs no copy for a shadow: the last update needed
+        no shadow at all (digests proved everything it landed), no module ever differed,
+        and the digests will prove this tensor too. The copy would cost more than the
+        check (on the host a memory copy of the update, on an accelerator a transfer);
+        the price is that a digest failure cannot be repaired in the same update (it is
+        torn, naming the tensors, and the next update keeps copies and repairs them on
+        a shadow)."""
+        if update.digests is None or not self.verifier.digest_only_last or self.verifier.suspect:
             return False
-        suspect = self.verifier.suspect
-        return (DigestCheck.provable(route.steps, t, update.dtypes)
-                and not any(st.dest.rpartition(".")[0] in suspect for st in route.steps))
+        return DigestCheck.provable(route.steps, t, update.dtypes)
 
     def _record_and_verify(self, model: torch.nn.Module, update: Update, landed: set[str],
                            checking: bool, verify: bool, recording: bool) -> None:

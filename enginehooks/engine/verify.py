@@ -317,9 +317,9 @@ class DigestCheck:
     bytes sent (`check`): it needs no shadow. A destination some write of which is not
     a plain contiguous copy of the same dtype (a constant fill, a strided or sharded
     source, a clone first) is `unproved` and left to the shadow. `uncopied`: planned
-    tensors of which no host copy was kept (on an accelerator, where one costs a
-    transfer): a destination of theirs that fails its digest cannot be repaired from a
-    shadow in this update."""
+    tensors of which no host copy was kept (the digests were to prove them): a
+    destination of theirs that fails its digest cannot be repaired from a shadow in
+    this update."""
 
     runs: dict[str, list[tuple[int, int, str, int]]] = field(default_factory=dict)
     unproved: set[str] = field(default_factory=set)
@@ -533,13 +533,14 @@ def verify_and_repair(live: torch.nn.Module, build_fresh: Callable[[], torch.nn.
         good, bad = digests.check(tensors)
         if bad and isinstance(suspect, set):
             suspect.update(d.rpartition(".")[0] for d in bad)
-        if bad and digests.uncopied:
+        if bad and digests.uncopied:  # (no shadow can be complete without them)
             raise WeightsMismatch(
                 f"after the update, {len(bad)} tensors the copy plan wrote as plain copies do "
                 f"not hold the bytes received ({', '.join(bad[:8])}): something after the "
-                f"load changed them (the {engine} engine's post-load processing?); no host "
-                "copy of them was kept on this accelerator, so the engine is torn until the "
-                "next update, which compares them on a fresh-load shadow and repairs them")
+                f"load changed them (the {engine} engine's post-load processing?); no copy "
+                "of them was kept (the digests were to prove them), so the engine is torn "
+                "until the next update, which compares them on a fresh-load shadow and "
+                "repairs them")
         if bad:
             # a plain copy that does not hold the bytes sent: the shadow judges (and
             # repairs) everything
@@ -556,6 +557,13 @@ def verify_and_repair(live: torch.nn.Module, build_fresh: Callable[[], torch.nn.
     if touched <= skip:
         verdict.shadow = False
         return verdict
+    if digests is not None and digests.uncopied:
+        # a shadow built without them would not be this update's fresh load
+        raise WeightsMismatch(
+            f"after the update, {len(touched - skip)} modules need a fresh-load shadow "
+            f"({sorted(touched - skip)[:4]}) where the last update needed none, and no copy "
+            f"of {len(digests.uncopied)} planned tensors was kept: the engine is torn "
+            "until the next update, which keeps copies and compares them on a shadow")
     fresh = build_fresh()
     t2 = time.perf_counter()
     verdict.seconds["shadow"] = round(t2 - t1, 4)
@@ -621,6 +629,9 @@ class Verifier:
         self.sticky = False
         self.last: dict[str, Any] | None = None
         self.counts = dict.fromkeys(OUTCOMES, 0)
+        #: the last verification needed no shadow (digests proved everything): the next
+        #: update keeps no copies of what the digests will prove
+        self.digest_only_last = False
         #: modules that once differed from a fresh load: always compared on a shadow
         self.suspect: set[str] = set()
 
@@ -636,6 +647,7 @@ class Verifier:
     def skipped(self) -> None:
         """An update the policy did not verify: counted and reported as such."""
         self.counts["unverified"] += 1
+        self.digest_only_last = False
         self.last = {"ok": None, "how": "not verified",
                      "error": f"not verified: {VERIFY_ENV}={self.policy}"}
 
@@ -645,7 +657,7 @@ class Verifier:
             verdict = verify_and_repair(live, build_fresh, landed, engine=self.engine,
                                         digests=digests, suspect=self.suspect)
         except WeightsMismatch as e:
-            self.sticky = True
+            self.sticky, self.digest_only_last = True, False
             self.counts["failed"] += 1
             self.last = {"ok": False, "error": str(e)}
             raise
@@ -653,9 +665,11 @@ class Verifier:
             log.warning("%s: could not verify this update (%s: %s); the weights were applied "
                         "by the engine's own reload path", self.engine, type(e).__name__, e)
             self.counts["unverified"] += 1
+            self.digest_only_last = False
             self.last = {"ok": None, "error": f"not verified: {type(e).__name__}: {e}"}
             return None
         self.verified += 1
+        self.digest_only_last = not verdict.shadow and not verdict.mismatched
         self.sticky = self.sticky or bool(verdict.mismatched)
         self.suspect.update(m.rpartition(".")[0] for m in verdict.mismatched)
         outcome = ("repaired" if verdict.mismatched else

@@ -5,9 +5,10 @@ verified: the first on the fresh-load shadow (it records the copy plan), the sec
 through the plan against a fresh load in full, the later ones by the digests of what the
 plan wrote (no shadow built: the engine holds nothing the loader computed). A later push
 whose post-load step runs twice (the failure users report on the second and later
-syncs) is caught by the digest, repaired from a fresh load and counted as repaired, in
-`info()` and in Prometheus; the push after it is verified again (on a shadow: the
-module that differed is suspect from then on). With `ENGINEHOOKS_VERIFY=never` the same
+syncs) is caught by the digest: no copy of a digest-proved tensor is kept, so that push
+ends torn, naming the tensor; the next ones keep copies of that module, compare it on a
+shadow, repair it and meet the oracle; all counted in `info()` and in Prometheus.
+With `ENGINEHOOKS_VERIFY=never` the same
 corruption stays: the check is what makes the difference.
 """
 
@@ -20,6 +21,7 @@ import pytest
 import torch
 
 from enginehooks import WeightSync
+from enginehooks.engine.verify import WeightsMismatch
 from enginehooks.trainer_side import adapter_for
 from enginehooks_testkit.tiny import load_tiny, perturb
 from tests.support.engine_page import MinimalEngine
@@ -38,14 +40,14 @@ def _verification(handle: Any) -> dict[str, Any]:
 
 def _twice(engine: MinimalEngine) -> Any:
     """An `after_load` whose post-load step (scaling the final norm) is applied a
-    second time on every update after the first: the class of engine bug issue 38
+    second time on every update from the fourth on: the class of engine bug issue 38
     names (post-load processing that is not idempotent)."""
     target = engine.handle().side.target  # type: ignore[attr-defined]
     calls = {"n": 0}
 
     def after_load(model: torch.nn.Module, landed: set[str]) -> None:
         calls["n"] += 1
-        if calls["n"] >= 3 and "model.norm.weight" in landed:
+        if calls["n"] >= 4 and "model.norm.weight" in landed:
             with torch.no_grad():
                 model.model.norm.weight.mul_(2.0)  # type: ignore[union-attr, operator]
 
@@ -93,30 +95,38 @@ def test_a_later_push_corrupted_by_its_post_load_step_is_repaired_and_counted(
     engine = MinimalEngine(model_dirs["llama"])
     handle = engine.handle()
     _twice(engine)
-    versions = [perturb(load_tiny(model_dirs["llama"]), seed=s) for s in (21, 22, 23, 24)]
+    versions = [perturb(load_tiny(model_dirs["llama"]), seed=s) for s in range(21, 27)]
     try:
         with WeightSync("gloo", bucket_bytes=16 << 10, timeout_s=60) as sync:
             sync.add_replica(handle)
             for i, model in enumerate(versions):
+                # push 3 was proved by digests alone, so push 4 keeps no copies
+                if i == 3:  # the first corrupted push: the digest caught it, torn
+                    with pytest.raises(WeightsMismatch, match=r"plain copies do not hold the "
+                                                           r"bytes received \(model\.norm"):
+                        sync.push(model, version=i + 1)
+                    assert handle.info(30)[0]["state"] == "torn"
+                    assert _verification(handle)["last"]["ok"] is False
+                    continue
                 sync.push(model, version=i + 1)
-                # the exact oracle after every push, the corrupted ones included
+                # the exact oracle after every push, the repaired ones included
                 assert _holds(engine, model) == [], i
                 v = _verification(handle)
-                if i == 2:  # the first corrupted push: the digest caught it
+                if i >= 4:  # every later one is compared on a shadow there, repaired
                     assert v["last"]["outcome"] == "repaired", v
                     assert v["last"]["repaired"] == ["model.norm.weight"], v
-                elif i == 3:  # and every later one is compared on a shadow there
-                    assert v["last"]["outcome"] == "repaired", v
                     assert "shadow" in v["last"]["how"], v
+            sync.push(versions[0], version=7)
+            assert _holds(engine, versions[0]) == []
         m = scrape(port)
     finally:
         metrics.close()
     v = _verification(handle)
-    assert v["updates"] == {"verified": 2, "repaired": 2, "unverified": 0, "failed": 0}
+    assert v["updates"] == {"verified": 3, "repaired": 3, "unverified": 0, "failed": 1}
     assert value(m, "enginehooks_replica_updates_total", replica="minimal",
-                 outcome="verified") == 2
+                 outcome="verified") == 3
     assert value(m, "enginehooks_replica_updates_total", replica="minimal",
-                 outcome="repaired") == 2
+                 outcome="repaired") == 3
     engine.close()
 
 
@@ -126,7 +136,7 @@ def test_with_verification_off_the_same_corruption_stays(
     engine = MinimalEngine(model_dirs["llama"])
     handle = engine.handle()
     _twice(engine)
-    versions = [perturb(load_tiny(model_dirs["llama"]), seed=s) for s in (31, 32, 33)]
+    versions = [perturb(load_tiny(model_dirs["llama"]), seed=s) for s in (31, 32, 33, 34)]
     with WeightSync("gloo", bucket_bytes=16 << 10, timeout_s=60) as sync:
         sync.add_replica(handle)
         for i, model in enumerate(versions):
@@ -134,14 +144,14 @@ def test_with_verification_off_the_same_corruption_stays(
     assert _holds(engine, versions[-1]) == ["model.norm.weight"]
     v = _verification(handle)
     # the plan's first use is verified whatever the policy; the others are counted
-    assert v["updates"] == {"verified": 1, "repaired": 0, "unverified": 2, "failed": 0}, v
+    assert v["updates"] == {"verified": 1, "repaired": 0, "unverified": 3, "failed": 0}, v
     assert v["last"]["ok"] is None and v["last"]["how"] == "not verified", v
     engine.close()
 
 
 def test_digests_prove_fused_destinations_and_name_what_differs() -> None:
     from enginehooks.engine.copy_plan import Step, View
-    from enginehooks.engine.verify import DigestCheck, Verdict, WeightsMismatch, verify_and_repair
+    from enginehooks.engine.verify import DigestCheck, Verdict, verify_and_repair
 
     class Fused(torch.nn.Module):
         def __init__(self) -> None:
@@ -203,7 +213,7 @@ class Opaque(torch.nn.Module):
 
 
 def test_opaque_storage_is_compared_through_the_forward_never_skipped() -> None:
-    from enginehooks.engine.verify import WeightsMismatch, verify_and_repair
+    from enginehooks.engine.verify import verify_and_repair
 
     w = torch.randn(2, 3)
     same = verify_and_repair(Opaque(w), lambda: Opaque(w), {"weight"}, engine="toy")
