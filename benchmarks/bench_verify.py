@@ -71,7 +71,8 @@ class Blocks(torch.nn.Module):
                 params[name].copy_(t)
 
 
-def module_replica(gb: float, device: torch.device) -> tuple[Any, Callable[[int], Any]]:
+def module_replica(gb: float, device: torch.device,
+                   sender: torch.device | None = None) -> tuple[Any, Callable[[int], Any]]:
     """(handle, trainer(seed)) for a module replica of ~`gb` GB in bf16 on `device`."""
     from safetensors.torch import save_file
 
@@ -137,8 +138,9 @@ def module_replica(gb: float, device: torch.device) -> tuple[Any, Callable[[int]
             """No cache."""
 
     def trainer(seed: int) -> dict[str, torch.Tensor]:
-        g = torch.Generator(device=device).manual_seed(seed)
-        return {n: torch.randn(p.shape, generator=g, device=device, dtype=torch.float32)
+        where = sender or device
+        g = torch.Generator(device=where).manual_seed(seed)
+        return {n: torch.randn(p.shape, generator=g, device=where, dtype=torch.float32)
                 .to(dtype) for n, p in model.state_dict().items()}
 
     def raw_copy() -> float:
@@ -176,11 +178,12 @@ def engine_replica(engine: str, model_dir: Path) -> tuple[Any, Any, Callable[[in
     return running, running.handle(), trainer
 
 
-def push_rows(handle: Any, trainer: Callable[[int], Any], rounds: int) -> list[dict[str, Any]]:
+def push_rows(handle: Any, trainer: Callable[[int], Any], rounds: int, transport: str = "gloo",
+              sender: str | None = None) -> list[dict[str, Any]]:
     from enginehooks import WeightSync
 
     rows: list[dict[str, Any]] = []
-    with WeightSync("gloo", bucket_bytes=BUCKET, timeout_s=1800) as sync:
+    with WeightSync(transport, bucket_bytes=BUCKET, timeout_s=1800, device=sender) as sync:
         sync.add_replica(handle)
         for i, phase in enumerate(["record", "plan-first"]
                                   + ["never", "always"] * rounds):
@@ -228,6 +231,9 @@ def main() -> int:
     ap.add_argument("--gb", type=float, default=1.0, help="module replica size")
     ap.add_argument("--device", default="cuda", help="module replica device")
     ap.add_argument("--rounds", type=int, default=3, help="never/always pairs")
+    ap.add_argument("--transport", default="gloo", help="gloo (one process, any device) or "
+                    "nccl (with --sender-device on another GPU than --device)")
+    ap.add_argument("--sender-device", default=None, help="where the trainer's tensors live")
     ap.add_argument("--model-dir", default=str(Path.home() / ".cache" / "enginehooks"
                                                 / "bench-qwen05b"))
     ap.add_argument("--out", required=True)
@@ -237,7 +243,8 @@ def main() -> int:
     running = None
     if args.engine == "module":
         device = torch.device(args.device)
-        handle, trainer = module_replica(args.gb, device)
+        sender = torch.device(args.sender_device) if args.sender_device else None
+        handle, trainer = module_replica(args.gb, device, sender)
         if device.type == "cuda":
             desc["gpu"] = torch.cuda.get_device_name(device)
         desc["raw_device_copy_s"] = round(handle.raw_copy(), 5)
@@ -245,14 +252,15 @@ def main() -> int:
         model_dir = build_model(Path(args.model_dir), "qwen05b")
         running, handle, trainer = engine_replica(args.engine, model_dir)
     try:
-        rows = push_rows(handle, trainer, args.rounds)
+        rows = push_rows(handle, trainer, args.rounds, args.transport, args.sender_device)
     finally:
         if running is not None:
             running.close()
     out = Path(args.out)
     old = json.loads(out.read_text()) if out.exists() else {}
     old[args.engine if args.engine != "module" else f"module-{args.device}"] = {
-        "machine": desc, "bucket_bytes": BUCKET, "summary": summary(rows), "pushes": rows}
+        "machine": desc, "bucket_bytes": BUCKET, "transport": args.transport,
+        "sender_device": args.sender_device, "summary": summary(rows), "pushes": rows}
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(old, indent=1))
     print(json.dumps(old[next(reversed(old))]["summary"]))
