@@ -47,7 +47,7 @@ from enginehooks.engine.expectations import (
     resolve_model_dir,
 )
 from enginehooks.engine.transplant import transplant
-from enginehooks.engine.verify import Verifier
+from enginehooks.engine.verify import DigestCheck, Verifier
 from enginehooks.transports.base import Target
 
 __all__ = ["ApplyBinding", "ApplyTarget", "Update"]
@@ -61,9 +61,14 @@ class Update:
 
     `routes` are the planned tensors writable in this update (`ApplyTarget.writable`)."""
 
-    def __init__(self, routes: Mapping[str, Route], keeping: bool) -> None:
+    def __init__(self, routes: Mapping[str, Route], keeping: bool,
+                 digests: DigestCheck | None = None) -> None:
         self.routes = routes
         self.keeping = keeping
+        #: digests of what planned plain copies received (verification by digest), and
+        #: the dtype of each planned destination
+        self.digests = digests
+        self.dtypes: dict[str, torch.dtype] = {}
         self.fed: list[TensorSpec] = []
         self.kept: list[tuple[str, torch.Tensor]] = []
         self.planned = 0
@@ -242,7 +247,12 @@ class ApplyTarget(Target, ABC):
         checking = self.plan.state == "verifying" and bool(routes)
         verify = self.verifier.wanted(self.requested) or checking
         recording = self.plan.state == "pending"
-        update = Update({}, keeping=verify or recording)
+        # planned plain copies are proved by digests, except on the first update through
+        # the plan (judged against a fresh load in full)
+        digests = DigestCheck() if verify and routes and not checking else None
+        update = Update({}, keeping=verify or recording, digests=digests)
+        if self.plan.plan is not None:
+            update.dtypes = {n: lay.dtype for n, lay in self.plan.plan.layouts.items()}
 
         t0, c0 = time.perf_counter(), time.thread_time()
         self.begin()
@@ -275,13 +285,30 @@ class ApplyTarget(Target, ABC):
             update.feed(name, t)
             route = update.routes.get(name)
             if route is not None:
-                update.keep(name, t)
+                if self._skip_copy(update, route, t):
+                    update.digests.uncopied.add(name)  # type: ignore[union-attr]
+                else:
+                    update.keep(name, t)
                 self.write_planned(name, t, route)
+                if update.digests is not None:
+                    update.digests.add(route.steps, t, update.dtypes)
                 update.planned += 1
                 continue
             c = self.loader_copy(t)
             update.keep(name, t, c)
             yield name, c
+
+    def _skip_copy(self, update: Update, route: Route, t: torch.Tensor) -> bool:
+        """Whether a planned tensor needs no copy for a shadow: the last update needed
+        no shadow at all (digests proved everything it landed), no module ever differed,
+        and the digests will prove this tensor too. The copy would cost more than the
+        check (on the host a memory copy of the update, on an accelerator a transfer);
+        the price is that a digest failure cannot be repaired in the same update (it is
+        torn, naming the tensors, and the next update keeps copies and repairs them on
+        a shadow)."""
+        if update.digests is None or not self.verifier.digest_only_last or self.verifier.suspect:
+            return False
+        return DigestCheck.provable(route.steps, t, update.dtypes)
 
     def _record_and_verify(self, model: torch.nn.Module, update: Update, landed: set[str],
                            checking: bool, verify: bool, recording: bool) -> None:
@@ -300,10 +327,14 @@ class ApplyTarget(Target, ABC):
             self.plan.check_on_shadow(plan, self.verifier, model,
                                       lambda hook: self.fresh_load(kept, before_processing=hook),
                                       dict(kept), landed, verify)
+            if not verify:
+                self.verifier.skipped()
         elif verify:
             planned = {st.dest for r in update.routes.values() for st in r.steps}
             self.plan.verify_update(self.verifier, model, lambda: self.fresh_load(kept), landed,
-                                    checking and update.planned > 0, planned)
+                                    checking and update.planned > 0, planned, update.digests)
+        elif update.fed:
+            self.verifier.skipped()
 
     def _apply_by_fresh_load(self, tensors: Iterator[tuple[str, torch.Tensor]]) -> None:
         """The update through the engine's fresh-load path, copied into the live model's
@@ -324,6 +355,8 @@ class ApplyTarget(Target, ABC):
         if self.verifier.wanted(self.requested):
             self.plan.verify_update(self.verifier, model, lambda: self.fresh_load(kept),
                                     self.landed(fed) - set(self.by_fresh_load), False, set())
+        else:
+            self.verifier.skipped()
 
 
 class ApplyBinding(EngineBinding):

@@ -43,7 +43,7 @@ from enginehooks.core.dtypes import dtype_name
 from enginehooks.core.errors import ConfigError
 from enginehooks.core.manifest import TensorSpec
 from enginehooks.engine.trace import ByteTracer, _storage_key
-from enginehooks.engine.verify import Verifier, WeightsMismatch
+from enginehooks.engine.verify import DigestCheck, Verifier, WeightsMismatch
 
 log = logging.getLogger("enginehooks.copy_plan")
 
@@ -546,12 +546,14 @@ class PlanState:
 
     def verify_update(self, verifier: Verifier, model: torch.nn.Module,
                       build_fresh: Callable[[], torch.nn.Module], landed: Collection[str],
-                      checking: bool, planned: Collection[str]) -> None:
-        """Verify after apply (`verify.Verifier.run`); when `checking` (the first update
-        through the plan), any difference from a fresh load, or no verdict at all, is
-        judged against the plan. Raises `WeightsMismatch` as the verifier does."""
+                      checking: bool, planned: Collection[str],
+                      digests: DigestCheck | None = None) -> None:
+        """Verify after apply (`verify.Verifier.run`, with `digests` of the planned plain
+        copies); when `checking` (the first update through the plan), any difference
+        from a fresh load, or no verdict at all, is judged against the plan. Raises
+        `WeightsMismatch` as the verifier does."""
         try:
-            verdict = verifier.run(model, build_fresh, landed)
+            verdict = verifier.run(model, build_fresh, landed, digests)
         except WeightsMismatch as e:
             if checking:
                 self.disable(f"the first update through the plan differed from a fresh "

@@ -413,6 +413,10 @@ class EngineSide:
             kept = getattr(self.expectations(), "kept", None)
             stats["kept"] = kept(m.specs(), keep) if callable(kept) else list(keep)
         stats.update(self.binding.after_update(m.weight_version))
+        verifier = getattr(self.target, "verifier", None)
+        if verifier is not None and verifier.last is not None:
+            # what this update's verification found and how (the push report carries it)
+            stats["verification"] = dict(verifier.last)
         self._set_state("current")
         return cast(wire.ReceiveReply, stats)
 

@@ -14,19 +14,36 @@ module by module. What is compared is everything the forward can read:
 - tensors captured by callables a module holds (vLLM CPU's `cpu_linear` closures carry
   the prepacked weight the forward multiplies with).
 
-Bits are compared exactly. A mismatch is repaired in place (the shadow's bits copied
+Bits are compared exactly. Where a tensor's bits cannot be read (an opaque oneDNN handle,
+another layout), the two modules' forwards are compared on a fixed probe input
+(`probe`) instead; what neither can compare is listed as not verified, never skipped
+silently. A mismatch is repaired in place (the shadow's bits copied
 into the live tensor, so every reference the engine holds, CUDA graphs included, sees
 them) and verified again; what cannot be repaired (another shape, an opaque handle) ends
 the update `torn` naming the tensors. Workarounds are chosen by what verification
-observes, never by model name: an engine binding that once needed a repair verifies
-every later update in that process.
+observes, never by model name: a module that once needed a repair is always compared
+on a shadow afterwards.
+
+Not everything needs a shadow: a tensor the copy plan writes as a plain full copy holds
+exactly the bytes sent, so a digest of the destination after apply, compared with the
+digest of what was received, proves it (`DigestCheck`); a module whose every readable
+tensor is such a destination is verified that way alone, and the shadow (built only
+when some touched module needs it) is compared only where the loader computed.
+
+Every update is verified by default (`ENGINEHOOKS_VERIFY=always`): the failure class
+this guards against (post-load processing that is not safe to run again, repacking,
+dropped writes of a layerwise reload) shows on the second and later updates, not only
+the first. `first` and `never` remain opt-outs.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
-from collections.abc import Callable, Collection, Iterator
+import time
+import types
+from collections.abc import Callable, Collection, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -37,7 +54,11 @@ from enginehooks.core.errors import ConfigError, EngineHooksError
 log = logging.getLogger("enginehooks.verify")
 
 VERIFY_ENV = "ENGINEHOOKS_VERIFY"
-POLICIES = ("first", "always", "never")
+POLICIES = ("always", "first", "never")
+DEFAULT_POLICY = "always"
+#: the digest that proves a plain copy (core/checksums.py: computed where the tensor
+#: lives, position-weighted, order-independent)
+DIGEST = "sum64"
 
 
 class WeightsMismatch(EngineHooksError):
@@ -46,9 +67,9 @@ class WeightsMismatch(EngineHooksError):
 
 
 def verify_policy() -> str:
-    """`ENGINEHOOKS_VERIFY`: "first" (default: the first update in a process, and every
-    update after one that needed a repair), "always", or "never"."""
-    policy = os.environ.get(VERIFY_ENV, "first").strip().lower()
+    """`ENGINEHOOKS_VERIFY`: "always" (default: every update), "first" (the first update
+    in a process, and every update after one that needed a repair), or "never"."""
+    policy = os.environ.get(VERIFY_ENV, DEFAULT_POLICY).strip().lower()
     if policy not in POLICIES:
         raise ConfigError(f"{VERIFY_ENV}={policy!r}: one of {POLICIES}")
     return policy
@@ -83,6 +104,36 @@ def _closure_tensors(fn: Any) -> Iterator[tuple[str, torch.Tensor]]:
             yield f"default{i}", value
 
 
+#: what a callable may capture that is no storage of weights
+_PLAIN = (torch.Tensor, torch.nn.Module, int, float, bool, str, bytes, type(None), torch.dtype,
+          torch.device, type, types.FunctionType, types.MethodType, types.BuiltinFunctionType,
+          functools.partial)
+
+
+def opaque_captures(module: torch.nn.Module) -> dict[str, str]:
+    """Callables `module` holds (not its children) that captured an object of an
+    engine's own type, attribute -> the captured name: storage that is no tensor, such
+    as vLLM CPU's oneDNN handler (`cpu_linear` captures a `CPUDNNLGEMMHandler` holding
+    the prepacked weight, while `weight` is left empty). Its bits cannot be read: it is
+    compared through the callable itself on a probe input (`probe_callable`)."""
+    out: dict[str, str] = {}
+    for name, value in vars(module).items():
+        if name.startswith("_") or isinstance(value, torch.nn.Module) or not callable(value):
+            continue
+        code = getattr(value, "__code__", None)
+        cells = getattr(value, "__closure__", None) or ()
+        names = code.co_freevars if code is not None else ()
+        for cname, cell in zip(names, cells):
+            try:
+                v = cell.cell_contents
+            except ValueError:
+                continue
+            if not isinstance(v, _PLAIN) and type(v).__module__ != "builtins":
+                out[name] = cname
+                break
+    return out
+
+
 def readable_tensors(module: torch.nn.Module) -> dict[str, tuple[str, torch.Tensor]]:
     """Key -> (kind, tensor) of everything `module` itself (not its children) holds that a
     forward can read. Kinds: param, buffer, attr, closure."""
@@ -115,27 +166,255 @@ def _bits(t: torch.Tensor) -> torch.Tensor | None:
         return None
 
 
+#: the probe input's rows, and its seed (fixed: both forwards must see the same input)
+PROBE_ROWS, PROBE_SEED = 4, 0x5EED
+
+
+def _in_features(module: torch.nn.Module) -> int | None:
+    """How wide the input of a linear-like module's forward is (vLLM's linear layers,
+    `nn.Linear`), or None when it is not one."""
+    for attr in ("input_size_per_partition", "in_features", "input_size"):
+        v = getattr(module, attr, None)
+        if isinstance(v, int) and v > 0:
+            return v
+    return None
+
+
+def _dtype_of(module: torch.nn.Module) -> torch.dtype:
+    d = getattr(module, "params_dtype", None)
+    if isinstance(d, torch.dtype):
+        return d
+    for _, (_, t) in readable_tensors(module).items():
+        if t.is_floating_point():
+            return t.dtype
+    return torch.get_default_dtype()
+
+
+def _outputs(x: Any) -> list[torch.Tensor]:
+    if isinstance(x, torch.Tensor):
+        return [x]
+    if isinstance(x, (tuple, list)):
+        return [t for item in x for t in _outputs(item)]
+    return []
+
+
+def probe(live: torch.nn.Module, fresh: torch.nn.Module, device: torch.device) -> bool | None:
+    """Compare two modules through their forwards on a fixed probe input, for tensors
+    whose bits cannot be read (opaque prepacked storage): True when the outputs are
+    bit-identical, False when they differ, None when the module's forward cannot be
+    probed (not a linear-like module, or it fails on the probe)."""
+    width = _in_features(live)
+    if width is None:
+        return None
+    g = torch.Generator().manual_seed(PROBE_SEED)
+    x = torch.randn(PROBE_ROWS, width, generator=g).to(device=device, dtype=_dtype_of(live))
+    try:
+        with torch.no_grad():
+            a, b = _outputs(live(x)), _outputs(fresh(x.clone()))
+    except Exception as e:
+        log.info("probe of %s failed: %s: %s", type(live).__name__, type(e).__name__, e)
+        return None
+    if not a or len(a) != len(b):
+        return None
+    return _same_outputs(a, b)
+
+
+def _probe_input(module: torch.nn.Module, device: torch.device) -> torch.Tensor | None:
+    width = _in_features(module) or getattr(module, "embedding_dim", None)
+    if not isinstance(width, int) or width <= 0:
+        return None
+    g = torch.Generator().manual_seed(PROBE_SEED)
+    return torch.randn(PROBE_ROWS, width, generator=g).to(device=device, dtype=_dtype_of(module))
+
+
+def probe_callable(live: torch.nn.Module, fresh: torch.nn.Module, attr: str,
+                   device: torch.device) -> bool | None:
+    """Compare the callables `attr` of two modules (a prepacked GEMM and the like) on a
+    fixed probe input: called as the engine calls them, `(x, weight, bias)`, else `(x)`.
+    True: bit-identical outputs; False: they differ; None: not callable that way."""
+    x = _probe_input(live, device)
+    if x is None:
+        return None
+    f_live, f_fresh = getattr(live, attr), getattr(fresh, attr, None)
+    if f_fresh is None:
+        return None
+    for args in ((getattr(live, "weight", None), getattr(live, "bias", None)), ()):
+        fargs = (getattr(fresh, "weight", None), getattr(fresh, "bias", None)) if args else ()
+        try:
+            with torch.no_grad():
+                a, b = _outputs(f_live(x, *args)), _outputs(f_fresh(x.clone(), *fargs))
+        except Exception:
+            continue
+        if a and len(a) == len(b):
+            return _same_outputs(a, b)
+    return None
+
+
+def _same_outputs(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
+    for p, q in zip(a, b):
+        if p.shape != q.shape or p.dtype != q.dtype:
+            return False
+        bp, bq = _bits(p), _bits(q.to(p.device))
+        if bp is None or bq is None or not torch.equal(bp, bq):
+            return False
+    return True
+
+
 @dataclass
 class Mismatch:
     name: str          # module.key
     kind: str          # param | buffer | attr | closure
-    why: str           # "values", "shape", "dtype"
-    live: torch.Tensor
-    fresh: torch.Tensor
+    why: str           # "values", "shape", "dtype", "forward" (the probe's outputs)
+    live: torch.Tensor | None
+    fresh: torch.Tensor | None
+    #: for an opaque callable: the modules holding it and its attribute (repaired by
+    #: taking the shadow's callable, which holds the freshly packed storage)
+    module: torch.nn.Module | None = None
+    fresh_module: torch.nn.Module | None = None
+    attr: str | None = None
 
 
 @dataclass
 class Verdict:
-    """What one verification found."""
+    """What one verification found, and how each part of the update was verified:
+    `digest` (planned plain copies, by a digest of the destination against the bytes
+    received), `compared` on the shadow (of them `probed` through the forward, for
+    storage whose bits cannot be read), and what neither could (`unverified`)."""
 
     compared: int = 0
     mismatched: list[str] = field(default_factory=list)
     repaired: list[str] = field(default_factory=list)
     unreadable: list[str] = field(default_factory=list)
+    digest: int = 0
+    digest_bytes: int = 0
+    shadow_bytes: int = 0
+    probed: list[str] = field(default_factory=list)
+    unverified: list[str] = field(default_factory=list)
+    shadow: bool = True  # whether a shadow was built at all
+    #: where the time went: digests, building the shadow, comparing (and repairing)
+    seconds: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def how(self) -> str:
+        parts = [p for p, n in (("digest", self.digest), ("shadow", self.shadow and
+                                                           self.compared)) if n]
+        return "+".join(parts) or "nothing to compare"
 
     def to_dict(self) -> dict[str, Any]:
         return {"compared": self.compared, "mismatched": self.mismatched[:50],
-                "repaired": self.repaired[:50], "unreadable": self.unreadable[:50]}
+                "repaired": self.repaired[:50], "unreadable": self.unreadable[:50],
+                "how": self.how, "digest": self.digest, "digest_bytes": self.digest_bytes,
+                "shadow_bytes": self.shadow_bytes, "probed": self.probed[:50],
+                "unverified": self.unverified[:50]}
+
+
+@dataclass
+class DigestCheck:
+    """What the copy plan wrote as plain copies in one update, with the digest of each
+    run of bytes as it was received: destination name -> [(first element, end element,
+    algorithm, digest)]. A destination whose runs cover it exactly once and each of
+    which holds, after apply, the digest of the bytes received for it holds exactly the
+    bytes sent (`check`): it needs no shadow. A destination some write of which is not
+    a plain contiguous copy of the same dtype (a constant fill, a strided or sharded
+    source, a clone first) is `unproved` and left to the shadow. `uncopied`: planned
+    tensors of which no host copy was kept (the digests were to prove them): a
+    destination of theirs that fails its digest cannot be repaired from a shadow in
+    this update."""
+
+    runs: dict[str, list[tuple[int, int, str, int]]] = field(default_factory=dict)
+    unproved: set[str] = field(default_factory=set)
+    uncopied: set[str] = field(default_factory=set)
+    received_bytes: int = 0
+
+    @staticmethod
+    def provable(steps: Iterable[Any], received: torch.Tensor,
+                 dtypes: Mapping[str, torch.dtype]) -> bool:
+        """Whether every write of a planned tensor is a plain contiguous copy of the same
+        dtype (what `check` can prove)."""
+        if not received.is_contiguous():
+            return False
+        for st in steps:
+            if st.view.numel() == 0:
+                continue
+            if (st.src is None or st.pre or st.view.flat_range() is None
+                    or st.src.flat_range() is None or dtypes.get(st.dest) != received.dtype):
+                return False
+        return True
+
+    def add(self, steps: Iterable[Any], received: torch.Tensor,
+            dtypes: Mapping[str, torch.dtype]) -> None:
+        """The steps (`copy_plan.Step`) of one planned tensor and the tensor received
+        (before or as it was written: the digest is of what arrived)."""
+        flat = received.detach().reshape(-1) if received.is_contiguous() else None
+        for st in steps:
+            if st.view.numel() == 0:
+                continue  # a write of no element
+            d, s = st.view.flat_range(), st.src.flat_range() if st.src is not None else None
+            if (flat is None or d is None or s is None or st.pre
+                    or dtypes.get(st.dest) != received.dtype):
+                self.unproved.add(st.dest)
+                continue
+            b = _bits(flat[s[0]:s[1]])
+            if b is None:
+                self.unproved.add(st.dest)
+                continue
+            algo = digest_algorithm(b)
+            self.runs.setdefault(st.dest, []).append((d[0], d[1], algo, _digest(algo, b)))
+            self.received_bytes += b.numel()
+
+    def check(self, live: Mapping[str, torch.Tensor]) -> tuple[list[str], list[str]]:
+        """(destinations proved to hold the bytes sent, those whose bytes differ)."""
+        good: list[str] = []
+        bad: list[str] = []
+        for dest, runs in self.runs.items():
+            t = live.get(dest)
+            if dest in self.unproved or t is None or not t.is_contiguous():
+                continue
+            flat = t.detach().reshape(-1)
+            at, covered = 0, True
+            for start, end, _, _ in sorted(runs):
+                covered = covered and start == at
+                at = end
+            if not covered or at != flat.numel():
+                continue  # written in part: what else is there is the loader's
+            same = True
+            for start, end, algo, want in runs:
+                b = _bits(flat[start:end])
+                same = same and b is not None and _digest(algo, b) == want
+            (good if same else bad).append(dest)
+        return good, bad
+
+
+def digest_algorithm(b: torch.Tensor) -> str:
+    """sum64 where the bytes are on an accelerator (computed there, no copy to the host);
+    xxh3 on the host (a few GB/s, where sum64's torch path is slow)."""
+    return DIGEST if b.device.type != "cpu" else "xxh3"
+
+
+def _digest(algo: str, b: torch.Tensor) -> int:
+    from enginehooks.core.checksums import digest
+
+    return digest(algo, b)
+
+
+def digest_only_modules(model: torch.nn.Module, landed: Collection[str],
+                        proved: Collection[str], suspect: Collection[str]) -> set[str]:
+    """Touched modules every readable tensor of which is a destination `proved` by its
+    digest (or that hold none), and no opaque storage (`opaque_captures`): nothing the
+    loader or post-load processing computed lives there, so the shadow need not look
+    at them. `suspect` modules (once repaired)
+    always go to the shadow."""
+    proved = set(proved)
+    out: set[str] = set()
+    modules = dict(model.named_modules())
+    for mname in touched_modules(model, _with_aliases(model, landed)):
+        if mname in suspect:
+            continue
+        keys = readable_tensors(modules[mname])
+        if all(f"{mname}.{k}".lstrip(".") in proved for k in keys) \
+                and not opaque_captures(modules[mname]):
+            out.add(mname)
+    return out
 
 
 def touched_modules(model: torch.nn.Module, landed: Collection[str]) -> set[str]:
@@ -173,18 +452,23 @@ def _with_aliases(model: torch.nn.Module, landed: Collection[str]) -> set[str]:
 
 
 def compare(live: torch.nn.Module, fresh: torch.nn.Module, landed: Collection[str],
-            verdict: Verdict) -> list[Mismatch]:
+            verdict: Verdict, skip: Collection[str] = ()) -> list[Mismatch]:
     """Every readable tensor of the touched modules of `live` that differs from
     `fresh`. Parameters are compared where this update landed something in them (others
     hold whatever they were initialised with, in both models); buffers, attributes and
-    captured tensors of touched modules always (they are derived from the weights)."""
+    captured tensors of touched modules always (they are derived from the weights).
+    Modules in `skip` were proved otherwise (digests). Bits that cannot be read are
+    compared through the modules' forwards on a probe input (`probe`), once per module;
+    what that cannot compare either is listed in `verdict.unverified`."""
     landed = _with_aliases(live, landed)
-    touched = touched_modules(live, landed)
+    touched = touched_modules(live, landed) - set(skip)
     fresh_modules = dict(fresh.named_modules())
     out: list[Mismatch] = []
+    device = next((t.device for _, t in live.named_parameters()), torch.device("cpu"))
     for mname, module in live.named_modules():
         if mname not in touched or mname not in fresh_modules:
             continue
+        opaque: list[str] = []
         mine, theirs = readable_tensors(module), readable_tensors(fresh_modules[mname])
         for key, (kind, t) in mine.items():
             full = f"{mname}.{key}".lstrip(".")
@@ -206,23 +490,91 @@ def compare(live: torch.nn.Module, fresh: torch.nn.Module, landed: Collection[st
             a, b = _bits(t), _bits(f.to(t.device))
             if a is None or b is None:
                 verdict.unreadable.append(full)
+                opaque.append(full)
                 continue
+            verdict.shadow_bytes += a.numel()
             if not torch.equal(a, b):
                 out.append(Mismatch(full, kind, "values", t, f))
+        if opaque:
+            same = probe(module, fresh_modules[mname], device)
+            if same is None:
+                verdict.unverified.extend(opaque)
+            elif same:
+                verdict.probed.extend(opaque)
+            else:
+                out.append(Mismatch(mname or "<model>", "forward", "forward", None, None))
+        for attr, captured in opaque_captures(module).items():
+            full = f"{mname}.{attr}<{captured}>".lstrip(".")
+            verdict.compared += 1
+            same = probe_callable(module, fresh_modules[mname], attr, device)
+            if same is None:
+                verdict.unverified.append(full)
+            elif same:
+                verdict.probed.append(full)
+            else:
+                out.append(Mismatch(full, "opaque", "forward", None, None,
+                                    module=module, fresh_module=fresh_modules[mname], attr=attr))
     return out
 
 
 def verify_and_repair(live: torch.nn.Module, build_fresh: Callable[[], torch.nn.Module],
-                      landed: Collection[str], *, engine: str) -> Verdict:
-    """Build the fresh-load shadow, compare, repair in place what differs in values,
-    compare again. Raises `WeightsMismatch` naming what still differs."""
+                      landed: Collection[str], *, engine: str,
+                      digests: DigestCheck | None = None,
+                      suspect: Collection[str] = ()) -> Verdict:
+    """Prove what the digests of planned plain copies can (`DigestCheck`); build the
+    fresh-load shadow only when some touched module is left, compare it there, repair
+    in place what differs in values, compare again. Raises `WeightsMismatch` naming what
+    still differs."""
     verdict = Verdict()
+    skip: set[str] = set()
+    t0 = time.perf_counter()
+    if digests is not None and (digests.runs or digests.unproved):
+        tensors = dict(named_live(live))
+        good, bad = digests.check(tensors)
+        if bad and isinstance(suspect, set):
+            suspect.update(d.rpartition(".")[0] for d in bad)
+        if bad and digests.uncopied:  # (no shadow can be complete without them)
+            raise WeightsMismatch(
+                f"after the update, {len(bad)} tensors the copy plan wrote as plain copies do "
+                f"not hold the bytes received ({', '.join(bad[:8])}): something after the "
+                f"load changed them (the {engine} engine's post-load processing?); no copy "
+                "of them was kept (the digests were to prove them), so the engine is torn "
+                "until the next update, which compares them on a fresh-load shadow and "
+                "repairs them")
+        if bad:
+            # a plain copy that does not hold the bytes sent: the shadow judges (and
+            # repairs) everything
+            log.warning("%s: %d planned copies do not hold the bytes received (%s): "
+                        "comparing everything with a fresh load", engine, len(bad), bad[:8])
+        else:
+            skip = digest_only_modules(live, landed, good, suspect)
+            proved = [d for d in good if d.rpartition(".")[0] in skip]
+            verdict.digest = len(proved)
+            verdict.digest_bytes = sum(tensors[d].nbytes for d in proved)
+    touched = touched_modules(live, _with_aliases(live, landed))
+    t1 = time.perf_counter()
+    verdict.seconds["digest"] = round(t1 - t0, 4)
+    if touched <= skip:
+        verdict.shadow = False
+        return verdict
+    if digests is not None and digests.uncopied:
+        # a shadow built without them would not be this update's fresh load
+        raise WeightsMismatch(
+            f"after the update, {len(touched - skip)} modules need a fresh-load shadow "
+            f"({sorted(touched - skip)[:4]}) where the last update needed none, and no copy "
+            f"of {len(digests.uncopied)} planned tensors was kept: the engine is torn "
+            "until the next update, which keeps copies and compares them on a shadow")
     fresh = build_fresh()
+    t2 = time.perf_counter()
+    verdict.seconds["shadow"] = round(t2 - t1, 4)
     with torch.no_grad():
-        first = compare(live, fresh, landed, verdict)
+        first = compare(live, fresh, landed, verdict, skip)
         for m in first:
-            if m.why == "values":
+            if m.why == "values" and m.live is not None and m.fresh is not None:
                 m.live.copy_(m.fresh.to(m.live.device))
+                verdict.repaired.append(m.name)
+            elif m.kind == "opaque" and m.module is not None and m.attr is not None:
+                setattr(m.module, m.attr, getattr(m.fresh_module, m.attr))
                 verdict.repaired.append(m.name)
         verdict.mismatched = [m.name for m in first]
         if first:
@@ -230,7 +582,7 @@ def verify_and_repair(live: torch.nn.Module, build_fresh: Callable[[], torch.nn.
                         "weights (%s); repaired in place from the fresh load: %s", engine,
                         len(first), ", ".join(f"{m.name} [{m.why}]" for m in first[:8]),
                         len(verdict.repaired))
-            again = compare(live, fresh, landed, Verdict())
+            again = compare(live, fresh, landed, Verdict(), skip)
             if again:
                 raise WeightsMismatch(
                     f"after the update, {len(again)} tensors the {engine} engine's forward reads "
@@ -239,18 +591,31 @@ def verify_and_repair(live: torch.nn.Module, build_fresh: Callable[[], torch.nn.
                     + "; the engine is torn and refuses generation until an update succeeds "
                     "(report it upstream: the engine's reload path)")
     del fresh
+    verdict.seconds["compare"] = round(time.perf_counter() - t2, 4)
     return verdict
 
 
-class Verifier:
-    """When to verify, and what the last verification found, for one engine worker.
+def named_live(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+    """Every parameter and buffer by every name (aliases included)."""
+    yield from model.named_parameters(remove_duplicate=False)
+    yield from ((n, b) for n, b in model.named_buffers(remove_duplicate=False) if b is not None)
 
-    Policy (`ENGINEHOOKS_VERIFY`): "first" verifies the first update in the process and,
-    once any verification needed a repair, every later one (the engine's reload path is
-    then known to be wrong for this model); "always"; "never". A shadow that cannot be
-    built (the engine cannot construct a second model here) leaves the update
-    unverified, logged and reported by `state()`, rather than failing weights that the
-    engine's own reload path applied.
+
+#: what `Verifier.state()["updates"]` counts, per outcome of an update
+OUTCOMES = ("verified", "repaired", "unverified", "failed")
+
+
+class Verifier:
+    """When to verify, and what each verification found, for one engine worker.
+
+    Policy (`ENGINEHOOKS_VERIFY`): "always" (the default: every update); "first"
+    verifies the first update in the process and, once any verification needed a
+    repair, every later one; "never". A shadow that cannot be built (the engine cannot
+    construct a second model here) leaves the update unverified, logged and reported by
+    `state()`, rather than failing weights that the engine's own reload path applied.
+    `state()["updates"]` counts updates by outcome: verified (equal to a fresh load),
+    repaired (differed, repaired in place, equal after), unverified (not verified, or
+    some tensors could not be compared), failed (torn).
     """
 
     def __init__(self, engine: str) -> None:
@@ -258,11 +623,17 @@ class Verifier:
         try:
             self.policy = verify_policy()
         except ConfigError as e:
-            log.error("%s; verifying the first update only", e)
-            self.policy = "first"
+            log.error("%s; verifying every update", e)
+            self.policy = DEFAULT_POLICY
         self.verified = 0
         self.sticky = False
         self.last: dict[str, Any] | None = None
+        self.counts = dict.fromkeys(OUTCOMES, 0)
+        #: the last verification needed no shadow (digests proved everything): the next
+        #: update keeps no copies of what the digests will prove
+        self.digest_only_last = False
+        #: modules that once differed from a fresh load: always compared on a shadow
+        self.suspect: set[str] = set()
 
     def wanted(self, requested: bool = False) -> bool:
         """Whether this update is verified; `requested`: the trainer asked
@@ -273,24 +644,42 @@ class Verifier:
             return False
         return self.policy == "always" or self.verified == 0 or self.sticky
 
+    def skipped(self) -> None:
+        """An update the policy did not verify: counted and reported as such."""
+        self.counts["unverified"] += 1
+        self.digest_only_last = False
+        self.last = {"ok": None, "how": "not verified",
+                     "error": f"not verified: {VERIFY_ENV}={self.policy}"}
+
     def run(self, live: torch.nn.Module, build_fresh: Callable[[], torch.nn.Module],
-            landed: Collection[str]) -> Verdict | None:
+            landed: Collection[str], digests: DigestCheck | None = None) -> Verdict | None:
         try:
-            verdict = verify_and_repair(live, build_fresh, landed, engine=self.engine)
+            verdict = verify_and_repair(live, build_fresh, landed, engine=self.engine,
+                                        digests=digests, suspect=self.suspect)
         except WeightsMismatch as e:
-            self.sticky = True
+            self.sticky, self.digest_only_last = True, False
+            self.counts["failed"] += 1
             self.last = {"ok": False, "error": str(e)}
             raise
         except Exception as e:  # the shadow could not be built: our own limitation
             log.warning("%s: could not verify this update (%s: %s); the weights were applied "
                         "by the engine's own reload path", self.engine, type(e).__name__, e)
+            self.counts["unverified"] += 1
+            self.digest_only_last = False
             self.last = {"ok": None, "error": f"not verified: {type(e).__name__}: {e}"}
             return None
         self.verified += 1
+        self.digest_only_last = not verdict.shadow and not verdict.mismatched
         self.sticky = self.sticky or bool(verdict.mismatched)
-        self.last = {"ok": True, **verdict.to_dict()}
+        self.suspect.update(m.rpartition(".")[0] for m in verdict.mismatched)
+        outcome = ("repaired" if verdict.mismatched else
+                   "unverified" if verdict.unverified else "verified")
+        self.counts[outcome] += 1
+        self.last = {"ok": True, "outcome": outcome, **verdict.to_dict(),
+                     "seconds": verdict.seconds}
         return verdict
 
     def state(self) -> dict[str, Any]:
         return {"policy": self.policy, "verified": self.verified,
-                "every_update": self.sticky or self.policy == "always", "last": self.last}
+                "every_update": self.sticky or self.policy == "always",
+                "updates": dict(self.counts), "last": self.last}

@@ -21,7 +21,10 @@ Exported (prefix `enginehooks_`, labels in brackets):
 - `replica_version_info` [replica, version], gauge: 1 for the version a replica holds
   (any string; `unknown` after a push failed there once data moved);
 - `replica_up_to_date` [replica], gauge: 1 if the last push reached the replica, 0 if
-  it failed there.
+  it failed there;
+- `replica_updates_total` [replica, outcome], counter: updates each replica applied, by
+  what their verification found (`verified`, `repaired`, `unverified`; a replica whose
+  workers disagree counts its worst), from the workers' receive replies.
 """
 
 from __future__ import annotations
@@ -39,6 +42,22 @@ if TYPE_CHECKING:
 
 #: seconds; a push phase spans milliseconds (plan) to minutes (a large transfer)
 BUCKETS = (0.001, 0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
+
+
+#: outcomes of an update's verification, best first (engine/verify.py)
+OUTCOMES = ("verified", "repaired", "unverified")
+
+
+def verification_outcome(stats: dict[str, Any]) -> str:
+    """The worst outcome over a replica's workers' receive replies (`verification`):
+    `unverified` when a worker says nothing."""
+    worst = 0
+    workers = stats.get("workers") or [{}]
+    for w in workers:
+        v = w.get("verification") if isinstance(w, dict) else None
+        outcome = v.get("outcome") if isinstance(v, dict) and v.get("ok") else "unverified"
+        worst = max(worst, OUTCOMES.index(outcome) if outcome in OUTCOMES else 2)
+    return OUTCOMES[worst]
 
 
 class PrometheusMetrics:
@@ -79,6 +98,9 @@ class PrometheusMetrics:
         self.replica_up_to_date = Gauge(f"{ns}_replica_up_to_date", "1 if the last push reached "
                                         "the replica, 0 if it failed there.", ["replica"],
                                         registry=reg)
+        self.replica_updates = Counter(f"{ns}_replica_updates", "Updates a replica applied, "
+                                       "by what their verification found.",
+                                       ["replica", "outcome"], registry=reg)
         self._versions: dict[str, str] = {}
         self._lock = threading.Lock()
         self._server: Any = None
@@ -117,6 +139,7 @@ class PrometheusMetrics:
             self.replica_up_to_date.labels(r.name).set(1 if r.ok else 0)
             if r.ok:
                 self._set_version(r.name, str(report.version))
+                self.replica_updates.labels(r.name, verification_outcome(r.stats)).inc()
             elif moved and r.error is not None:
                 self._set_version(r.name, "unknown")
 

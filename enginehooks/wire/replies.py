@@ -43,6 +43,8 @@ class ReceiveReply(TypedDict, total=False):
     #: the engine modules the update left out whole (manifest `meta["keep"]`), which
     #: keep the values they held
     kept: list[str]
+    #: what verification found for this update, and how (`engine.verify.Verifier.last`)
+    verification: dict[str, Any]
 
 
 class FlushReply(TypedDict):

@@ -35,8 +35,11 @@ pytestmark = [requires_vllm, pytest.mark.vllm, pytest.mark.slow]
 
 @pytest.fixture(scope="module")
 def engine(model_dirs: dict[str, Path]) -> Iterator[VLLMInProcess]:
-    with VLLMInProcess(model_dirs["qwen2"], dtype="bfloat16") as llm:
-        yield llm
+    # policy "first" (an opt-out): the third push here is the unverified one
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("ENGINEHOOKS_VERIFY", "first")
+        with VLLMInProcess(model_dirs["qwen2"], dtype="bfloat16") as llm:
+            yield llm
 
 
 def _trainer(src: Path, seed: int) -> object:

@@ -34,9 +34,13 @@ pytestmark = [requires_vllm, pytest.mark.vllm, pytest.mark.slow]
 
 @pytest.fixture(scope="module")
 def bf16(model_dirs: dict[str, Path]) -> Iterator[VLLMInProcess]:
-    with VLLMInProcess(model_dirs["llama"], dtype="bfloat16",
-                       engine_args={"weight_transfer_config": {"backend": "enginehooks"}}) as llm:
-        yield llm
+    # policy "first", the opt-out these tests are about (the default, "always", is
+    # tests/vllm/test_verify_every_update.py's)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("ENGINEHOOKS_VERIFY", "first")
+        with VLLMInProcess(model_dirs["llama"], dtype="bfloat16", engine_args={
+                "weight_transfer_config": {"backend": "enginehooks"}}) as llm:
+            yield llm
 
 
 def test_the_loader_decides_dtypes_not_a_rule_of_ours(bf16: VLLMInProcess,

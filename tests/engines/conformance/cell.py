@@ -13,7 +13,11 @@ What a cell checks:
 2. A trainer (plain HF model; PEFT LoRA merged; FSDP2 with 2 ranks on gloo) pushes new
    weights over gloo. The exact oracle: the engine's greedy tokens and their logprobs
    equal those of the same engine freshly started from `save_pretrained` of the pushed
-   weights, and differ from before the push.
+   weights, and differ from before the push. In-process trainers push three versions in
+   a row, judged after each (issue 38): the trained weights, the checkpoint's own
+   (judged against the engine's start from them), the trained ones again (judged against
+   the same fresh load); every push must report a verification that passed (or a
+   repair that did). FSDP2 cells push once.
 3. Bad updates (one extra tensor, one missing, one misshaped) are refused in `check`
    before any byte moves, naming the tensor, and change nothing: same version, same
    outputs.
@@ -152,7 +156,6 @@ def run_in_process(req: dict[str, Any], work: Path) -> dict[str, Any]:
         fresh_generate,
         start_engine,
     )
-    from enginehooks_testkit.tiny import perturb
     from tests.engines.conformance.families import family_named
 
     family, engine, dtype = req["family"], req["engine"], req["dtype"]
@@ -163,9 +166,9 @@ def run_in_process(req: dict[str, Any], work: Path) -> dict[str, Any]:
     # loads a model through its Transformers backend (Olmo2Model then needs a vLLM
     # config to be built), so an HF model built after an in-process vLLM engine can fail.
     model = trained(family, d0)
-    # The first push records the engine's copy plan (engine/copy_plan.py) through its
-    # loader; the push the oracle judges is the second, through the plan where verified.
-    warm = perturb(trained(family, d0), seed=SEED + 2)
+    # The checkpoint's own weights, pushed back after the trained ones: the engine's
+    # start from d0 (`before`) is their fresh load, so that push's oracle costs nothing.
+    original = untrained(family, d0)
     phase(work, "start")
     try:
         replica = start_engine(engine, d0, dtype=dtype, engine_args=engine_args)
@@ -179,23 +182,77 @@ def run_in_process(req: dict[str, Any], work: Path) -> dict[str, Any]:
                     "detail": f"the engine starts but cannot generate: {type(e).__name__}: {e}"}
         phase(work, "push")
         pushed, reference = (model, model) if req["trainer"] == "plain" else with_lora(model)
+        # Successive pushes (issue 38), the exact oracle after each: the trained weights
+        # (through the engine's loader; this push records the copy plan), the
+        # checkpoint's own (the plan's first use, judged against a fresh load in full),
+        # then the trained ones again, exactly (the plan's steady state, where a
+        # post-load step that is not safe to run twice would show). The fresh load of
+        # the trained weights is started once and judges both of their pushes.
         with WeightSync("gloo", bucket_bytes=BUCKET, timeout_s=120) as sync:
             sync.add_replica(replica.handle())
-            sync.push(warm, version=0)
-            report = sync.push(pushed, version=1)
-            after = replica.generate()
+            outputs, reports, verifications = [], [], []
+            for version, weights in ((1, pushed), (2, original), (3, pushed)):
+                reports.append(sync.push(weights, version=version))
+                outputs.append(replica.generate())
+                verifications.append(replica.handle().info(60)[0].get("verification") or {})
+            report = reports[0]
             plan = copy_plan(replica.handle())
             info = replica.handle().info(60)[0]
             phase(work, "oracle")
             oracle = fresh_generate(engine, save_reference(reference, d0, work / "d1"),
                                     dtype=dtype, engine_args=engine_args)
             phase(work, "refusals")
-            bad = check_bad_updates(sync, replica, reference, 1)
+            bad = check_bad_updates(sync, replica, reference, 3)
+    after = outputs[0]
+    bad = successive(outputs, before, oracle, verifications) + bad
     result = dict(verdict(before, after, oracle, bad, report), copy_plan=plan)
     result["unloaded"] = info.get("unloaded")
+    result["pushes"] = [pushed_summary(v) for v in verifications]
     from tests.engines.conformance.matrix import undefined_by_the_checkpoint
 
     return undefined_by_the_checkpoint(result, info)
+
+
+def untrained(family: str, d0: Path) -> Any:
+    """The checkpoint's own weights as the trainer holds them (fp32, untouched)."""
+    import torch
+    import transformers
+
+    from tests.engines.conformance.families import family_named
+
+    cls_name = family_named(family).model_class
+    cls = getattr(transformers, cls_name) if cls_name else transformers.AutoModelForCausalLM
+    return cls.from_pretrained(d0, dtype=torch.float32)
+
+
+def pushed_summary(verification: dict[str, Any]) -> dict[str, Any]:
+    """One push's verification, as a cell's row keeps it."""
+    last = verification.get("last") or {}
+    return {k: last.get(k) for k in ("ok", "outcome", "how", "digest_bytes", "shadow_bytes",
+                                     "repaired", "unverified")}
+
+
+def successive(outputs: list[Any], before: Any, oracle: Any,
+               verifications: list[dict[str, Any]]) -> list[str]:
+    """Problems of the second and third pushes (the first is `verdict`'s): the
+    checkpoint's weights pushed back must give what the engine gave when it started
+    from them, the trained ones pushed again what their fresh load gives; and every
+    push must report a verification that passed (or a repair that did)."""
+    from enginehooks_testkit.engines import first_difference
+
+    problems = []
+    diff = first_difference(outputs[1], before)
+    if diff is not None:
+        problems.append(f"push 2 (the checkpoint's weights again) != the engine's start "
+                        f"from them: {diff}")
+    diff = first_difference(outputs[2], oracle)
+    if diff is not None:
+        problems.append(f"push 3 (the trained weights again) != freshly loaded: {diff}")
+    for i, v in enumerate(verifications, 1):
+        last = v.get("last") or {}
+        if last.get("ok") is not True or last.get("unverified"):
+            problems.append(f"push {i} not verified: {last.get('error') or last.get('unverified')}")
+    return problems
 
 
 def copy_plan(handle: Any) -> dict[str, Any] | None:

@@ -139,7 +139,8 @@ def engine_error(stderr: str, limit: int = 600) -> str:
 
 #: The oracle's two findings (`cell.verdict`); any other problem (a bad update accepted,
 #: a refusal that moved data) is the push's own and always fails the cell.
-ORACLE_PROBLEMS = ("the push did not change the outputs", "after the push != ")
+ORACLE_PROBLEMS = ("the push did not change the outputs", "after the push != ",
+                   "push 3 (the trained weights again) != ")
 
 
 def undefined_by_the_checkpoint(result: dict[str, Any], info: dict[str, Any]) -> dict[str, Any]:

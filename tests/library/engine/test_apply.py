@@ -51,7 +51,9 @@ def test_the_page_runs_as_written() -> None:
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
 def test_the_copy_plan_is_recorded_proved_and_used(model_dirs: dict[str, Path], arch: str,
                                                    monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.delenv("ENGINEHOOKS_VERIFY", raising=False)
+    # policy "first" (the opt-out): what it verifies; "always" (the default) is
+    # tests/unit/test_verify_every_update.py's
+    monkeypatch.setenv("ENGINEHOOKS_VERIFY", "first")
     monkeypatch.delenv("ENGINEHOOKS_COPY_PLAN", raising=False)
     engine = MinimalEngine(model_dirs[arch])
     handle = engine.handle()

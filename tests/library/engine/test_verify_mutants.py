@@ -29,19 +29,23 @@ from tests.library.engine.test_trace_verify import Conv, trace
 
 def test_a_verdict_reports_every_list_capped_at_50() -> None:
     names = [f"t{i}" for i in range(60)]
-    v = Verdict(compared=7, mismatched=names, repaired=names[1:], unreadable=names[2:])
+    v = Verdict(compared=7, mismatched=names, repaired=names[1:], unreadable=names[2:],
+                probed=names[3:], unverified=names[4:], digest=2, digest_bytes=8,
+                shadow_bytes=9)
     assert v.to_dict() == {"compared": 7, "mismatched": names[:50], "repaired": names[1:51],
-                           "unreadable": names[2:52]}
+                           "unreadable": names[2:52], "how": "digest+shadow", "digest": 2,
+                           "digest_bytes": 8, "shadow_bytes": 9, "probed": names[3:53],
+                           "unverified": names[4:54]}
 
 
-def test_the_policy_defaults_to_first_and_a_bad_value_names_the_variable(
+def test_the_policy_defaults_to_always_and_a_bad_value_names_the_variable(
         monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("ENGINEHOOKS_VERIFY", raising=False)
-    assert verify_policy() == "first"
-    monkeypatch.setenv("ENGINEHOOKS_VERIFY", " Always ")
     assert verify_policy() == "always"
+    monkeypatch.setenv("ENGINEHOOKS_VERIFY", " First ")
+    assert verify_policy() == "first"
     monkeypatch.setenv("ENGINEHOOKS_VERIFY", "sometimes")
-    with pytest.raises(ConfigError, match=r"ENGINEHOOKS_VERIFY='sometimes': one of \('first'"):
+    with pytest.raises(ConfigError, match=r"ENGINEHOOKS_VERIFY='sometimes': one of \('always'"):
         verify_policy()
 
 
@@ -51,25 +55,37 @@ def test_a_bad_policy_is_logged_and_the_first_update_verified(
     with caplog.at_level(logging.ERROR, logger="enginehooks.verify"):
         v = Verifier("toy")
     assert [r.getMessage() for r in caplog.records] == [
-        "ENGINEHOOKS_VERIFY='sometimes': one of ('first', 'always', 'never'); "
-        "verifying the first update only"]
+        "ENGINEHOOKS_VERIFY='sometimes': one of ('always', 'first', 'never'); "
+        "verifying every update"]
     assert v.engine == "toy"
-    assert v.state() == {"policy": "first", "verified": 0, "every_update": False, "last": None}
+    assert v.state() == {"policy": "always", "verified": 0, "every_update": True,
+                         "updates": {"verified": 0, "repaired": 0, "unverified": 0,
+                                     "failed": 0}, "last": None}
 
 
 def test_state_reports_each_verification_exactly(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.delenv("ENGINEHOOKS_VERIFY", raising=False)
+    monkeypatch.setenv("ENGINEHOOKS_VERIFY", "first")
     v = Verifier("toy")
     assert v.run(Conv(), Conv, {"weight"}) is not None
     assert v.run(Conv(), Conv, {"weight"}) is not None
+    v.skipped()
+    last = {"ok": True, "outcome": "verified", "compared": 3, "mismatched": [], "repaired": [],
+            "unreadable": [], "how": "shadow", "digest": 0, "digest_bytes": 0,
+            "shadow_bytes": 3 * 4 * 3 * 4, "probed": [], "unverified": []}
     assert v.state() == {
         "policy": "first", "verified": 2, "every_update": False,
-        "last": {"ok": True, "compared": 3, "mismatched": [], "repaired": [], "unreadable": []}}
+        "updates": {"verified": 2, "repaired": 0, "unverified": 1, "failed": 0},
+        "last": {"ok": None, "how": "not verified",
+                 "error": "not verified: ENGINEHOOKS_VERIFY=first"}}
+    v.run(Conv(), Conv, {"weight"})
+    seconds = v.state()["last"].pop("seconds")
+    assert v.state()["last"] == last
+    assert set(seconds) == {"digest", "shadow", "compare"}
 
 
 def test_an_unrepairable_update_is_reported_names_the_engine_and_verifies_every_update_after(
         monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.delenv("ENGINEHOOKS_VERIFY", raising=False)
+    monkeypatch.setenv("ENGINEHOOKS_VERIFY", "first")
     v = Verifier("toy")
     v.run(Conv(), Conv, {"weight"})
     assert not v.wanted()

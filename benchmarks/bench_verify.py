@@ -1,0 +1,271 @@
+"""What verifying every update costs: push time with verification always vs never (issue 38).
+
+One engine per run, started with `ENGINEHOOKS_VERIFY=never`; after the two set-up pushes
+(the first records the copy plan through the engine's loader, the second is the plan's
+first use, verified in full whatever the policy), pushes alternate between unverified
+(policy "never") and verified (the trainer asks, `WeightSync(verify=True)`, which runs
+exactly what policy "always" runs), so both see the same load on a shared machine. Per
+verified push: how it was verified (`how`), the bytes proved by digests of what the
+plan wrote against what was received, and the bytes compared on the fresh-load shadow.
+
+Engines:
+- `vllm`, `sglang`: the real engines on CPU, a checkpoint of Qwen2.5-0.5B's shapes
+  (0.99 GB in bf16; `bench_gloo_cpu.py --preset qwen05b`), pushed from a bf16 trainer.
+- `module`: a module replica on one GPU (`--device cuda`), an `ApplyTarget` around a
+  plain torch model of ~`--gb` GB (no transformers needed), its loader a copy by name,
+  in this process: pushed over gloo (the in-process transport; the bytes are staged
+  through the host, so the push is slower than cuda_ipc's), with a raw device copy of
+  the same weights as the floor (`machine.raw_device_copy_s`). Per push the verdict's
+  `seconds` give the verification's own time (digests, shadow, compare).
+
+    python benchmarks/bench_verify.py --engine vllm --out benchmarks/results/verify/cpu.json
+    python benchmarks/bench_verify.py --engine module --device cuda --out OUT.json
+
+Results merge into `--out` (one key per engine) with the machine description.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ["ENGINEHOOKS_VERIFY"] = "never"  # the trainer asks for the verified pushes
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import torch
+
+BUCKET = 64 << 20
+
+
+# -- the module replica (GPU) --------------------------------------------------------------
+class Blocks(torch.nn.Module):
+    """A stack of transformer-sized blocks (norm, two projections): plain torch."""
+
+    def __init__(self, layers: int, hidden: int, inner: int, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.layers = torch.nn.ModuleList()
+        for _ in range(layers):
+            block = torch.nn.Module()
+            block.norm = torch.nn.LayerNorm(hidden, dtype=dtype)
+            block.up = torch.nn.Linear(hidden, inner, bias=False, dtype=dtype)
+            block.down = torch.nn.Linear(inner, hidden, bias=False, dtype=dtype)
+            self.layers.append(block)
+
+    def load_weights(self, weights: Iterator[tuple[str, torch.Tensor]]) -> None:
+        params = dict(self.named_parameters())
+        with torch.no_grad():
+            for name, t in weights:
+                params[name].copy_(t)
+
+
+def module_replica(gb: float, device: torch.device,
+                   sender: torch.device | None = None) -> tuple[Any, Callable[[int], Any]]:
+    """(handle, trainer(seed)) for a module replica of ~`gb` GB in bf16 on `device`."""
+    from safetensors.torch import save_file
+
+    from enginehooks.control.handles import EngineHandle
+    from enginehooks.core.dtypes import dtype_name
+    from enginehooks.engine.apply import ApplyBinding, ApplyTarget
+    from enginehooks.engine.contract import verb_of
+    from enginehooks.engine.expectations import skeleton_on_meta
+    from enginehooks.engine.side import EngineSide
+
+    hidden, inner, dtype = 2048, 8192, torch.bfloat16
+    per_layer = (2 * hidden * inner + 2 * hidden) * 2
+    layers = max(1, round(gb * 1e9 / per_layer))
+
+    def build(dev: torch.device) -> torch.nn.Module:
+        with dev:
+            return Blocks(layers, hidden, inner, dtype)
+
+    folder = Path(tempfile.mkdtemp(prefix="bench-verify-"))
+    model = build(device)
+    save_file({n: torch.zeros(1, dtype=dtype).expand(p.shape).contiguous()
+               for n, p in model.state_dict().items()}, str(folder / "model.safetensors"))
+
+    class Target(ApplyTarget):
+        engine = "module"
+
+        def model(self) -> torch.nn.Module:
+            return model
+
+        def load(self, weights: Iterator[tuple[str, torch.Tensor]]) -> None:
+            model.load_weights(weights)
+
+        def skeleton(self) -> torch.nn.Module:
+            return skeleton_on_meta(build, engine=self.engine)
+
+        def checkpoint_dir(self) -> Path:
+            return folder
+
+        def fresh_load(self, weights: list[tuple[str, torch.Tensor]],
+                       before_processing: Callable[[torch.nn.Module], None] | None = None
+                       ) -> torch.nn.Module:
+            fresh = build(self.device)
+            fresh.load_weights(iter(weights))  # type: ignore[operator]
+            if before_processing is not None:
+                before_processing(fresh)
+            return fresh
+
+    class Binding(ApplyBinding):
+        engine = "module"
+
+        def dtype(self) -> str:
+            return dtype_name(dtype)
+
+    class Handle(EngineHandle):
+        def __init__(self) -> None:
+            self.name = "module"
+            self.side = EngineSide(Binding(Target(device)))
+
+        def rpc(self, method: str, *args: Any, timeout_s: float) -> list[Any]:
+            return [self.side.call(verb_of(method), *args)]
+
+        def flush_cache(self, timeout_s: float, auth: str | None = None) -> None:
+            """No cache."""
+
+    def trainer(seed: int) -> dict[str, torch.Tensor]:
+        where = sender or device
+        g = torch.Generator(device=where).manual_seed(seed)
+        return {n: torch.randn(p.shape, generator=g, device=where, dtype=torch.float32)
+                .to(dtype) for n, p in model.state_dict().items()}
+
+    def raw_copy() -> float:
+        """Seconds of a device copy of every weight (the floor a push of them has)."""
+        src = [p.detach() for p in model.parameters()]
+        dst = [torch.empty_like(t) for t in src]
+        best = float("inf")
+        for _ in range(3):
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            t0 = time.perf_counter()
+            torch._foreach_copy_(dst, src)
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            best = min(best, time.perf_counter() - t0)
+        return best
+
+    Handle.raw_copy = staticmethod(raw_copy)  # type: ignore[attr-defined]
+    return Handle(), trainer
+
+
+# -- the real engines (CPU) ----------------------------------------------------------------
+def engine_replica(engine: str, model_dir: Path) -> tuple[Any, Any, Callable[[int], Any]]:
+    from enginehooks_testkit.engines import start_engine
+    from enginehooks_testkit.tiny import load_tiny, perturb
+
+    running = start_engine(engine, model_dir, dtype="bfloat16")
+    # one bf16 trainer model, 'trained' in place before each push (a copy per push would
+    # hold another model's memory on a machine the engine and its shadow share)
+    base = load_tiny(model_dir).to(torch.bfloat16)
+
+    def trainer(seed: int) -> Any:
+        return perturb(base, seed=seed, scale=0.01)
+
+    return running, running.handle(), trainer
+
+
+def push_rows(handle: Any, trainer: Callable[[int], Any], rounds: int, transport: str = "gloo",
+              sender: str | None = None) -> list[dict[str, Any]]:
+    from enginehooks import WeightSync
+
+    rows: list[dict[str, Any]] = []
+    with WeightSync(transport, bucket_bytes=BUCKET, timeout_s=1800, device=sender) as sync:
+        sync.add_replica(handle)
+        for i, phase in enumerate(["record", "plan-first"]
+                                  + ["never", "always"] * rounds):
+            weights = trainer(1000 + i)
+            sync.verify = phase == "always"
+            t0 = time.perf_counter()
+            report = sync.push(weights, version=i + 1)
+            wall = time.perf_counter() - t0
+            weights = None
+            info = handle.info(120)[0]
+            last = (info.get("verification") or {}).get("last") or {}
+            plan = info.get("copy_plan") or {}
+            rows.append({"phase": phase, "seconds": round(wall, 3),
+                         "report_seconds": round(report.seconds, 3), "bytes": report.bytes,
+                         "apply_seconds": plan.get("seconds"),
+                         "verification": {k: last.get(k) for k in (
+                             "ok", "outcome", "how", "digest", "digest_bytes", "shadow_bytes",
+                             "compared", "probed", "unverified", "repaired", "error", "seconds")},
+                         "planned_last": plan.get("planned_last"),
+                         "loader_last": plan.get("loader_last")})
+            print(json.dumps(rows[-1]), flush=True)
+    return rows
+
+
+def summary(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    never = [r["seconds"] for r in rows if r["phase"] == "never"]
+    always = [r["seconds"] for r in rows if r["phase"] == "always"]
+    # neighbours: each verified push against the unverified one just before it
+    pairs = [(a["seconds"], b["seconds"]) for a, b in itertools.pairwise(rows)
+             if a["phase"] == "never" and b["phase"] == "always"]
+    last = next((r["verification"] for r in reversed(rows) if r["phase"] == "always"), {})
+    return {"never_median_s": statistics.median(never) if never else None,
+            "always_median_s": statistics.median(always) if always else None,
+            "added_fraction_median": (statistics.median([(b - a) / a for a, b in pairs])
+                                      if pairs else None),
+            "how": last.get("how"), "digest_bytes": last.get("digest_bytes"),
+            "shadow_bytes": last.get("shadow_bytes")}
+
+
+def main() -> int:
+    from bench_gloo_cpu import build_model, machine
+
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--engine", choices=["vllm", "sglang", "module"], required=True)
+    ap.add_argument("--gb", type=float, default=1.0, help="module replica size")
+    ap.add_argument("--device", default="cuda", help="module replica device")
+    ap.add_argument("--rounds", type=int, default=3, help="never/always pairs")
+    ap.add_argument("--transport", default="gloo", help="gloo (one process, any device) or "
+                    "nccl (with --sender-device on another GPU than --device)")
+    ap.add_argument("--sender-device", default=None, help="where the trainer's tensors live")
+    ap.add_argument("--model-dir", default=str(Path.home() / ".cache" / "enginehooks"
+                                                / "bench-qwen05b"))
+    ap.add_argument("--out", required=True)
+    args = ap.parse_args()
+
+    desc = machine()
+    running = None
+    if args.engine == "module":
+        device = torch.device(args.device)
+        sender = torch.device(args.sender_device) if args.sender_device else None
+        handle, trainer = module_replica(args.gb, device, sender)
+        if device.type == "cuda":
+            desc["gpu"] = torch.cuda.get_device_name(device)
+        desc["raw_device_copy_s"] = round(handle.raw_copy(), 5)
+    else:
+        model_dir = build_model(Path(args.model_dir), "qwen05b")
+        running, handle, trainer = engine_replica(args.engine, model_dir)
+    try:
+        rows = push_rows(handle, trainer, args.rounds, args.transport, args.sender_device)
+    finally:
+        if running is not None:
+            running.close()
+    out = Path(args.out)
+    old = json.loads(out.read_text()) if out.exists() else {}
+    old[args.engine if args.engine != "module" else f"module-{args.device}"] = {
+        "machine": desc, "bucket_bytes": BUCKET, "transport": args.transport,
+        "sender_device": args.sender_device, "summary": summary(rows), "pushes": rows}
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(old, indent=1))
+    print(json.dumps(old[next(reversed(old))]["summary"]))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
