@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 
 pytest.importorskip("verl.checkpoint_engine", reason="verl is not installed in this environment")
 ray = pytest.importorskip("ray", reason="Ray is not installed in this environment")
@@ -102,3 +103,106 @@ def test_verl_syncs_weights_through_enginehooks(cluster: Any) -> None:
         metrics = manager.update_weights(global_steps=step)
         assert rollout.check_weights(step) == [[], []], f"round {step}"
         assert metrics["enginehooks/bytes"] == want and metrics["enginehooks/segments"] >= 2
+
+
+_SAME = b"<the sender's>"
+
+
+def _sync_in_threads(sender_secret: bytes | None, receiver_secret: bytes | None,
+                     weights: dict[str, Any], header_secret: bytes | None = _SAME,
+                     timeout_s: float = 20) -> tuple[Any, Any]:
+    """One sync between a trainer rank 0 and one rollout worker of this process, each on
+    a thread of its own with its own secret (`secret_scope`): the steps verl's manager
+    drives, in its order. `header_secret`: the key the trainer signs its segment
+    manifests with, if not the one its group was formed with. Returns (what the sender
+    raised or returned, what the receiver raised or received)."""
+    import threading
+
+    from enginehooks.core.auth import secret_scope
+    from enginehooks.verl_ext.checkpoint_engine import EngineHooksCheckpointEngine as Engine
+
+    kwargs = {"bucket_size": 1 << 20, "transport": "gloo", "host": "127.0.0.1",
+              "timeout_s": timeout_s}
+    with secret_scope(sender_secret):
+        trainer = Engine(is_master=True, **kwargs)
+        meta = [trainer.prepare()]
+    if header_secret is not _SAME:
+        trainer.secret = header_secret
+    with secret_scope(receiver_secret):
+        rollout = Engine(**kwargs)
+        meta.append(rollout.prepare())
+    actor_kw, rollout_kw = Engine.build_topology(1, 1, meta)
+    out: dict[str, Any] = {}
+
+    def side(name: str, secret: bytes | None, engine: Engine, kw: dict[str, Any]) -> None:
+        async def receive() -> dict[str, Any]:
+            return {n: t.clone() async for n, t in engine.receive_weights(global_steps=1)}
+
+        try:
+            with secret_scope(secret):
+                engine.init_process_group(**{k: v[0] for k, v in kw.items()})
+                if name == "sender":
+                    out[name] = asyncio.run(engine.send_weights(iter(weights.items()), 1))
+                else:
+                    out[name] = asyncio.run(receive())
+        except Exception as e:
+            out[name] = e
+        finally:
+            engine.finalize()
+
+    threads = [threading.Thread(target=side, args=("sender", sender_secret, trainer, actor_kw)),
+               threading.Thread(target=side, args=("receiver", receiver_secret, rollout,
+                                                   rollout_kw))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    trainer._close()
+    rollout._close()
+    return out["sender"], out["receiver"]
+
+
+@pytest.mark.parametrize(("header_secret", "why"), [
+    (b"another-secret", "does not match"),
+    (None, "no valid authentication token"),
+])
+def test_an_unsigned_or_wrongly_signed_segment_is_refused_before_any_tensor(
+        header_secret: bytes | None, why: str) -> None:
+    """A rollout worker refuses a segment whose manifest its trainer did not sign with
+    the group's secret: nothing reaches verl's server adapter, the worker leaves the
+    group, and the trainer's send fails within `timeout_s` instead of hanging (verl's
+    contract has no channel from a rollout worker back to the trainer, so the trainer
+    learns of the refusal from its broadcast's timeout)."""
+    from enginehooks.core.auth import AuthError
+    from enginehooks.core.errors import EngineHooksError
+    from enginehooks_testkit.verl_workers import weights_for
+
+    sent, received = _sync_in_threads(b"group-secret", b"group-secret", weights_for(1),
+                                      header_secret=header_secret, timeout_s=4)
+    assert isinstance(received, AuthError) and why in str(received), received
+    assert isinstance(sent, EngineHooksError), sent
+
+
+def test_a_rollout_worker_with_another_secret_never_joins() -> None:
+    """Secrets that differ stop the sync earlier, at the group's signed rendezvous
+    (`transports/_rendezvous.py`): neither side moves a byte, both fail."""
+    from enginehooks.core.errors import EngineHooksError
+    from enginehooks_testkit.verl_workers import weights_for
+
+    sent, received = _sync_in_threads(b"trainer-secret", b"another-secret", weights_for(1),
+                                      timeout_s=3)
+    assert isinstance(received, EngineHooksError) and "ENGINEHOOKS_SECRET" in str(received)
+    assert isinstance(sent, EngineHooksError), sent
+
+
+def test_the_same_secret_on_both_sides_syncs_bit_for_bit() -> None:
+    """The control for the refusals above: the same threads with one secret deliver."""
+    from enginehooks_testkit.verl_workers import weights_for
+
+    want = weights_for(1)
+    sent, received = _sync_in_threads(b"one-secret", b"one-secret", want)
+    assert not isinstance(received, Exception), received
+    assert sent["enginehooks/bytes"] == sum(t.nbytes for t in want.values())
+    assert sorted(received) == sorted(want)
+    for name, t in want.items():
+        assert received[name].dtype == t.dtype and torch.equal(received[name], t), name
