@@ -23,7 +23,10 @@ import torch
 pytest.importorskip("verl.checkpoint_engine", reason="verl is not installed in this environment")
 ray = pytest.importorskip("ray", reason="Ray is not installed in this environment")
 
-from verl.checkpoint_engine import CheckpointEngineManager  # noqa: E402
+from verl.checkpoint_engine import (  # noqa: E402
+    CheckpointEngineManager,
+    CheckpointEngineRegistry,
+)
 from verl.single_controller.ray import (  # noqa: E402
     RayClassWithInitArgs,
     RayResourcePool,
@@ -31,6 +34,8 @@ from verl.single_controller.ray import (  # noqa: E402
 )
 from verl.workers.config import CheckpointEngineConfig, RolloutConfig  # noqa: E402
 from verl.workers.rollout import RolloutReplica  # noqa: E402
+
+pytestmark = pytest.mark.slow
 
 ROOT = Path(__file__).resolve().parents[2]
 ROUNDS = (1, 2, 3)
@@ -206,3 +211,19 @@ def test_the_same_secret_on_both_sides_syncs_bit_for_bit() -> None:
     assert sorted(received) == sorted(want)
     for name, t in want.items():
         assert received[name].dtype == t.dtype and torch.equal(received[name], t), name
+
+
+def test_the_entry_point_registers_the_backend_by_name() -> None:
+    """What `import verl` loads (the `verl.plugins` entry point this package declares)
+    registers "enginehooks", so `checkpoint_engine.backend: enginehooks` alone selects it
+    once enginehooks is installed."""
+    import tomllib
+
+    from enginehooks.verl_ext import register
+    from enginehooks.verl_ext.checkpoint_engine import EngineHooksCheckpointEngine
+
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    assert project["entry-points"]["verl.plugins"] == {
+        "enginehooks": "enginehooks.verl_ext:register"}
+    register()
+    assert CheckpointEngineRegistry.get("enginehooks") is EngineHooksCheckpointEngine
