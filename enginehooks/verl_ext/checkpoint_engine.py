@@ -30,7 +30,6 @@ from collections.abc import AsyncIterator, Iterable, Iterator
 from typing import Any
 
 import torch
-from verl.checkpoint_engine.base import CheckpointEngine, CheckpointEngineRegistry
 
 from enginehooks.core.auth import Verifier, load_secret, sign
 from enginehooks.core.dtypes import dtype_name
@@ -64,8 +63,20 @@ def _local_ip() -> str:
         return "127.0.0.1"
 
 
-@CheckpointEngineRegistry.register(BACKEND)
-class EngineHooksCheckpointEngine(CheckpointEngine):
+def _verl() -> tuple[Any, Any]:
+    """verl's `CheckpointEngine` base and its registry; without verl, `object` and None:
+    the module still imports (the package's import test), the backend is not registered."""
+    try:
+        from verl.checkpoint_engine.base import CheckpointEngine, CheckpointEngineRegistry
+    except ImportError:
+        return object, None
+    return CheckpointEngine, CheckpointEngineRegistry
+
+
+_Base, _Registry = _verl()
+
+
+class EngineHooksCheckpointEngine(_Base):  # type: ignore[misc,valid-type]
     """verl's checkpoint engine "enginehooks".
 
     Args (verl passes `bucket_size`, `is_master` on trainer ranks, and
@@ -265,6 +276,10 @@ class EngineHooksCheckpointEngine(CheckpointEngine):
                 half.close()
         self._sender = self._receiver = None
         self._group = None
+
+
+if _Registry is not None:
+    _Registry.register(BACKEND)(EngineHooksCheckpointEngine)
 
 
 async def _aiter(weights: Iterable[tuple[str, torch.Tensor]] | AsyncIterator[Any]

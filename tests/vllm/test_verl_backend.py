@@ -71,7 +71,7 @@ def cluster() -> Iterator[None]:
 
 def _groups(config: CheckpointEngineConfig) -> tuple[RayWorkerGroup, RayWorkerGroup,
                                                        list[Replica]]:
-    from enginehooks_testkit.verl_workers import RolloutWorker, TrainerWorker
+    from tests.vllm.verl_workers import RolloutWorker, TrainerWorker
 
     rollout_config = RolloutConfig(name="vllm", checkpoint_engine=config)
     trainer = RayWorkerGroup(
@@ -101,7 +101,7 @@ def test_verl_syncs_weights_through_enginehooks(cluster: Any) -> None:
                                        "timeout_s": 60}})
     trainer, rollout, replicas = _groups(config)
     manager = CheckpointEngineManager(config=config, actor_wg=trainer, replicas=replicas)
-    from enginehooks_testkit.verl_workers import weights_for
+    from tests.vllm.verl_workers import weights_for
 
     for step in ROUNDS:
         want = sum(t.nbytes for t in weights_for(step).values())
@@ -180,7 +180,7 @@ def test_an_unsigned_or_wrongly_signed_segment_is_refused_before_any_tensor(
     learns of the refusal from its broadcast's timeout)."""
     from enginehooks.core.auth import AuthError
     from enginehooks.core.errors import EngineHooksError
-    from enginehooks_testkit.verl_workers import weights_for
+    from tests.vllm.verl_workers import weights_for
 
     sent, received = _sync_in_threads(b"group-secret", b"group-secret", weights_for(1),
                                       header_secret=header_secret, timeout_s=4)
@@ -192,7 +192,7 @@ def test_a_rollout_worker_with_another_secret_never_joins() -> None:
     """Secrets that differ stop the sync earlier, at the group's signed rendezvous
     (`transports/_rendezvous.py`): neither side moves a byte, both fail."""
     from enginehooks.core.errors import EngineHooksError
-    from enginehooks_testkit.verl_workers import weights_for
+    from tests.vllm.verl_workers import weights_for
 
     sent, received = _sync_in_threads(b"trainer-secret", b"another-secret", weights_for(1),
                                       timeout_s=3)
@@ -202,7 +202,7 @@ def test_a_rollout_worker_with_another_secret_never_joins() -> None:
 
 def test_the_same_secret_on_both_sides_syncs_bit_for_bit() -> None:
     """The control for the refusals above: the same threads with one secret deliver."""
-    from enginehooks_testkit.verl_workers import weights_for
+    from tests.vllm.verl_workers import weights_for
 
     want = weights_for(1)
     sent, received = _sync_in_threads(b"one-secret", b"one-secret", want)

@@ -1,8 +1,8 @@
 """verl's worker processes for the "enginehooks" checkpoint-engine test, as verl tests
 its own backends (`tests/checkpoint_engine/test_utils.py` in verl): trainer ranks that
 send through the backend, and verl's own `CheckpointEngineWorker` on the rollout side
-with a server adapter that records what it was given. Imported by Ray's workers by
-module name, so it lives in the kit, not in a test file.
+with a server adapter that records what it was given. Ray's workers import it by
+module name (`tests.vllm.verl_workers`); it needs verl, so only the verl test imports it.
 """
 
 from __future__ import annotations
