@@ -200,12 +200,14 @@ def test_a_rollout_worker_with_another_secret_never_joins() -> None:
     assert isinstance(sent, EngineHooksError), sent
 
 
-def test_the_same_secret_on_both_sides_syncs_bit_for_bit() -> None:
-    """The control for the refusals above: the same threads with one secret deliver."""
+@pytest.mark.parametrize("secret", [b"one-secret", None])
+def test_the_same_secret_on_both_sides_syncs_bit_for_bit(secret: bytes | None) -> None:
+    """The control for the refusals above: the same threads with one secret deliver, and
+    so do they with none on either side (digests only)."""
     from tests.vllm.verl_workers import weights_for
 
     want = weights_for(1)
-    sent, received = _sync_in_threads(b"one-secret", b"one-secret", want)
+    sent, received = _sync_in_threads(secret, secret, want)
     assert not isinstance(received, Exception), received
     assert sent["enginehooks/bytes"] == sum(t.nbytes for t in want.values())
     assert sorted(received) == sorted(want)
