@@ -45,7 +45,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("wire",),
     ("hookspecs", "plugins", "defaults", "metrics", "transports", "trainer_side"),
     ("engine", "control"),
-    ("vllm_ext", "sglang_ext", "ray_ext"),
+    ("vllm_ext", "sglang_ext", "ray_ext", "verl_ext"),
     ("", "cli", "demo"),  # "": the package's own `__init__`
 )
 

