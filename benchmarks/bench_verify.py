@@ -27,7 +27,6 @@ Results merge into `--out` (one key per engine) with the machine description.
 from __future__ import annotations
 
 import argparse
-import itertools
 import json
 import os
 import statistics
@@ -185,10 +184,14 @@ def push_rows(handle: Any, trainer: Callable[[int], Any], rounds: int, transport
     rows: list[dict[str, Any]] = []
     with WeightSync(transport, bucket_bytes=BUCKET, timeout_s=1800, device=sender) as sync:
         sync.add_replica(handle)
+        # Each round: an unverified push, a verified one after it (which keeps copies of
+        # what its digests prove: the update before it was not verified), then the
+        # verified one the summary counts: a verified push after a verified one, the
+        # steady state of the default policy (no copies where digests proved all).
         for i, phase in enumerate(["record", "plan-first"]
-                                  + ["never", "always"] * rounds):
+                                  + ["never", "always-after-never", "always"] * rounds):
             weights = trainer(1000 + i)
-            sync.verify = phase == "always"
+            sync.verify = phase.startswith("always")
             t0 = time.perf_counter()
             report = sync.push(weights, version=i + 1)
             wall = time.perf_counter() - t0
@@ -212,8 +215,8 @@ def summary(rows: list[dict[str, Any]]) -> dict[str, Any]:
     never = [r["seconds"] for r in rows if r["phase"] == "never"]
     always = [r["seconds"] for r in rows if r["phase"] == "always"]
     # neighbours: each verified push against the unverified one just before it
-    pairs = [(a["seconds"], b["seconds"]) for a, b in itertools.pairwise(rows)
-             if a["phase"] == "never" and b["phase"] == "always"]
+    pairs = [(a["seconds"], c["seconds"]) for a, _, c in zip(rows, rows[1:], rows[2:])
+             if a["phase"] == "never" and c["phase"] == "always"]
     last = next((r["verification"] for r in reversed(rows) if r["phase"] == "always"), {})
     return {"never_median_s": statistics.median(never) if never else None,
             "always_median_s": statistics.median(always) if always else None,
