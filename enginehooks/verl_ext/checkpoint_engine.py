@@ -24,29 +24,25 @@ leaves the group; the next sync forms a new one.
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 from collections.abc import AsyncIterator, Iterable, Iterator
 from typing import Any
 
 import torch
 
-from enginehooks.core.auth import Verifier, load_secret, sign
+from enginehooks.core.auth import Verifier, load_secret
 from enginehooks.core.dtypes import dtype_name
 from enginehooks.core.errors import ManifestError, TransportError
 from enginehooks.core.manifest import Manifest, TensorSpec, plan
 from enginehooks.plugins import get_transport
 from enginehooks.transports.base import Abort
 from enginehooks.transports.broadcast import BroadcastReceiver, BroadcastSender, bcast
+from enginehooks.wire.segments import MAX_HEADER_BYTES, read_segment, segment_header
 
 log = logging.getLogger("enginehooks.verl")
 
 #: The backend's name in verl's registry (`checkpoint_engine.backend`).
 BACKEND = "enginehooks"
-#: The verb a segment's manifest token signs.
-SEGMENT_VERB = "verl_segment"
-#: The cap on a segment header (its manifest and token), checked before it is read.
-MAX_HEADER_BYTES = 64 << 20
 
 
 def _default_transport() -> str:
@@ -210,9 +206,7 @@ class EngineHooksCheckpointEngine(_Base):  # type: ignore[misc,valid-type]
                         checksum=self.checksum, split=self.transport.split,
                         direct_min=self.transport.direct_min,
                         meta={"verl": {"segment": index, "last": last}})
-        text = manifest.to_json()
-        token = sign(self.secret, SEGMENT_VERB, text) if self.secret else None
-        header = json.dumps({"manifest": text, "token": token}).encode()
+        header = segment_header(self.secret, manifest.to_json())
         pg = sender.pg
         device = self._device()
         try:
@@ -253,13 +247,7 @@ class EngineHooksCheckpointEngine(_Base):  # type: ignore[misc,valid-type]
                 raise ManifestError(f"a segment header of {n} bytes (cap {MAX_HEADER_BYTES})")
             body = torch.empty(n, dtype=torch.uint8, device=device)
             bcast(pg, body, self.timeout_s).wait()
-            header = json.loads(bytes(body.cpu().numpy()))
-            text = header["manifest"]
-            if not isinstance(text, str):
-                raise ManifestError("a segment header without a manifest")
-            if self._verifier is not None:
-                self._verifier.verify(SEGMENT_VERB, text, header.get("token"))
-            return Manifest.from_json(text)
+            return Manifest.from_json(read_segment(bytes(body.cpu().numpy()), self._verifier))
         except Exception:  # a refused or unreadable header, or a lost peer
             receiver.close()
             raise
