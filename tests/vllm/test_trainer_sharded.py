@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 import time
 import weakref
@@ -25,6 +24,7 @@ from typing import Any
 import pytest
 
 from enginehooks_testkit.engines import NEW_TOKENS, PROMPTS
+from tests.support import ranks as support_ranks
 from tests.support import requires_vllm
 
 HERE = Path(__file__).resolve().parent
@@ -35,45 +35,8 @@ PG_TIMEOUT_S = 4.0
 # -- the launcher (pytest side) ------------------------------------------------------------
 def run_ranks(scenario: str, out: Path, extra: dict[str, Any], timeout_s: float = 150.0,
               world: int = 2) -> list[dict[str, Any]]:
-    from enginehooks_testkit.servers import free_port
-
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "extra.json").write_text(json.dumps(extra))
-    import enginehooks
-
-    # The ranks import the enginehooks under test (not another install of it).
-    root = str(Path(enginehooks.__file__).resolve().parents[1])
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1",
-               PYTHONPATH=os.pathsep.join([root, *filter(None, [os.environ.get("PYTHONPATH")])]))
-    port = free_port()
-    procs, logs = [], []
-    for rank in range(world):
-        log = open(out / f"rank{rank}.log", "wb")  # noqa: SIM115 - closed below
-        logs.append(log)
-        procs.append(subprocess.Popen(
-            [sys.executable, str(Path(__file__).resolve()), scenario, str(rank), str(world),
-             str(port), str(out)], env=env, stdout=log, stderr=subprocess.STDOUT, cwd=HERE))
-    deadline = time.monotonic() + timeout_s
-    try:
-        for p in procs:
-            p.wait(timeout=max(1.0, deadline - time.monotonic()))
-    except subprocess.TimeoutExpired:
-        pass
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait(timeout=30)
-        for log in logs:
-            log.close()
-    results = []
-    for rank, p in enumerate(procs):
-        f = out / f"rank{rank}.json"
-        if p.returncode != 0 or not f.exists():
-            tail = (out / f"rank{rank}.log").read_text(errors="replace")[-4000:]
-            raise AssertionError(f"{scenario} rank {rank} exited {p.returncode}:\n{tail}")
-        results.append(json.loads(f.read_text()))
-    return results
+    """This file's ranks (`tests/support/ranks.py`)."""
+    return support_ranks.run_ranks(__file__, scenario, out, extra, world, timeout_s)
 
 
 # -- measurement helpers (trainer side) -----------------------------------------------------

@@ -1,0 +1,56 @@
+"""Trainer ranks as processes for tests: `run_ranks` starts `world` copies of a test file
+run as a script (`script SCENARIO RANK WORLD PORT OUT`), each reading `OUT/extra.json`
+and writing `OUT/rank<r>.json`, and returns what each rank wrote, or fails with the tail
+of the log of the first rank that did not finish. The ranks import the enginehooks under
+test (its checkout first on PYTHONPATH), not another install of it."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+
+def run_ranks(script: str | Path, scenario: str, out: Path, extra: dict[str, Any],
+              world: int = 2, timeout_s: float = 150.0) -> list[dict[str, Any]]:
+    import enginehooks
+    from enginehooks_testkit.servers import free_port
+
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "extra.json").write_text(json.dumps(extra))
+    root = str(Path(enginehooks.__file__).resolve().parents[1])
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1",
+               PYTHONPATH=os.pathsep.join([root, *filter(None, [os.environ.get("PYTHONPATH")])]))
+    port = free_port()
+    procs, logs = [], []
+    for rank in range(world):
+        log = open(out / f"rank{rank}.log", "wb")  # noqa: SIM115 - closed below
+        logs.append(log)
+        procs.append(subprocess.Popen(
+            [sys.executable, str(Path(script).resolve()), scenario, str(rank), str(world),
+             str(port), str(out)], env=env, stdout=log, stderr=subprocess.STDOUT, cwd=root))
+    deadline = time.monotonic() + timeout_s
+    try:
+        for p in procs:
+            p.wait(timeout=max(1.0, deadline - time.monotonic()))
+    except subprocess.TimeoutExpired:
+        pass
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait(timeout=30)
+        for log in logs:
+            log.close()
+    results = []
+    for rank, p in enumerate(procs):
+        f = out / f"rank{rank}.json"
+        if p.returncode != 0 or not f.exists():
+            tail = (out / f"rank{rank}.log").read_text(errors="replace")[-4000:]
+            raise AssertionError(f"{scenario} rank {rank} exited {p.returncode}:\n{tail}")
+        results.append(json.loads(f.read_text()))
+    return results
