@@ -844,7 +844,12 @@ class WeightSync:
             if futs:
                 grace = Deadline.after(min(GRACE_S, self.timeout_s))
                 done, _ = wait(futs, timeout=grace.left(), return_when=FIRST_EXCEPTION)
-                if any(f.exception() is not None for f in done):
+                # No replica answered at all while the data plane failed: on a prepared
+                # push the receive call is the first this push makes, so a replica cut
+                # off before the push began is named here (not answering), as `info`
+                # names it on the full path.
+                unanswered = isinstance(e, TransportError) and not any(f.done() for f in futs)
+                if unanswered or any(f.exception() is not None for f in done):
                     self._settle(futs, grace)
                     failure = self._failure(report, "receive", reps, futs, wrap=True)
                     # The sender's own error (the trainer's stream broke) is the
