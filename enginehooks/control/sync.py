@@ -882,7 +882,7 @@ class WeightSync:
         generate with it as model `report.served` (`name@version`; `name` defaults to the
         adapter's); the newest `keep` versions stay loaded, older ones are unloaded.
         Replicas must serve LoRA at runtime (vLLM: `--enable-lora`,
-        `VLLM_ALLOW_RUNTIME_LORA_UPDATING=True`); docs/lora.md."""
+        `VLLM_ALLOW_RUNTIME_LORA_UPDATING=True`); docs/trainers.md."""
         if self.senders is not None and not self.senders.coordinator:
             raise ConfigError("push_adapter runs on the coordinator (rank 0) only: an adapter "
                               "is gathered there, e.g. by PEFT's save_pretrained")
