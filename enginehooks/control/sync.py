@@ -844,12 +844,17 @@ class WeightSync:
             if futs:
                 grace = Deadline.after(min(GRACE_S, self.timeout_s))
                 done, _ = wait(futs, timeout=grace.left(), return_when=FIRST_EXCEPTION)
-                # No replica answered at all while the data plane failed: on a prepared
-                # push the receive call is the first this push makes, so a replica cut
-                # off before the push began is named here (not answering), as `info`
-                # names it on the full path.
-                unanswered = isinstance(e, TransportError) and not any(f.done() for f in futs)
-                if unanswered or any(f.exception() is not None for f in done):
+                # The only replica did not answer at all while the data plane failed: on a
+                # prepared push the receive call is the first this push makes, so a
+                # replica cut off before the push began is named here, as `info` names
+                # it on the full path. (With several, the healthy ones wait for bytes too
+                # and none can be singled out: the sender's error stands.)
+                if (isinstance(e, TransportError) and len(reps) == 1
+                        and not futs[0].done()):
+                    self._mark(report, reps[0], "receive: no answer")
+                    cause = ReplicaError(reps[0].name, "receive: no answer (unreachable, or "
+                                         f"its host is down) while {e}")
+                elif any(f.exception() is not None for f in done):
                     self._settle(futs, grace)
                     failure = self._failure(report, "receive", reps, futs, wrap=True)
                     # The sender's own error (the trainer's stream broke) is the
