@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -21,18 +21,11 @@ from enginehooks.core import fused_copy
 from enginehooks.core.checksums import sum64_tensor
 
 
-def timed(fn, reps: int = 15) -> float:  # type: ignore[no-untyped-def]
-    fn()
-    torch.cuda.synchronize()
-    ts = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        ts.append(a.elapsed_time(b))
-    return statistics.median(ts)
+def timed(fn: Callable[[], object], reps: int = 15) -> float:
+    """Median of CUDA-event times, after a warm-up (bench_fused_copy's timer)."""
+    from bench_fused_copy import timed as median_ms  # a sibling script: benchmarks/ is on the path
+
+    return median_ms(fn, reps)
 
 
 def measure(buf: torch.Tensor, piece: int, stager: fused_copy.Stager) -> tuple[float, float]:
