@@ -18,6 +18,7 @@ Only transports that declare `direct_min` get manifests with direct buckets.
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 from collections.abc import Callable, Iterable, Iterator
 
@@ -27,7 +28,7 @@ from enginehooks.core.auth import AuthError, bucket_mac
 from enginehooks.core.checksums import digest
 from enginehooks.core.dtypes import dtype_name, torch_dtype
 from enginehooks.core.errors import ChecksumError, ManifestError, SenderAborted, TransportError
-from enginehooks.core.manifest import ALIGN, Manifest, TensorEntry
+from enginehooks.core.manifest import ALIGN, MID_MEMO, SHAPE_MEMO, Manifest, TensorEntry
 
 TRAILER_BYTES = 64
 #: `Unpacker.land` runs by default for packed buckets of at least this many pieces, or
@@ -69,16 +70,30 @@ def buffer_bytes(manifest: Manifest) -> int:
 
 def manifest_id(manifest: Manifest) -> int:
     """A 63-bit fingerprint of the manifest, stamped on every bucket of its update.
-    Computed once per manifest object (a manifest is immutable; serialising one of a
-    4719-tensor MoE takes tens of milliseconds, which every side would otherwise pay)."""
+
+    It is the digest of two parts: the manifest without its weight version (its layout:
+    every tensor, piece and bucket, the options, the meta) and the version. The first part
+    is computed once per layout (`core/layout.with_version` carries it to the next
+    version's manifest): serialising a 4719-tensor MoE manifest takes tens of
+    milliseconds, which every side would otherwise pay on every push. Cached per manifest
+    object (a manifest is immutable)."""
     memo = getattr(manifest, "__dict__", None)
-    cached = memo.get("_enginehooks_mid") if memo is not None else None
+    cached = memo.get(MID_MEMO) if memo is not None else None
     if cached is not None:
         return int(cached)
-    h = hashlib.blake2b(manifest.to_json().encode(), digest_size=8).digest()
+    shape = memo.get(SHAPE_MEMO) if memo is not None else None
+    if shape is None:
+        body = manifest.to_dict()
+        body.pop("weight_version", None)
+        shape = hashlib.blake2b(json.dumps(body, separators=(",", ":")).encode(),
+                                digest_size=16).digest()
+        if memo is not None:
+            memo[SHAPE_MEMO] = shape  # frozen dataclass: a memo, not a field
+    version = json.dumps(manifest.weight_version).encode()
+    h = hashlib.blake2b(shape + b"\x00" + version, digest_size=8).digest()
     mid = int.from_bytes(h, "little") >> 1
     if memo is not None:
-        memo["_enginehooks_mid"] = mid  # frozen dataclass: a memo, not a field
+        memo[MID_MEMO] = mid
     return mid
 
 

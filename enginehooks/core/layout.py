@@ -27,7 +27,7 @@ from collections.abc import Iterable
 from typing import Any
 
 from enginehooks.core.errors import ManifestError
-from enginehooks.core.manifest import Manifest
+from enginehooks.core.manifest import MID_MEMO, Manifest
 
 #: the manifest's `meta` key holding its layout id
 LAYOUT_KEY = "layout"
@@ -74,5 +74,11 @@ def layout_of(manifest: Manifest) -> str | None:
 
 def with_version(manifest: Manifest, version: int | str) -> Manifest:
     """`manifest` for another weight version: everything else, the layout id included,
-    unchanged (its manifest id, which keys every bucket, changes with the version)."""
-    return dataclasses.replace(manifest, weight_version=version)
+    unchanged (its manifest id, which keys every bucket, changes with the version).
+    The memos derived from the layout (`core/manifest.MID_MEMO`'s comment) come along,
+    so a prepared push serialises and indexes nothing of its manifest again."""
+    out = dataclasses.replace(manifest, weight_version=version)
+    memo = {k: v for k, v in manifest.__dict__.items()
+            if k.startswith("_enginehooks_") and k != MID_MEMO}
+    out.__dict__.update(memo)
+    return out

@@ -116,6 +116,15 @@ class BucketEntry:
     direct: bool = False
 
 
+#: Memos that code derives from a manifest are kept in its `__dict__` (it is frozen, so a
+#: memo is not a field). Every memo but the manifest id depends only on the manifest's
+#: layout, never on its weight version, so `core/layout.with_version` carries them to the
+#: next version's manifest; the id (`core/buckets.manifest_id`) is rebuilt from the
+#: carried layout digest and the new version.
+MID_MEMO = "_enginehooks_mid"
+SHAPE_MEMO = "_enginehooks_shape"
+
+
 @dataclass(frozen=True)
 class Manifest:
     weight_version: int | str

@@ -255,9 +255,13 @@ class CheckpointAdapter(TrainerAdapter):
         """Names, dtypes and global shapes of the module-layout tensors (one
         `state_dict()`, which the stream then shares), the wire dtypes and the options.
         The conversion is a function of these and of the model's class."""
+        self._per_push.clear()  # this push reads the model anew, once
+        return self._key_of_read()
+
+    def _key_of_read(self) -> str:
+        """`layout_key` of this push's read of the model (`_sources()`)."""
         from enginehooks.core.layout import layout_key
 
-        self._per_push.clear()  # this push reads the model anew, once
         sources = [(s.name, dtype_name(s.dtype), list(s.shape)) for s in self._sources()]
         self._planned_now = self._fresh = True  # the plan and the stream share that read
         dtypes = {n: dtype_name(d) if d is not None else None for n, d in self.dtypes.items()}

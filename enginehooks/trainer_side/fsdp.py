@@ -28,8 +28,9 @@ import torch
 from torch import nn
 
 from enginehooks.core.checkpoint_format import CheckpointFormat, Source
-from enginehooks.trainer_side.contract import CheckpointAdapter
+from enginehooks.trainer_side.contract import CheckpointAdapter, hf_name
 from enginehooks.trainer_side.lockstep import LockstepAdapter
+from enginehooks.trainer_side.state_refs import StateRefs, _local, state_of
 
 if TYPE_CHECKING:
     from torch.distributed.tensor import DTensor
@@ -53,11 +54,13 @@ class FSDP2Adapter(LockstepAdapter, CheckpointAdapter):
     flags, `lockstep.flag_points`).
 
     Per push it reads the model's `state_dict()` once (references to the DTensors, no
-    collective); a tensor whose mesh has one rank is taken as its local tensor
-    (`to_local()`, no gather and no DTensor dispatch).
+    collective), or not at all where the tensors registered on the model are the ones
+    the last read found (`state_refs.py`); a tensor whose mesh has one rank is taken as
+    its local tensor (no gather and no DTensor dispatch).
     """
 
     name = "fsdp2"
+    _refs: StateRefs | None = None  # the model's state map of this push's read
     # The lockstep flags wrap the checkpoint-format plan and stream (the lockstep base
     # declares both abstract and comes first in the bases, so name them here).
     _plan = CheckpointAdapter._plan
@@ -79,7 +82,29 @@ class FSDP2Adapter(LockstepAdapter, CheckpointAdapter):
 
     def _module_state(self) -> dict[str, torch.Tensor]:
         # FSDP2's state_dict holds the sharded DTensors (global shapes), no collective.
-        return {self.rename(raw): t for raw, t in self.model.state_dict().items()}
+        state, self._refs = state_of(self.model)
+        return {self.rename(raw): t for raw, t in state.items()}
+
+    def layout_key(self) -> str | None:
+        """As `CheckpointAdapter.layout_key`, remembered with the model's state map: while
+        the map holds, names, dtypes and shapes are those it was built from, so the key
+        of the same options is the same."""
+        self._refs = None
+        self._per_push.clear()  # this push reads the model anew, once
+        self._once("state", self._module_state)
+        refs = self._refs
+        # Remembered only for the default `include` and `rename`: the map outlives
+        # adapters, and a function's id may be reused by another function later.
+        memo = (("layout_key", self.dtype, tuple(sorted(self.dtypes.items(), key=str)))
+                if refs is not None and self.include is None and self.rename is hf_name
+                else None)
+        if refs is not None and memo in refs.memos:
+            self._planned_now = self._fresh = True  # as the full method leaves them
+            return cast(str, refs.memos[memo])
+        key = self._key_of_read()  # from the read above: the model is walked once
+        if refs is not None and memo is not None:
+            refs.memos[memo] = key
+        return key
 
     def _sources(self) -> list[Source]:
         return [Source(n, t.dtype, tuple(t.shape))
@@ -120,7 +145,9 @@ class FSDP2Adapter(LockstepAdapter, CheckpointAdapter):
                 if _whole_here(t):
                     # one rank holds the whole tensor: no gather (and no DTensor
                     # dispatch); every rank decides alike, from the mesh alone
-                    local = t.to_local()
+                    local = _local(t)
+                    if local.requires_grad:
+                        local = local.detach()
                     out[name] = local if local.dtype == wire else local.to(wire)
                     continue
                 # local cast, then gather (torch's stubs type a DTensor's `.to` as Tensor)
