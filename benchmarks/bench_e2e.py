@@ -13,6 +13,7 @@ for bit afterwards (sum64 of every tensor on both sides).
 
     python benchmarks/bench_e2e.py --out benchmarks/results/e2e-h100.json
     python benchmarks/bench_e2e.py --layers 2 --hidden 256 --reps 1   # a quick check
+    python benchmarks/bench_e2e.py --arch qwen3_moe --layers 5 --out ...  # MoE shapes
 """
 
 from __future__ import annotations
@@ -43,21 +44,46 @@ GB = 1e9
 
 
 def build_model(cfg: dict[str, Any], device: torch.device) -> torch.nn.Module:
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    conf = LlamaConfig(
-        hidden_size=cfg["hidden"], intermediate_size=cfg["intermediate"],
-        num_hidden_layers=cfg["layers"], num_attention_heads=cfg["heads"],
-        num_key_value_heads=cfg["kv_heads"], vocab_size=cfg["vocab"],
-        tie_word_embeddings=False, max_position_embeddings=4096)
+    """The trainer's architecture: Llama (dense, the default) or Qwen3-MoE (`--arch
+    qwen3_moe`: transformers 5 fuses each layer's experts, which the checkpoint format
+    sends as per-expert tensors, thousands of them)."""
     old = torch.get_default_dtype()
     torch.set_default_dtype(torch.bfloat16)
     try:
         with torch.device(device):
-            model = LlamaForCausalLM(conf)
+            if cfg.get("arch", "llama") == "qwen3_moe":
+                from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+                model: torch.nn.Module = Qwen3MoeForCausalLM(Qwen3MoeConfig(
+                    hidden_size=cfg["hidden"], intermediate_size=cfg["intermediate"],
+                    moe_intermediate_size=cfg["moe_intermediate"],
+                    num_experts=cfg["experts"], num_experts_per_tok=8,
+                    num_hidden_layers=cfg["layers"], num_attention_heads=cfg["heads"],
+                    num_key_value_heads=cfg["kv_heads"], head_dim=128,
+                    vocab_size=cfg["vocab"], tie_word_embeddings=False,
+                    max_position_embeddings=4096))
+            else:
+                from transformers import LlamaConfig, LlamaForCausalLM
+
+                model = LlamaForCausalLM(LlamaConfig(
+                    hidden_size=cfg["hidden"], intermediate_size=cfg["intermediate"],
+                    num_hidden_layers=cfg["layers"], num_attention_heads=cfg["heads"],
+                    num_key_value_heads=cfg["kv_heads"], vocab_size=cfg["vocab"],
+                    tie_word_embeddings=False, max_position_embeddings=4096))
     finally:
         torch.set_default_dtype(old)
     return model.eval()
+
+
+def checkpoint_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The replica's tensors under the checkpoint's names (what `save_pretrained` writes:
+    per-expert tensors for the MoE), zeroed, on the model's device; the model itself is
+    dropped. A dense model's names are its own."""
+    from enginehooks.trainer_side import adapter_for
+
+    dev = next(model.parameters()).device
+    specs = adapter_for(model).specs()
+    return {s.name: torch.zeros(s.shape, dtype=torch.bfloat16, device=dev) for s in specs}
 
 
 def digest(tensors: dict[str, torch.Tensor]) -> str:
@@ -77,11 +103,24 @@ def replica_main(conn: Any, cfg_json: str) -> None:
     cfg = json.loads(cfg_json)
     device = torch.device("cuda", 0)
     torch.cuda.set_device(device)
-    model = build_model(cfg, device)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.zero_()
+    if cfg.get("arch", "llama") == "llama":
+        model: Any = build_model(cfg, device)
+        with torch.no_grad():
+            for p in model.parameters():
+                p.zero_()
+        tensors = None
+    else:  # the checkpoint's per-expert tensors, as an engine loads them
+        model = checkpoint_tensors(build_model(cfg, device))
+        torch.cuda.empty_cache()
+        tensors = model
     engine = LocalEngine(model, name="replica", device=device)
+
+    def state() -> dict[str, torch.Tensor]:
+        return dict(tensors) if tensors is not None else dict(model.state_dict())
+
+    def params() -> list[torch.Tensor]:
+        return list(tensors.values()) if tensors is not None else list(model.parameters())
+
     while True:
         msg = json.loads(conn.recv_bytes())
         reply: dict[str, Any]
@@ -91,13 +130,13 @@ def replica_main(conn: Any, cfg_json: str) -> None:
                 return
             if msg["op"] == "zero":
                 with torch.no_grad():
-                    for p in model.parameters():
+                    for p in params():
                         p.zero_()
                 torch.cuda.synchronize()
                 reply = {}
             elif msg["op"] == "digest":
                 torch.cuda.synchronize()
-                reply = {"digest": digest(dict(model.state_dict()))}
+                reply = {"digest": digest(state())}
             else:
                 out = engine.rpc(msg["method"], *msg["args"], timeout_s=msg["timeout_s"])
                 reply = {"ok": out}
@@ -188,6 +227,8 @@ def free_port() -> int:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--arch", choices=["llama", "qwen3_moe"], default="llama",
+                    help="qwen3_moe: Qwen3-30B-A3B widths (give --layers; 5 is ~6 GB)")
     ap.add_argument("--layers", type=int, default=8)
     ap.add_argument("--hidden", type=int, default=3584)
     ap.add_argument("--intermediate", type=int, default=18944)
@@ -209,8 +250,12 @@ def main(argv: list[str] | None = None) -> int:
     from enginehooks import WeightSync
     from enginehooks.trainer_side import push
 
-    cfg = {"layers": args.layers, "hidden": args.hidden, "intermediate": args.intermediate,
-           "heads": args.heads, "kv_heads": args.kv_heads, "vocab": args.vocab}
+    cfg: dict[str, Any] = {"arch": args.arch, "layers": args.layers, "hidden": args.hidden,
+                           "intermediate": args.intermediate, "heads": args.heads,
+                           "kv_heads": args.kv_heads, "vocab": args.vocab}
+    if args.arch == "qwen3_moe":  # Qwen3-30B-A3B's widths, fewer layers
+        cfg.update(hidden=2048, intermediate=6144, moe_intermediate=768, experts=128,
+                   heads=32, kv_heads=4, vocab=151936)
     device = torch.device("cuda", 0)
     torch.cuda.set_device(device)
     dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0,
@@ -222,6 +267,12 @@ def main(argv: list[str] | None = None) -> int:
     fully_shard(model)
     full = {n: t.full_tensor() if hasattr(t, "full_tensor") else t
             for n, t in model.state_dict().items()}
+    if args.arch != "llama":  # the digest is of what travels: the checkpoint's tensors
+        from enginehooks.trainer_side import adapter_for
+
+        ad = adapter_for(model)
+        ad.specs()
+        full = {n: t.clone() for n, t in ad.stream()}
     nbytes = sum(t.numel() * t.element_size() for t in full.values())
     res: dict[str, Any] = {"config": {**cfg, "bucket_mib": args.bucket_mib, "reps": args.reps},
                            "tensors": len(full), "bytes": nbytes, "items": {}}

@@ -34,12 +34,12 @@ without one it yields views of the trainer's memory, which the target's own load
 copies (still one copy), and the digest is a read of those views. The sender's digest of
 each (virtual, zero-padded) bucket is a read of its sources on a side stream, launched
 right after the doorbell, so it runs beside the engine's copy rather than before it; it
-travels after the ack (`ready/<last>`),
-the receiver compares it with its own and answers one final ack: a corrupted or torn
-bucket ends the update with `ChecksumError` naming it, after its bytes landed (the
-engine is then `torn`, never `current`, as after any failure mid-update). Memory: the
-sender holds references to the stream's tensors until their doorbell is acked (nothing
-for parameters themselves; gathered temporaries stay alive until then, which
+travels as soon as those reads are done (`ready/<last>`), so it is waiting when the
+receiver's copy ends; the receiver compares it with its own after its copy and answers
+one final ack: a corrupted or torn bucket ends the update with `ChecksumError` naming
+it, after its bytes landed (the engine is then `torn`, never `current`, as after any
+failure mid-update). Memory: the sender holds references to the stream's tensors until
+their doorbell is acked (nothing for parameters themselves; gathered temporaries stay alive until then, which
 `window_bytes` bounds); the receiver allocates nothing but its tables. Mappings are
 dropped when the trainer's allocator has freed a segment since the last push (its
 `segment.all.freed` counter), so a reused address never reads through a stale mapping;
@@ -602,27 +602,39 @@ class CudaIpcSender(ColocatedSender):
             while w_next < n_win:
                 publish(w_next)
                 w_next += 1
+
+            def send_final(final: list[int] | None) -> None:
+                nonlocal published
+                body = json.dumps({"mid": mid, "digests": final}).encode()
+                self.store.set(self._key(f"u{seq}", "ready", n_win),
+                               self.channel.seal("ready", seq, n_win, EVERY_RECEIVER, TO_ENGINE, body))  # type: ignore[arg-type]
+                published = n_win + 1
+
+            c0 = clock()
+            if digests is not None:
+                # The sender's digests go out as soon as its own reads are done, while the
+                # engine still copies: the receiver finds them waiting when its copy ends
+                # (one round trip less than sending them after the copy's ack). The
+                # receiver compares only after its copy; the trainer's memory stays as
+                # it is until the last ack.
+                dstream.synchronize()
+                send_final([((v & _MASK) ^ (b.nbytes << 40)) & _MASK
+                            for v, b in zip(digests.tolist(), manifest.buckets, strict=True)])
+            ph["final"] += clock() - c0
             while inflight:
                 retire()
             c0 = clock()
-            final: list[int] | None = None
-            if digests is not None:
-                dstream.synchronize()
-                final = [((v & _MASK) ^ (b.nbytes << 40)) & _MASK
-                         for v, b in zip(digests.tolist(), manifest.buckets, strict=True)]
             if _freed_segments(dev) != self._freed:
                 self._freed = -1  # drop every mapping next push
-                if final is None:
+                if digests is None:
                     raise TransportError(
                         "cuda_ipc: the trainer's allocator returned GPU memory to CUDA during "
                         "the update, and without a checksum the receivers' reads cannot be "
                         "vouched for; push again (or use checksum='sum64')")
-            body = json.dumps({"mid": mid, "digests": final}).encode()
-            self.store.set(self._key(f"u{seq}", "ready", n_win),
-                           self.channel.seal("ready", seq, n_win, EVERY_RECEIVER, TO_ENGINE, body))  # type: ignore[arg-type]
-            published = n_win + 1
+            if digests is None:
+                send_final(None)
             self._wait_acks(seq, n_win, abort)
-            ph["final"] = clock() - c0
+            ph["final"] += clock() - c0
         except BaseException as e:
             self._broken = True
             self._abort_receivers(seq, published, n + 1, f"{type(e).__name__}: {e}")
