@@ -42,6 +42,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import urllib.parse
+from collections.abc import Callable
 from typing import Any
 
 from enginehooks.control._futures import spawn
@@ -114,6 +115,35 @@ def worker_failure(e: BaseException) -> list[Any]:
         return [None]
     raise e
 
+
+
+def _prefix_cache_reset(name: str, reset: Callable[[], Any], preempting: Callable[[], Any]
+                        ) -> None:
+    """Drop every prefix-cache block computed with the old weights, or fail the push.
+
+    vLLM resets its prefix cache only while no request holds a block: with requests in
+    flight (a push without `pause`, or `pause_mode="keep"`, whose frozen requests keep
+    their blocks) `reset_prefix_cache` answers False and drops nothing, so every later
+    request sharing a cached prefix (a system prompt) would reuse KV computed by the
+    old weights while the engine reports the new version. Then the reset is asked again
+    with `reset_running_requests`: vLLM preempts the requests in flight, which are
+    recomputed with the new weights (as a fresh engine would compute them). If even
+    that fails (vLLM: requests waiting for a remote KV transfer), the push fails here,
+    naming the fix, rather than report a flush that did not happen."""
+    if reset() is not False:
+        return
+    try:
+        ok = preempting()
+    except Exception as e:  # vLLM raises where preempting cannot free every block
+        raise ReplicaError(name, f"the prefix cache could not be reset after the update "
+                                 f"({type(e).__name__}: {e}); old-weight prefixes would be "
+                                 f"reused: let requests in flight finish (pause with "
+                                 f"mode 'wait' or 'abort') and push again") from None
+    if ok is False:
+        raise ReplicaError(name, "the prefix cache could not be reset after the update, even "
+                                 "preempting the requests in flight; old-weight prefixes "
+                                 "would be reused: let requests in flight finish (pause "
+                                 "with mode 'wait' or 'abort') and push again")
 
 class _VLLMHandle(EngineHandle):
     """What every vLLM handle adds to the contract: the engine's own weight version.
@@ -201,7 +231,8 @@ class VLLMEngine(_VLLMHandle):
         return self.llm.collective_rpc(method, args=args)
 
     def flush_cache(self, timeout_s: float, auth: str | None = None) -> None:
-        self.llm.reset_prefix_cache()
+        _prefix_cache_reset(self.name, self.llm.reset_prefix_cache,
+                            lambda: self.llm.reset_prefix_cache(reset_running_requests=True))
         self.reset_encoder_cache()
 
     def sleep(self, level: int, timeout_s: float) -> None:
@@ -280,7 +311,10 @@ class VLLMAsyncEngine(_VLLMHandle):
         return self._run(self.engine.collective_rpc(method, args=args), timeout_s)
 
     def flush_cache(self, timeout_s: float, auth: str | None = None) -> None:
-        self._run(self.engine.reset_prefix_cache(), timeout_s)
+        _prefix_cache_reset(
+            self.name, lambda: self._run(self.engine.reset_prefix_cache(), timeout_s),
+            lambda: self._run(self.engine.reset_prefix_cache(reset_running_requests=True),
+                              timeout_s))
         self._run(self.engine.reset_encoder_cache(), timeout_s)
 
     def pause(self, timeout_s: float) -> None:
@@ -370,7 +404,12 @@ class VLLMServer(_VLLMHandle):
         return out["results"]
 
     def flush_cache(self, timeout_s: float, auth: str | None = None) -> None:
-        self._post("/reset_prefix_cache", None, timeout_s)
+        def reset(path: str) -> bool:
+            out = self._post(path, None, timeout_s)
+            return not isinstance(out, dict) or out.get("success") is not False
+
+        _prefix_cache_reset(self.name, lambda: reset("/reset_prefix_cache"),
+                            lambda: reset("/reset_prefix_cache?reset_running_requests=true"))
         self.reset_encoder_cache(timeout_s)
 
     def pause(self, timeout_s: float) -> None:

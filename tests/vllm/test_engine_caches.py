@@ -90,6 +90,42 @@ def test_a_push_drops_the_encoder_and_prefix_caches(engine: VLLMInProcess,
     assert len(pool.cached_block_hash_to_block) == 0
 
 
+def test_a_push_with_requests_in_flight_still_drops_every_old_prefix(
+        engine: VLLMInProcess, model_dirs: dict[str, Path]) -> None:
+    """vLLM resets its prefix cache only while no request holds a block, and says so
+    with a False it is easy to drop: a push made while requests run (no `pause`, or
+    `pause_mode="keep"`) left every old-weight prefix cached. The flush now asks again
+    with vLLM's `reset_running_requests`: the request in flight is preempted and
+    recomputed with the new weights, and nothing of the old weights stays cached."""
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    core = _core(engine)
+    pool = core.scheduler.kv_cache_manager.block_pool
+    llm_engine = engine.llm.llm_engine
+    long = [4 + i % 250 for i in range(250)]
+    engine.llm.generate([TokensPrompt(prompt_token_ids=long)], SamplingParams(max_tokens=1),
+                        use_tqdm=False)
+    assert len(pool.cached_block_hash_to_block) > 0  # an old-weight prefix, cached
+    # a request in flight: added and stepped, it holds KV blocks while the push runs
+    llm_engine.add_request("in-flight", TokensPrompt(prompt_token_ids=long[:64]),
+                           SamplingParams(max_tokens=40, ignore_eos=True))
+    llm_engine.step()
+    assert core.scheduler.running
+    assert core.scheduler.reset_prefix_cache() is False  # what a plain reset answers now
+
+    new = perturb(load_tiny(model_dirs["llama"]), seed=331)
+    report = _push(engine, new, "in-flight-1")
+    assert report.ok, report.error
+    assert len(pool.cached_block_hash_to_block) == 0
+    finished = []
+    while llm_engine.has_unfinished_requests():
+        finished += [o for o in llm_engine.step() if o.finished]
+    assert [o.request_id for o in finished] == ["in-flight"]
+    assert len(finished[0].outputs[0].token_ids) == 40  # preempted, then completed
+    assert _greedy(engine) == hf_greedy(new, PROMPTS, NEW_TOKENS)
+
+
 def test_a_push_may_leave_whole_modules_out(engine: VLLMInProcess,
                                            model_dirs: dict[str, Path]) -> None:
     first = perturb(load_tiny(model_dirs["llama"]), seed=311)
