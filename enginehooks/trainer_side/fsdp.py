@@ -21,7 +21,7 @@ trainer never holds the whole model unsharded:
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, cast
 
 import torch
@@ -30,7 +30,7 @@ from torch import nn
 from enginehooks.core.checkpoint_format import CheckpointFormat, Source
 from enginehooks.trainer_side.contract import CheckpointAdapter, hf_name
 from enginehooks.trainer_side.lockstep import LockstepAdapter
-from enginehooks.trainer_side.state_refs import StateRefs, _local, state_of
+from enginehooks.trainer_side.state_refs import StateRefs, StreamRecord, _local, state_of
 
 if TYPE_CHECKING:
     from torch.distributed.tensor import DTensor
@@ -64,7 +64,36 @@ class FSDP2Adapter(LockstepAdapter, CheckpointAdapter):
     # The lockstep flags wrap the checkpoint-format plan and stream (the lockstep base
     # declares both abstract and comes first in the bases, so name them here).
     _plan = CheckpointAdapter._plan
-    _items = CheckpointAdapter._items
+
+    def _items(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """The checkpoint-format stream; replayed where the last push's proves to be
+        this one's (`state_refs.StreamRecord`), recorded where it may be replayed."""
+        if not self._planned_now:  # a stream without a plan of its own: read anew
+            self._per_push.clear()
+        state = self._once("state", self._module_state)
+        self._planned_now = True  # the stream below shares this read
+        refs, layout = self._refs, self._layout
+        key = (("stream", id(layout)) if refs is not None and layout is not None
+               and self.owners is None else None)
+        rec = refs.memos.get(key) if refs is not None and key is not None else None
+        if (isinstance(rec, StreamRecord) and rec.layout is layout and rec.refs is refs
+                and rec.holds(state)):
+            self._planned_now = self._fresh = False
+            self._per_push.clear()
+            yield from rec.items
+            return
+        record = None
+        if refs is not None and key is not None:
+            refs.memos.pop(key, None)  # a stale record never outlives a new stream
+            record = StreamRecord.start(refs, layout, key, state)
+        if record is not None and layout is not None:  # kept once its last tensor is
+            # out: a consumer need not ask for the end of the stream
+            record.expected = len([o for g in layout.groups for o in g.outputs
+                                   if self._keep(o.name)])
+        for name, t in CheckpointAdapter._items(self):
+            if record is not None:
+                record = record.add(name, t)
+            yield name, t
 
     @classmethod
     def accepts(cls, model: Any) -> bool:

@@ -156,3 +156,62 @@ def state_of(model: nn.Module) -> tuple[dict[str, torch.Tensor], StateRefs | Non
     else:
         _MAPS[model] = refs
     return state, refs
+
+
+@dataclass
+class StreamRecord:
+    """One push's checkpoint-format stream, kept to be replayed by the next push of the
+    same layout, where every tensor it yielded was a view of the model's own memory.
+
+    Why: the checkpoint format is made per push by transformers' conversion (a MoE's
+    fused experts cut into thousands of per-expert tensors: ~40 ms of Python per push
+    for Qwen3-30B-A3B's widths, 1.3 ms for a dense 7B-wide model), and by the wire cast.
+    Where every output is a view of a source (no cast, no copy), the outputs of the next
+    push are the same views: their bytes are read when they are sent, so in-place
+    training shows through them. A replay is allowed only while each source's local
+    tensor still has the address, dtype and shape it had when the views were taken; the
+    views keep that memory alive, so the address cannot have been reused by another
+    tensor. An output that is not such a view (a cast, a copy, a gathered tensor)
+    makes the push unrecorded. The record keeps the viewed memory alive until the next
+    push replaces it (at most the model's own memory, which the model holds anyway
+    while it is trained in place)."""
+
+    refs: StateRefs
+    layout: Any
+    key: tuple[Any, ...]
+    sources: dict[str, tuple[int, torch.dtype, torch.Size]]
+    storages: set[int]
+    items: list[tuple[str, torch.Tensor]] = field(default_factory=list)
+    #: how many tensors the stream yields: the record is kept once they all were
+    expected: int = -1
+
+    @classmethod
+    def start(cls, refs: StateRefs, layout: Any, key: tuple[Any, ...],
+              state: Mapping[str, torch.Tensor]) -> StreamRecord:
+        sources: dict[str, tuple[int, torch.dtype, torch.Size]] = {}
+        storages: set[int] = set()
+        for name, t in state.items():
+            loc = _local(t)
+            sources[name] = (loc.data_ptr(), loc.dtype, loc.shape)
+            storages.add(loc.untyped_storage().data_ptr())
+        return cls(refs, layout, key, sources, storages)
+
+    def add(self, name: str, t: torch.Tensor | None) -> StreamRecord | None:
+        """Record one output; None (stop recording) if it is not a view of a source."""
+        if not isinstance(t, torch.Tensor) or t.untyped_storage().data_ptr() not in self.storages:
+            return None
+        self.items.append((name, t))
+        if len(self.items) == self.expected:
+            self.refs.memos[self.key] = self
+        return self
+
+    def holds(self, state: Mapping[str, torch.Tensor]) -> bool:
+        """Whether every source is still the memory the recorded views read."""
+        if len(state) != len(self.sources):
+            return False
+        for name, t in state.items():
+            want = self.sources.get(name)
+            loc = _local(t)
+            if want is None or (loc.data_ptr(), loc.dtype, loc.shape) != want:
+                return False
+        return True

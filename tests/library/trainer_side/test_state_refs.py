@@ -13,6 +13,10 @@ dict bit for bit. Each case counts `model.state_dict()` calls per push:
   hook reshards it, and the bytes land;
 - a state-dict hook that changes entries: never a map, a walk every push.
 
+It also counts the adapter's `_produce` calls: a push whose map holds replays the last
+push's stream (views of the model's memory: nothing produced, the trained bytes sent);
+every case that walks produces anew.
+
 The map's own checks on a plain module (no process): `param.data` swapped for another
 dtype or shape keeps the object but fails the check; a dropped module or tensor is not
 kept alive by the map.
@@ -62,6 +66,7 @@ def scenario_cases(rank: int, extra: dict[str, Any], out: Path) -> dict[str, Any
 
     from enginehooks import WeightSync
     from enginehooks.engine.local import LocalEngine
+    from enginehooks.trainer_side import FSDP2Adapter
     from enginehooks_testkit.tiny import load_tiny
 
     path = Path(extra["model"])
@@ -74,6 +79,14 @@ def scenario_cases(rank: int, extra: dict[str, Any], out: Path) -> dict[str, Any
         return state_dict(*args, **kwargs)
 
     model.state_dict = counted  # type: ignore[method-assign]
+    produced = {"n": 0}
+    produce = FSDP2Adapter._produce
+
+    def counted_produce(self: Any, names: Any) -> Any:
+        produced["n"] += 1
+        return produce(self, names)
+
+    FSDP2Adapter._produce = counted_produce  # type: ignore[method-assign]
     target = load_tiny(path)
     sync = WeightSync("gloo", bucket_bytes=BUCKET, timeout_s=60)
     sync.add_replica(LocalEngine(target, name="refs"))
@@ -83,11 +96,11 @@ def scenario_cases(rank: int, extra: dict[str, Any], out: Path) -> dict[str, Any
     def push(case: str) -> None:
         nonlocal version
         version += 1
-        before = calls["n"]
+        before, made = calls["n"], produced["n"]
         report = sync.push(model, version)
         assert report.ok, report.error
         res[case] = {"walks": calls["n"] - before, "layout": report.layout,
-                     "bit_exact": _bit_exact(target, model)}
+                     "produced": produced["n"] - made, "bit_exact": _bit_exact(target, model)}
 
     push("first")
     with torch.no_grad():
@@ -103,6 +116,16 @@ def scenario_cases(rank: int, extra: dict[str, Any], out: Path) -> dict[str, Any
     mlp.weight = torch.nn.Parameter(new)
     push("replaced")
     push("after replaced")
+
+    # the same parameter object, its local shard moved to other memory (`set_`): the
+    # map holds, the recorded views would read the old memory: produced anew
+    from enginehooks.trainer_side.state_refs import _local
+
+    shard = _local(model.model.norm.weight)
+    with torch.no_grad():
+        shard.set_(shard.clone() * 5)
+    push("storage moved")
+    push("after storage moved")
 
     # a module left unsharded: FSDP2 registers its unsharded parameters meanwhile
     layer = model.model.layers[1]
@@ -158,18 +181,30 @@ def test_a_push_walks_the_model_only_when_the_walk_could_give_something_else(
     for case, got in r.items():
         if isinstance(got, dict):
             assert got["bit_exact"], (case, got)
-    assert r["first"]["walks"] == 1
-    # trained in place, or not at all: the registered tensors are the ones the map holds
-    assert r["trained in place"] == {"walks": 0, "layout": "prepared", "bit_exact": True}
-    assert r["unchanged"]["walks"] == 0
-    # another object under a key: walked, and the map rebuilt from that walk
-    assert r["replaced"]["walks"] == 1 and r["after replaced"]["walks"] == 0
+    assert r["first"]["walks"] == 1 and r["first"]["produced"] > 0
+    # trained in place, or not at all: the registered tensors are the ones the map holds,
+    # and the stream is the last push's views replayed (nothing produced), whose bytes
+    # are the trained ones (bit_exact above)
+    assert r["trained in place"] == {"walks": 0, "layout": "prepared", "produced": 0,
+                                     "bit_exact": True}
+    assert r["unchanged"]["walks"] == 0 and r["unchanged"]["produced"] == 0
+    # another object under a key: walked, produced anew, and the map and the record
+    # rebuilt from that push
+    assert r["replaced"]["walks"] == 1 and r["replaced"]["produced"] > 0
+    assert r["after replaced"]["walks"] == 0 and r["after replaced"]["produced"] == 0
+    # a local shard moved to other memory under the same parameter: the map holds, the
+    # recorded views would read stale memory, so the stream is produced anew (and the
+    # new bytes land: bit_exact), then recorded again
+    assert r["storage moved"]["walks"] == 0 and r["storage moved"]["produced"] > 0
+    assert r["after storage moved"]["produced"] == 0
     # FSDP2's unsharded parameters are other objects: walked (its hook reshards), then
     # the map of the resharded model holds again
     assert r["unsharded"]["walks"] == 1 and r["resharded"]["walks"] == 0
+    assert r["unsharded"]["produced"] > 0
     # a hook added to a mapped model ends the map; entries that hooks replace cannot
     # be mapped: every push walks, once
     assert r["hooked"]["walks"] == 1 and r["hooked again"]["walks"] == 1
+    assert r["hooked again"]["produced"] > 0
 
 
 def test_the_map_refuses_a_swapped_dtype_or_shape_and_holds_nothing_alive() -> None:
