@@ -1,19 +1,29 @@
 #!/usr/bin/env bash
 # The final code on a GPU machine, in one call: the GPU tests, then the benchmarks of
 # issues 37 and 38 whose JSON is committed (transports at 1 GiB, the colocated
-# FSDP2 -> replica push, verification always vs never on a module replica).
+# FSDP2 -> replica push with dense and MoE shapes, 2 FSDP2 ranks -> 2 replicas over NCCL
+# where 4 GPUs are present, verification always vs never on a module replica).
 # Usage (repo root, PYTHONPATH=$PWD): bash benchmarks/device_final.sh OUTDIR
 set -o pipefail
 OUT=${1:?outdir}
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee "$OUT/device.txt"
-timeout 200 python3 -m pytest -p no:cacheprovider -q --timeout 90 -rs tests/gpu \
+ngpu=$(nvidia-smi --query-gpu=name --format=csv,noheader | wc -l)
+timeout 330 python3 -m pytest -p no:cacheprovider -q --timeout 150 -rs tests/gpu \
   2>&1 | tee "$OUT/gpu-tests.log" | tail -25
 timeout 45 python3 benchmarks/bench_transports.py --parts nccl cuda_ipc --bucket-mib 1024 \
   --reps 5 --warmup 2 --no-per-tensor --out "$OUT/transports-7b.json" > "$OUT/transports-7b.log" 2>&1
 tail -12 "$OUT/transports-7b.log"
 timeout 70 python3 benchmarks/bench_e2e.py --reps 5 --out "$OUT/e2e.json" > "$OUT/e2e.log" 2>&1
 tail -8 "$OUT/e2e.log"
+timeout 120 python3 benchmarks/bench_e2e.py --arch qwen3_moe --layers 5 --reps 5 \
+  --checksums sum64 --out "$OUT/e2e-moe.json" > "$OUT/e2e-moe.log" 2>&1
+tail -8 "$OUT/e2e-moe.log"
+if [ "$ngpu" -ge 4 ]; then
+  timeout 200 python3 benchmarks/bench_multisender_gpu.py --bucket-mib 1024 --reps 3 \
+    --deadline-s 190 --out "$OUT/multisender" > "$OUT/multisender.stdout" 2>&1
+  tail -25 "$OUT/multisender.stdout"
+fi
 timeout 70 python3 benchmarks/bench_verify.py --engine module --device cuda --gb 1 --rounds 3 \
   --out "$OUT/bench_verify-gpu.json" > "$OUT/bench_verify-gpu.log" 2>&1
 tail -6 "$OUT/bench_verify-gpu.log"
