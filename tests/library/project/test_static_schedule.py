@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from benchmarks.static_schedule import (
+from enginehooks.core.schedule import (
     ScheduleError,
     Slice,
     Transfer,

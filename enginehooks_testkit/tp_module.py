@@ -1,0 +1,111 @@
+"""A tensor-parallel module replica for shard-direct tests (issue 40): one engine rank of
+TP=`world`, with a loader written the way vLLM's parallel layers load a checkpoint, so the
+copy plan learns real tensor-parallel slices from it (nothing in the library knows this
+model): fused q/k/v and gate/up parameters filled from three and two checkpoint tensors,
+each narrowed on dim 0 to the rank's rows; o/down projections narrowed on dim 1 (row
+parallel: one run per row); a vocabulary-parallel embedding and head; replicated norms;
+and `scale`, which the loader computes with (`w * 2`), so the plan leaves it on the
+loader.
+
+`TinyFull` is the same model in checkpoint layout (the trainer's module: its state dict
+is the checkpoint), seeded so every process builds the same weights.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+from torch import nn
+
+VOCAB, HIDDEN, INTER, LAYERS = 64, 32, 48, 2
+
+
+class _FullLayer(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        for name, (o, i) in {"q_proj": (HIDDEN, HIDDEN), "k_proj": (HIDDEN // 2, HIDDEN),
+                             "v_proj": (HIDDEN // 2, HIDDEN), "o_proj": (HIDDEN, HIDDEN),
+                             "gate_proj": (INTER, HIDDEN), "up_proj": (INTER, HIDDEN),
+                             "down_proj": (HIDDEN, INTER)}.items():
+            setattr(self, name, nn.Linear(i, o, bias=False))
+        self.norm = nn.Parameter(torch.randn(HIDDEN))
+        self.scale = nn.Parameter(torch.randn(HIDDEN))
+
+
+class TinyFull(nn.Module):
+    """The checkpoint-layout model (see the module docstring)."""
+
+    def __init__(self, seed: int = 0) -> None:
+        super().__init__()
+        torch.manual_seed(seed)
+        self.embed = nn.Embedding(VOCAB, HIDDEN)
+        self.layers = nn.ModuleList(_FullLayer() for _ in range(LAYERS))
+        self.lm_head = nn.Linear(HIDDEN, VOCAB, bias=False)
+
+
+class _TPLayer(nn.Module):
+    def __init__(self, world: int) -> None:
+        super().__init__()
+        q, kv = HIDDEN // world, HIDDEN // 2 // world
+        self.qkv = nn.Parameter(torch.zeros(q + 2 * kv, HIDDEN))
+        self.o = nn.Parameter(torch.zeros(HIDDEN, HIDDEN // world))
+        self.gate_up = nn.Parameter(torch.zeros(2 * INTER // world, HIDDEN))
+        self.down = nn.Parameter(torch.zeros(HIDDEN, INTER // world))
+        self.norm = nn.Parameter(torch.zeros(HIDDEN))
+        self.scale = nn.Parameter(torch.zeros(HIDDEN))
+
+
+class TinyTP(nn.Module):
+    """Engine rank `rank` of TP=`world` (see the module docstring)."""
+
+    def __init__(self, rank: int, world: int) -> None:
+        super().__init__()
+        self.rank, self.world = rank, world
+        self.embed = nn.Parameter(torch.zeros(VOCAB // world, HIDDEN))
+        self.layers = nn.ModuleList(_TPLayer(world) for _ in range(LAYERS))
+        self.lm_head = nn.Parameter(torch.zeros(VOCAB // world, HIDDEN))
+
+
+def _rows(param: torch.Tensor, at: int, w: torch.Tensor, rank: int, world: int) -> None:
+    n = w.shape[0] // world
+    param.data.narrow(0, at, n).copy_(w.narrow(0, rank * n, n))
+
+
+def load_weights(model: TinyTP, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+    """The engine's loader: checkpoint tensors into this rank's parameters."""
+    r, world = model.rank, model.world
+    q, kv, inter = HIDDEN // world, HIDDEN // 2 // world, INTER // world
+    with torch.no_grad():
+        for name, w in weights:
+            if name == "embed.weight":
+                _rows(model.embed, 0, w, r, world)
+                continue
+            if name == "lm_head.weight":
+                _rows(model.lm_head, 0, w, r, world)
+                continue
+            _, i, rest = name.split(".", 2)
+            layer = model.layers[int(i)]
+            assert isinstance(layer, _TPLayer)
+            part = rest.split(".")[0]
+            if part in ("q_proj", "k_proj", "v_proj"):
+                _rows(layer.qkv, {"q_proj": 0, "k_proj": q, "v_proj": q + kv}[part], w, r, world)
+            elif part in ("gate_proj", "up_proj"):
+                _rows(layer.gate_up, 0 if part == "gate_proj" else inter, w, r, world)
+            elif part in ("o_proj", "down_proj"):
+                dest = layer.o if part == "o_proj" else layer.down
+                n = w.shape[1] // world
+                dest.data.copy_(w.narrow(1, r * n, n))
+            elif part == "norm":
+                layer.norm.data.copy_(w)
+            elif part == "scale":
+                layer.scale.data.copy_(w * 2)
+            else:
+                raise KeyError(name)
+
+
+def fresh(rank: int, world: int, state: dict[str, torch.Tensor]) -> TinyTP:
+    """A fresh load of `state` into engine rank `rank`: the oracle."""
+    m = TinyTP(rank, world)
+    load_weights(m, state.items())
+    return m
