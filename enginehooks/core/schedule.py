@@ -46,7 +46,7 @@ class Slice:
 
     def __post_init__(self) -> None:
         if not 0 <= self.start <= self.stop:
-            raise ValueError(f"slice of {self.name!r}: [{self.start}, {self.stop}) is not a range")
+            raise ConfigError(f"slice of {self.name!r}: [{self.start}, {self.stop}) is not a range")
 
 
 @dataclass(frozen=True, order=True)
@@ -167,7 +167,7 @@ def dim0_shards(name: str, shape: Sequence[int], itemsize: int, world: int
     A 0-dim tensor is held whole by rank 0 only (FSDP2 does not shard scalars; every rank
     holds it, and one is enough to send it)."""
     if world < 1:
-        raise ValueError(f"world {world}: at least one rank")
+        raise ConfigError(f"world {world}: at least one rank")
     if len(shape) == 0:
         return {0: Slice(name, 0, itemsize)}
     rows = int(shape[0])
