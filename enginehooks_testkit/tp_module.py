@@ -14,57 +14,67 @@ is the checkpoint), seeded so every process builds the same weights.
 from __future__ import annotations
 
 from collections.abc import Iterable
+from dataclasses import dataclass
 
 import torch
 from torch import nn
 
-VOCAB, HIDDEN, INTER, LAYERS = 64, 32, 48, 2
+
+@dataclass(frozen=True)
+class Dims:
+    """The model's sizes (the defaults: 78 KB in fp32, for tests; benchmarks scale them)."""
+
+    vocab: int = 64
+    hidden: int = 32
+    inter: int = 48
+    layers: int = 2
 
 
 class _FullLayer(nn.Module):
-    def __init__(self) -> None:
+    def __init__(self, d: Dims) -> None:
         super().__init__()
-        for name, (o, i) in {"q_proj": (HIDDEN, HIDDEN), "k_proj": (HIDDEN // 2, HIDDEN),
-                             "v_proj": (HIDDEN // 2, HIDDEN), "o_proj": (HIDDEN, HIDDEN),
-                             "gate_proj": (INTER, HIDDEN), "up_proj": (INTER, HIDDEN),
-                             "down_proj": (HIDDEN, INTER)}.items():
+        h = d.hidden
+        for name, (o, i) in {"q_proj": (h, h), "k_proj": (h // 2, h), "v_proj": (h // 2, h),
+                             "o_proj": (h, h), "gate_proj": (d.inter, h),
+                             "up_proj": (d.inter, h), "down_proj": (h, d.inter)}.items():
             setattr(self, name, nn.Linear(i, o, bias=False))
-        self.norm = nn.Parameter(torch.randn(HIDDEN))
-        self.scale = nn.Parameter(torch.randn(HIDDEN))
+        self.norm = nn.Parameter(torch.randn(h))
+        self.scale = nn.Parameter(torch.randn(h))
 
 
 class TinyFull(nn.Module):
     """The checkpoint-layout model (see the module docstring)."""
 
-    def __init__(self, seed: int = 0) -> None:
+    def __init__(self, seed: int = 0, dims: Dims = Dims()) -> None:
         super().__init__()
         torch.manual_seed(seed)
-        self.embed = nn.Embedding(VOCAB, HIDDEN)
-        self.layers = nn.ModuleList(_FullLayer() for _ in range(LAYERS))
-        self.lm_head = nn.Linear(HIDDEN, VOCAB, bias=False)
+        self.embed = nn.Embedding(dims.vocab, dims.hidden)
+        self.layers = nn.ModuleList(_FullLayer(dims) for _ in range(dims.layers))
+        self.lm_head = nn.Linear(dims.hidden, dims.vocab, bias=False)
 
 
 class _TPLayer(nn.Module):
-    def __init__(self, world: int) -> None:
+    def __init__(self, world: int, d: Dims) -> None:
         super().__init__()
-        q, kv = HIDDEN // world, HIDDEN // 2 // world
-        self.qkv = nn.Parameter(torch.zeros(q + 2 * kv, HIDDEN))
-        self.o = nn.Parameter(torch.zeros(HIDDEN, HIDDEN // world))
-        self.gate_up = nn.Parameter(torch.zeros(2 * INTER // world, HIDDEN))
-        self.down = nn.Parameter(torch.zeros(HIDDEN, INTER // world))
-        self.norm = nn.Parameter(torch.zeros(HIDDEN))
-        self.scale = nn.Parameter(torch.zeros(HIDDEN))
+        h = d.hidden
+        q, kv = h // world, h // 2 // world
+        self.qkv = nn.Parameter(torch.zeros(q + 2 * kv, h))
+        self.o = nn.Parameter(torch.zeros(h, h // world))
+        self.gate_up = nn.Parameter(torch.zeros(2 * d.inter // world, h))
+        self.down = nn.Parameter(torch.zeros(h, d.inter // world))
+        self.norm = nn.Parameter(torch.zeros(h))
+        self.scale = nn.Parameter(torch.zeros(h))
 
 
 class TinyTP(nn.Module):
     """Engine rank `rank` of TP=`world` (see the module docstring)."""
 
-    def __init__(self, rank: int, world: int) -> None:
+    def __init__(self, rank: int, world: int, dims: Dims = Dims()) -> None:
         super().__init__()
-        self.rank, self.world = rank, world
-        self.embed = nn.Parameter(torch.zeros(VOCAB // world, HIDDEN))
-        self.layers = nn.ModuleList(_TPLayer(world) for _ in range(LAYERS))
-        self.lm_head = nn.Parameter(torch.zeros(VOCAB // world, HIDDEN))
+        self.rank, self.world, self.dims = rank, world, dims
+        self.embed = nn.Parameter(torch.zeros(dims.vocab // world, dims.hidden))
+        self.layers = nn.ModuleList(_TPLayer(world, dims) for _ in range(dims.layers))
+        self.lm_head = nn.Parameter(torch.zeros(dims.vocab // world, dims.hidden))
 
 
 def _rows(param: torch.Tensor, at: int, w: torch.Tensor, rank: int, world: int) -> None:
@@ -74,8 +84,8 @@ def _rows(param: torch.Tensor, at: int, w: torch.Tensor, rank: int, world: int) 
 
 def load_weights(model: TinyTP, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
     """The engine's loader: checkpoint tensors into this rank's parameters."""
-    r, world = model.rank, model.world
-    q, kv, inter = HIDDEN // world, HIDDEN // 2 // world, INTER // world
+    r, world, d = model.rank, model.world, model.dims
+    q, kv, inter = d.hidden // world, d.hidden // 2 // world, d.inter // world
     with torch.no_grad():
         for name, w in weights:
             if name == "embed.weight":
@@ -104,8 +114,9 @@ def load_weights(model: TinyTP, weights: Iterable[tuple[str, torch.Tensor]]) -> 
                 raise KeyError(name)
 
 
-def fresh(rank: int, world: int, state: dict[str, torch.Tensor]) -> TinyTP:
+def fresh(rank: int, world: int, state: dict[str, torch.Tensor], dims: Dims = Dims()
+          ) -> TinyTP:
     """A fresh load of `state` into engine rank `rank`: the oracle."""
-    m = TinyTP(rank, world)
+    m = TinyTP(rank, world, dims)
     load_weights(m, state.items())
     return m

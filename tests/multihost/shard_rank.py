@@ -1,7 +1,8 @@
 """One rank of a shard-direct push (issue 40): `python -m tests.multihost.shard_rank
 SPEC_JSON`, prints one JSON line with its result.
 
-SPEC: `{"rank", "trainers", "engines", "port" (the TCPStore on 127.0.0.1), "seed",
+SPEC: `{"rank", "trainers", "engines", "port" (the TCPStore, on "address" or 127.0.0.1),
+"seed", "dims" (`tp_module.Dims`' fields, optional), "reps" (pushes timed, default 1),
 "corrupt" (a trainer rank that flips a byte of its first range after digesting it),
 "secret" (hex, optional), "timeout_s"}`. Ranks 0..trainers-1 are FSDP2 trainer ranks
 (`fully_shard` over a gloo group of their own, on CPU); the rest are the engine ranks of
@@ -13,7 +14,9 @@ Trainer ranks answer `{"sent", "collectives", "control_collectives"}`: bytes sen
 collectives they ran on any group while sending (must be 0), and those of a
 `full_tensor()` under the same counter (must not be: the counter sees a gather). Engine
 ranks answer `{"received", "direct", "how", "equal"}` (`equal`: every parameter equals a
-fresh load of the trainer's weights, bit for bit) or `{"error", "type"}`.
+fresh load of the trainer's weights, bit for bit) or `{"error", "type"}`; every rank
+adds `"seconds"`, each push's time from a barrier of every rank (a trainer rank's send,
+an engine rank's receive and landing).
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ from __future__ import annotations
 import datetime as _dt
 import json
 import sys
+import time
 import traceback
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -92,20 +96,23 @@ def specs_of(state: dict[str, torch.Tensor]) -> list[TensorSpec]:
 def main(spec: dict[str, Any]) -> dict[str, Any]:
     rank, k, m = int(spec["rank"]), int(spec["trainers"]), int(spec["engines"])
     timeout_s = float(spec["timeout_s"])
+    reps = int(spec.get("reps", 1))
+    dims = tp.Dims(**spec.get("dims", {}))
     secret = bytes.fromhex(spec["secret"]) if spec.get("secret") else None
-    store = dist.TCPStore("127.0.0.1", int(spec["port"]), k + m, rank == 0,
-                          timeout=_dt.timedelta(seconds=timeout_s))
+    store = dist.TCPStore(spec.get("address", "127.0.0.1"), int(spec["port"]), k + m,
+                          rank == 0, timeout=_dt.timedelta(seconds=timeout_s))
     dist.init_process_group("gloo", store=store, rank=rank, world_size=k + m,
                             timeout=_dt.timedelta(seconds=timeout_s))
     trainers = dist.new_group(list(range(k)), backend="gloo")
-    full = {n: t.detach().clone() for n, t in tp.TinyFull(seed=int(spec["seed"])).state_dict()
-            .items()}
+    full = {n: t.detach().clone()
+            for n, t in tp.TinyFull(int(spec["seed"]), dims).state_dict().items()}
     specs = specs_of(full)
+    seconds: list[float] = []
     if rank < k:
         from torch.distributed.device_mesh import DeviceMesh
         from torch.distributed.fsdp import fully_shard
 
-        model = tp.TinyFull(seed=int(spec["seed"]))
+        model = tp.TinyFull(int(spec["seed"]), dims)
         fully_shard(model, mesh=DeviceMesh.from_group(trainers, "cpu"))
         shards = FSDP2Shards(model)
         if rank == 0:
@@ -118,57 +125,69 @@ def main(spec: dict[str, Any]) -> dict[str, Any]:
         man = Manifest.from_json(store.get("manifest").decode())
         sched = ShardSchedule.of(man)
         counter = Collectives()
-        with counter.counting():
-            if spec.get("corrupt") == rank:
-                # a byte flipped after its range was digested, before it is sent
-                import enginehooks.transports.shard_direct as sd
-                first = next(t for t in sched.transfers if t.src == rank)
-                seal = sd._seal
+        if spec.get("corrupt") == rank:
+            # a byte flipped after its range was digested, before it is sent
+            import enginehooks.transports.shard_direct as sd
+            first = next(t for t in sched.transfers if t.src == rank)
+            seal = sd._seal
 
-                def late_flip(key: Any, mid: int, index: int, buf: torch.Tensor,
-                              checksum: Any) -> tuple[int, int]:
-                    sealed = seal(key, mid, index, buf, checksum)
-                    if sched.transfers[index] == first:
-                        buf[0] ^= 0xFF
-                    return sealed
-                sd._seal = late_flip  # type: ignore[assignment]
-            sent = send_shards(dist.group.WORLD, sched.transfers, rank, shards.source, senders=k,
-                               mid=manifest_id(man), secret=secret, timeout_s=timeout_s)
-        sent_collectives = counter.count
+            def late_flip(key: Any, mid: int, index: int, buf: torch.Tensor,
+                          checksum: Any) -> tuple[int, int]:
+                sealed = seal(key, mid, index, buf, checksum)
+                if sched.transfers[index] == first:
+                    buf[0] ^= 0xFF
+                return sealed
+            sd._seal = late_flip  # type: ignore[assignment]
+        sent = 0
+        for _ in range(reps):
+            dist.barrier()
+            t0 = time.perf_counter()
+            with counter.counting():
+                sent = send_shards(dist.group.WORLD, sched.transfers, rank, shards.source,
+                                   senders=k, mid=manifest_id(man), secret=secret,
+                                   timeout_s=timeout_s)
+            seconds.append(time.perf_counter() - t0)
         control = Collectives()
         with control.counting():
             next(iter(model.parameters())).full_tensor()
-        out: dict[str, Any] = {"sent": sent, "collectives": sent_collectives,
+        out: dict[str, Any] = {"sent": sent, "collectives": counter.count,
                                "control_collectives": control.count}
     else:
         e = rank - k
         with torch.device("meta"):
-            skeleton = tp.TinyTP(e, m)
+            skeleton = tp.TinyTP(e, m, dims)
         cplan = record_plan(skeleton, specs, tp.load_weights)
         store.set(f"needs/{e}", json.dumps([[s.name, s.start, s.stop]
                                             for s in needs_of(cplan, specs)]))
         man = Manifest.from_json(store.get("manifest").decode())
         sched = ShardSchedule.of(man)
-        engine = tp.TinyTP(e, m)
-        landing = ShardLanding(cplan, man.tensors, sched.transfers, e,
-                               dict(named_tensors(engine)),
-                               lambda items: tp.load_weights(engine, items))
-        try:
-            got = receive_shards(dist.group.WORLD, sched.transfers, e, landing.dest, senders=k,
-                                 mid=manifest_id(man), secret=secret, timeout_s=timeout_s)
-            how = landing.finish()
-        except Exception as err:
-            out = {"error": str(err), "type": type(err).__name__}
-        else:
-            oracle = tp.fresh(e, m, full)
+        engine = tp.TinyTP(e, m, dims)
+        out = {}
+        for _ in range(reps):
+            landing = ShardLanding(cplan, man.tensors, sched.transfers, e,
+                                   dict(named_tensors(engine)),
+                                   lambda items: tp.load_weights(engine, items))
+            dist.barrier()
+            t0 = time.perf_counter()
+            try:
+                got = receive_shards(dist.group.WORLD, sched.transfers, e, landing.dest,
+                                     senders=k, mid=manifest_id(man), secret=secret,
+                                     timeout_s=timeout_s)
+                how = landing.finish()
+            except Exception as err:
+                out = {"error": str(err), "type": type(err).__name__}
+                break
+            seconds.append(time.perf_counter() - t0)
+        if not out:
+            oracle = tp.fresh(e, m, full, dims)
             equal = all(torch.equal(a, b) for a, b in zip(engine.state_dict().values(),
                                                            oracle.state_dict().values()))
             out = {"received": got, "direct": landing.received_direct, "how": how,
                    "equal": equal}
+    out["seconds"] = seconds
     dist.barrier()
     dist.destroy_process_group()
     return out
-
 
 if __name__ == "__main__":
     spec = json.loads(sys.argv[1])

@@ -61,7 +61,7 @@ def test_needs_are_each_ranks_slices_and_the_loader_tensors_whole() -> None:
                                                       rank * half, (rank + 1) * half)]
         # row parallel: the rank's columns, one run per row (16 of 32 floats)
         o = by["layers.0.o_proj.weight"]
-        assert len(o) == tp.HIDDEN and all(s.stop - s.start == 64 for s in o)
+        assert len(o) == tp.Dims().hidden and all(s.stop - s.start == 64 for s in o)
         assert o[0].start == rank * 64
         assert by["layers.0.scale"] == [Slice("layers.0.scale", 0, sizes["layers.0.scale"])]
         assert by["layers.1.norm"] == [Slice("layers.1.norm", 0, sizes["layers.1.norm"])]
