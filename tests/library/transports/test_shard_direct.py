@@ -59,8 +59,10 @@ def _pair(tmp_path: Path) -> tuple[object, object]:
     (b"k" * 32, 7, True, False),
     (b"k" * 32, 8, False, False),       # keyed: bound to the update (another update's id)
 ])
+@pytest.mark.parametrize("pack_below", [0, 1 << 18])  # each range a message; all packed
 def test_ranges_arrive_and_each_is_checked_by_its_digest(
-        tmp_path: Path, secret: bytes | None, mid_seen: int, flip: bool, ok: bool) -> None:
+        tmp_path: Path, secret: bytes | None, mid_seen: int, flip: bool, ok: bool,
+        pack_below: int) -> None:
     sender, receiver = _pair(tmp_path)
     data = torch.arange(64, dtype=torch.uint8)
     ts = [Transfer(0, 0, "w", 0, 16), Transfer(0, 0, "w", 32, 64)]
@@ -76,7 +78,7 @@ def test_ranges_arrive_and_each_is_checked_by_its_digest(
 
     def send() -> None:
         send_shards(sender, ts, 0, lambda t: data[t.start:t.stop].clone(), senders=1, mid=7,
-                    secret=secret, timeout_s=20)
+                    secret=secret, timeout_s=20, pack_below=pack_below)
 
     sd._seal = corrupting  # type: ignore[assignment]
     try:
@@ -85,14 +87,16 @@ def test_ranges_arrive_and_each_is_checked_by_its_digest(
         try:
             if ok:
                 n = receive_shards(receiver, ts, 0, lambda t: got[t.start:t.stop], senders=1,
-                                   mid=mid_seen, secret=secret, timeout_s=20)
+                                   mid=mid_seen, secret=secret, timeout_s=20,
+                                   pack_below=pack_below)
                 assert n == 48
                 assert torch.equal(got[:16], data[:16]) and torch.equal(got[32:], data[32:])
             else:
                 with pytest.raises(ChecksumError, match=r"bytes \[32, 64\) of 'w' from trainer "
                                    r"rank 0" if flip else r"bytes \[0, 16\)"):
                     receive_shards(receiver, ts, 0, lambda t: got[t.start:t.stop], senders=1,
-                                   mid=mid_seen, secret=secret, timeout_s=20)
+                                   mid=mid_seen, secret=secret, timeout_s=20,
+                                   pack_below=pack_below)
         finally:
             th.join()
     finally:
