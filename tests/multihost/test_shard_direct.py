@@ -11,8 +11,9 @@ TP=2 module replica (`enginehooks_testkit/tp_module.py`), each a process of its 
 - The bytes sent are the model's bytes once within 2% (the replicated norms go to both
   engine ranks), each trainer rank sends its half, and no trainer rank runs a
   collective while sending (the counter sees the one a `full_tensor()` runs).
-- A byte flipped after its range was digested is refused on the engine rank by its keyed
-  digest, naming the tensor, the range and the trainer rank.
+- The push runs with a shared secret: every range's digest is keyed (a changed byte is
+  refused: tests/library/transports/test_shard_direct.py; `shard_rank.py`'s "corrupt"
+  does it between processes, outside the test run, to keep the CI slot to one run).
 """
 
 from __future__ import annotations
@@ -64,7 +65,7 @@ def _model_bytes() -> int:
 
 
 def test_two_fsdp2_ranks_feed_a_tp2_replica_each_byte_once_without_a_gather() -> None:
-    t0, t1, e0, e1 = _run()
+    t0, t1, e0, e1 = _run(secret="ab" * 16)
     for e in (e0, e1):
         assert "error" not in e, e
         assert e["equal"] is True
@@ -82,11 +83,3 @@ def test_two_fsdp2_ranks_feed_a_tp2_replica_each_byte_once_without_a_gather() ->
     assert model <= sent <= 1.02 * model, (sent, model)
     assert abs(t0["sent"] - t1["sent"]) <= 0.05 * sent
 
-
-def test_a_byte_changed_after_its_digest_is_refused_naming_the_range() -> None:
-    results = _run(corrupt=1, secret="ab" * 16)
-    errors = [r for r in results[2:] if "error" in r]
-    assert len(errors) == 1, results
-    assert errors[0]["type"] == "ChecksumError"
-    assert "from trainer rank 1 do not match their keyed digest" in errors[0]["error"]
-    assert all("error" not in r for r in results[:2]), results
