@@ -4,8 +4,9 @@ copy plan learns real tensor-parallel slices from it (nothing in the library kno
 model): fused q/k/v and gate/up parameters filled from three and two checkpoint tensors,
 each narrowed on dim 0 to the rank's rows; o/down projections narrowed on dim 1 (row
 parallel: one run per row); a vocabulary-parallel embedding and head; replicated norms;
-and `scale`, which the loader computes with (`w * 2`), so the plan leaves it on the
-loader.
+experts stacked per rank (expert parallel: a rank's loader skips the other ranks' experts,
+so it needs none of their bytes); and `scale`, which the loader computes with (`w * 2`),
+so the plan leaves it on the loader.
 
 `TinyFull` is the same model in checkpoint layout (the trainer's module: its state dict
 is the checkpoint), seeded so every process builds the same weights.
@@ -28,6 +29,7 @@ class Dims:
     hidden: int = 32
     inter: int = 48
     layers: int = 2
+    experts: int = 4
 
 
 class _FullLayer(nn.Module):
@@ -40,6 +42,7 @@ class _FullLayer(nn.Module):
             setattr(self, name, nn.Linear(i, o, bias=False))
         self.norm = nn.Parameter(torch.randn(h))
         self.scale = nn.Parameter(torch.randn(h))
+        self.experts = nn.ModuleList(nn.Linear(h, h // 2, bias=False) for _ in range(d.experts))
 
 
 class TinyFull(nn.Module):
@@ -64,6 +67,7 @@ class _TPLayer(nn.Module):
         self.down = nn.Parameter(torch.zeros(h, d.inter // world))
         self.norm = nn.Parameter(torch.zeros(h))
         self.scale = nn.Parameter(torch.zeros(h))
+        self.experts = nn.Parameter(torch.zeros(d.experts // world, h // 2, h))
 
 
 class TinyTP(nn.Module):
@@ -110,6 +114,11 @@ def load_weights(model: TinyTP, weights: Iterable[tuple[str, torch.Tensor]]) -> 
                 layer.norm.data.copy_(w)
             elif part == "scale":
                 layer.scale.data.copy_(w * 2)
+            elif part == "experts":
+                # expert parallel: this rank loads only its own experts, stacked
+                j, local = int(rest.split(".")[1]), d.experts // world
+                if j // local == r:
+                    layer.experts.data[j % local].copy_(w)
             else:
                 raise KeyError(name)
 

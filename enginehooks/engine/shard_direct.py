@@ -6,7 +6,9 @@ schedule sends it land.
   tensor (`engine/copy_plan.py`) needs the runs of its steps' source views (a
   tensor-parallel rank's rows or columns, a fused q/k/v or gate/up part, an expert's
   range: whatever the loader narrowed, never a table per architecture); a tensor the
-  plan leaves on the loader, or whose steps clone it first, is needed whole.
+  plan leaves on the loader, or whose steps clone it first, is needed whole; one the
+  loader neither wrote anywhere nor computed with (another rank's expert, skipped by an
+  expert-parallel loader) is not needed at all.
 - `ShardLanding`: the destination of every transfer, and what happens after. Where the
   plan is a pure copy (contiguous source run into a contiguous destination run of the
   same dtype, no fills), the bytes are received straight into the parameter. Otherwise
@@ -27,7 +29,7 @@ from enginehooks.core.dtypes import torch_dtype
 from enginehooks.core.errors import ConfigError, ManifestError
 from enginehooks.core.manifest import TensorSpec
 from enginehooks.core.schedule import Slice, Transfer, view_slices
-from enginehooks.engine.copy_plan import CopyPlan, Layout, Route, replay
+from enginehooks.engine.copy_plan import NO_DESTINATION, CopyPlan, Layout, Route, replay
 
 Loader = Callable[[Iterable[tuple[str, torch.Tensor]]], None]
 
@@ -47,11 +49,23 @@ def _route(plan: CopyPlan | None, spec: TensorSpec) -> Route | None:
     return plan.route_for_spec(spec) if plan is not None else None
 
 
+def _ignored(plan: CopyPlan | None, spec: TensorSpec) -> bool:
+    """Whether this rank's loader, when the plan was recorded, wrote `spec` (same dtype
+    and shape) into nothing at all and read it for nothing: another rank's expert,
+    which an expert-parallel loader skips."""
+    r = plan.routes.get(spec.name) if plan is not None and not plan.global_reason else None
+    return (r is not None and not r.lands and not r.steps
+            and r.reason == NO_DESTINATION and r.spec.dtype == spec.dtype
+            and tuple(r.spec.shape) == tuple(spec.shape))
+
+
 def needs_of(plan: CopyPlan | None, specs: Sequence[TensorSpec]) -> list[Slice]:
     """The byte runs of `specs` (in their wire dtypes) this engine rank needs (module
     docstring), merged and sorted per tensor."""
     out: list[Slice] = []
     for spec in specs:
+        if _ignored(plan, spec):
+            continue
         route = _route(plan, spec)
         if route is None or any(st.pre for st in route.steps):
             out.append(Slice(spec.name, 0, spec.nbytes))

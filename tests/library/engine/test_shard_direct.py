@@ -1,4 +1,5 @@
-"""`engine/shard_direct.py` (issue 40): an engine rank's needs, learned from its copy plan,
+"""`engine/shard_direct.py` (issue 40): an engine rank's needs, learned from its copy plan
+(tensor-parallel rows and columns, fused parts, its own experts and none of the others'),
 and its landing of the transfers the static schedule sends it, against a fresh load, on a
 tensor-parallel module replica (`enginehooks_testkit/tp_module.py`). The bytes are handed
 over in process here; tests/multihost/test_shard_direct.py sends them over gloo."""
@@ -65,10 +66,15 @@ def test_needs_are_each_ranks_slices_and_the_loader_tensors_whole() -> None:
         assert o[0].start == rank * 64
         assert by["layers.0.scale"] == [Slice("layers.0.scale", 0, sizes["layers.0.scale"])]
         assert by["layers.1.norm"] == [Slice("layers.1.norm", 0, sizes["layers.1.norm"])]
+        # expert parallel: its own two experts whole, none of the other rank's
+        mine = {f"layers.0.experts.{j}.weight" for j in (2 * rank, 2 * rank + 1)}
+        assert {n for n in by if ".experts." in n and n.startswith("layers.0.")} == mine
+        assert all(by[n] == [Slice(n, 0, sizes[n])] for n in mine)
     # together the two ranks need each byte of the sharded tensors once: the model's
     # bytes plus the replicated norms and scales a second time
     needs = {r: needs_of(_plan(r, specs), specs) for r in range(WORLD)}
     replicated = sum(sizes[n] for n in sizes if n.endswith(("norm", "scale")))
+    assert any(".experts." in n for n in sizes)
     total = sum(s.stop - s.start for ns in needs.values() for s in ns)
     assert total == sum(sizes.values()) + replicated
 
@@ -102,6 +108,8 @@ def test_landing_the_schedule_equals_a_fresh_load(senders: int) -> None:
         assert how["layers.0.q_proj.weight"] == "direct"   # rows straight into qkv
         assert how["layers.0.o_proj.weight"] == "replayed"  # columns: assembled, replayed
         assert how["layers.0.scale"] == "loader"
+        assert how[f"layers.0.experts.{2 * rank}.weight"] == "direct"
+        assert f"layers.0.experts.{2 - 2 * rank}.weight" not in how  # the other rank's
         assert direct > 0
 
 
