@@ -139,3 +139,28 @@ def test_a_destination_not_in_the_recorded_layout_is_refused_before_anything_lan
     del tensors["layers.0.o"]
     with pytest.raises(ConfigError, match=r"layers\.0\.o: not in the recorded layout"):
         ShardLanding(plan, specs, transfers, 0, tensors, lambda items: None)
+
+
+def test_a_tensor_the_loader_copies_into_two_places_lands_in_both() -> None:
+    class Two(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a = torch.nn.Parameter(torch.zeros(4))
+            self.b = torch.nn.Parameter(torch.zeros(4))
+
+    def load(m: torch.nn.Module, weights) -> None:  # type: ignore[no-untyped-def]
+        with torch.no_grad():
+            for _, w in weights:
+                m.a.copy_(w)
+                m.b.copy_(w)
+
+    specs = [TensorSpec("w", "float32", (4,))]
+    with torch.device("meta"):
+        plan = record_plan(Two(), specs, load)
+    model = Two()
+    w = torch.arange(4.0)
+    landing = ShardLanding(plan, specs, [Transfer(0, 0, "w", 0, 16)], 0,
+                           dict(named_tensors(model)), lambda items: None)
+    landing.dest(Transfer(0, 0, "w", 0, 16)).copy_(_raw(w))
+    assert landing.finish() == {"w": "replayed"}
+    assert torch.equal(model.a, w) and torch.equal(model.b, w)
