@@ -83,6 +83,9 @@ def run_row(net: Network, k: int, m: int, args: argparse.Namespace, port: int,
             "received": received, "push_s": pushes, "median_push_s": med,
             "mb_per_s": sum(sent) / med / 1e6, "floor_s": floor,
             "ratio_to_floor": floor / med,
+            "trainer_send_s": [statistics.median(o["seconds"][1:]) for o in trainers],
+            "engine_push_s": [statistics.median(o["seconds"][1:]) for o in engines],
+            "engine_finish_s": [statistics.median(o["finish_s"][1:]) for o in engines],
             "collectives_while_sending": sum(o["collectives"] for o in trainers),
             "exact": all(o["equal"] for o in engines)}
 

@@ -16,7 +16,7 @@ collectives they ran on any group while sending (must be 0), and those of a
 ranks answer `{"received", "direct", "how", "equal"}` (`equal`: every parameter equals a
 fresh load of the trainer's weights, bit for bit) or `{"error", "type"}`; every rank
 adds `"seconds"`, each push's time from a barrier of every rank (a trainer rank's send,
-an engine rank's receive and landing).
+an engine rank's receive and landing; `"finish_s"`: its landing's replay and loader).
 """
 
 from __future__ import annotations
@@ -163,6 +163,7 @@ def main(spec: dict[str, Any]) -> dict[str, Any]:
         sched = ShardSchedule.of(man)
         engine = tp.TinyTP(e, m, dims)
         out = {}
+        finish: list[float] = []
         for _ in range(reps):
             landing = ShardLanding(cplan, man.tensors, sched.transfers, e,
                                    dict(named_tensors(engine)),
@@ -173,7 +174,9 @@ def main(spec: dict[str, Any]) -> dict[str, Any]:
                 got = receive_shards(dist.group.WORLD, sched.transfers, e, landing.dest,
                                      senders=k, mid=manifest_id(man), secret=secret,
                                      timeout_s=timeout_s)
+                t1 = time.perf_counter()
                 how = landing.finish()
+                finish.append(time.perf_counter() - t1)
             except Exception as err:
                 out = {"error": str(err), "type": type(err).__name__}
                 break
@@ -183,7 +186,7 @@ def main(spec: dict[str, Any]) -> dict[str, Any]:
             equal = all(torch.equal(a, b) for a, b in zip(engine.state_dict().values(),
                                                            oracle.state_dict().values()))
             out = {"received": got, "direct": landing.received_direct, "how": how,
-                   "equal": equal}
+                   "equal": equal, "finish_s": finish}
     out["seconds"] = seconds
     dist.barrier()
     dist.destroy_process_group()
