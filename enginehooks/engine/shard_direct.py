@@ -21,6 +21,7 @@ schedule sends it land.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable, Iterable, Mapping, Sequence
 
 import torch
@@ -97,7 +98,7 @@ def _direct_map(route: Route, spec: TensorSpec, tensors: Mapping[str, torch.Tens
         raw = d.detach().reshape(-1).view(torch.uint8)
         out.append((src[0] * item, src[1] * item, raw[dst[0] * item: dst[1] * item]))
     runs = sorted((a, b) for a, b, _ in out)
-    if any(b > c for (_, b), (c, _) in zip(runs, runs[1:])):
+    if any(b > c for (_, b), (c, _) in itertools.pairwise(runs)):
         return None  # one source byte into two places (a tensor copied twice): replayed
     return out
 
