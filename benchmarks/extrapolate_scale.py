@@ -17,9 +17,12 @@ R = 128 / g replicas, every engine GPU receiving through its own NIC):
   issue's multi-sender): each engine GPU still takes all B bytes: c0 + B / (eta_k L);
 - the static schedule (part 3): each engine GPU receives only its slice B / g, each
   trainer GPU sends its 1/256 share to each of the R replicas:
-  c0 + max(B / g, R B / 256) / (eta_k L).
+  c0 + max(B / g, R B / 256) / (eta_s L), where eta_s is shard-direct's own measured
+  efficiency (`--shard-direct`: `bench_shard_direct.py`'s rows with several trainer
+  hosts, median ratio to their link-rate floor; issue 40) or, without it, eta_k.
 
     python benchmarks/extrapolate_scale.py benchmarks/results/scale-cpu.json \
+        [--shard-direct benchmarks/results/shard-direct-cpu.json] \
         --out benchmarks/results/scale-extrapolation
 """
 
@@ -74,7 +77,8 @@ def table(c: dict[str, float], line_gbit: float, trainers: int, engines: int
         replicas = engines // g
         one = c["c0_s"] + b / (c["eta_1"] * line)
         multi = c["c0_s"] + b / (c["eta_k"] * line)
-        sched = c["c0_s"] + max(b / g, replicas * b / trainers) / (c["eta_k"] * line)
+        eta_s = c.get("eta_shard_direct", c["eta_k"])
+        sched = c["c0_s"] + max(b / g, replicas * b / trainers) / (eta_s * line)
         out.append({"model": name, "bytes": b, "gpus_per_replica": g, "replicas": replicas,
                     "one_sender_s": one, "multi_sender_whole_model_s": multi,
                     "static_schedule_s": sched, "floor_static_s": b / g / line,
@@ -87,15 +91,23 @@ def main() -> int:
                                  formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("bench", help="bench_scale.py JSON")
     ap.add_argument("--out", default="benchmarks/results/scale-extrapolation")
+    ap.add_argument("--shard-direct", help="bench_shard_direct.py JSON (eta of the schedule)")
     ap.add_argument("--line-gbit", type=float, default=400.0)
     ap.add_argument("--trainer-gpus", type=int, default=256)
     ap.add_argument("--engine-gpus", type=int, default=128)
     args = ap.parse_args()
     bench = json.loads(Path(args.bench).read_text())
     c = constants(bench)
+    if args.shard_direct:
+        sd = json.loads(Path(args.shard_direct).read_text())["rows"]
+        c["eta_shard_direct"] = statistics.median(
+            r["ratio_to_floor"] for r in sd if r["trainer_nodes"] > 1)
     rows = table(c, args.line_gbit, args.trainer_gpus, args.engine_gpus)
     lines = [f"constants from {args.bench}: eta_1 {c['eta_1']:.2f}, eta_k {c['eta_k']:.2f}, "
-             f"c0 {c['c0_s']:.2f} s; {args.trainer_gpus} -> {args.engine_gpus} GPUs, "
+             f"c0 {c['c0_s']:.2f} s"
+             + (f", shard-direct eta_s {c['eta_shard_direct']:.2f} from {args.shard_direct}"
+                if "eta_shard_direct" in c else "")
+             + f"; {args.trainer_gpus} -> {args.engine_gpus} GPUs, "
              f"{args.line_gbit:g} Gb/s each",
              "",
              "| model | GB | GPUs/replica | one sender s | every rank sends, whole model s "

@@ -48,6 +48,9 @@ from enginehooks.engine.verify import DigestCheck, Verifier, WeightsMismatch
 log = logging.getLogger("enginehooks.copy_plan")
 
 PLAN_ENV = "ENGINEHOOKS_COPY_PLAN"
+#: The reason of a tensor the loader copied into nothing (shard-direct: with nothing
+#: written at all, a tensor this rank's loader skips, such as another rank's expert)
+NO_DESTINATION = "the loader copies it into no parameter or buffer"
 
 _COPY = torch.ops.aten.copy_.default
 _CLONE = torch.ops.aten.clone.default
@@ -319,7 +322,7 @@ class PlanRecorder(ByteTracer):
             steps = self.steps.get(s.name, [])
             reason = self.reasons.get(s.name)
             if reason is None and not any(st.src is not None for st in steps):
-                reason = "the loader copies it into no parameter or buffer"
+                reason = NO_DESTINATION
             w = self.written.get(s.name)
             if reason is None and w is not None:
                 # everything the tracer saw it land in must be a destination of the plan

@@ -35,6 +35,8 @@ from enginehooks.trainer_side.state_refs import StateRefs, StreamRecord, _local,
 if TYPE_CHECKING:
     from torch.distributed.tensor import DTensor
 
+    from enginehooks.core.schedule import Slice, Transfer
+
 
 def _dtensor_type() -> type[DTensor] | None:
     try:
@@ -322,3 +324,89 @@ class FSDP1Adapter(LockstepAdapter, CheckpointAdapter):
             buffers = self._buffers()
             out.update({n: buffers[n] for n in names if n in buffers})
         return out
+
+
+class FSDP2Shards:
+    """What each rank of an FSDP2 model holds, for shard-direct (issue 40): no gather.
+
+    `holds()` is every rank's dim-0 shard of every tensor as byte ranges of the tensor in
+    its wire dtype (`core/schedule.dim0_shards`), read from the DTensors' placements
+    alone, so every rank computes the same answer without a collective; `source(t)` is
+    this rank's bytes of a transfer, from its local shard cast to the wire dtype (a cast is
+    elementwise: the cast shard's bytes are the cast tensor's). Ranks are the mesh's
+    (`sender` index = mesh rank).
+
+    Only models whose checkpoint format is their module layout (dense models), on a 1-D
+    mesh with `Shard(0)` or `Replicate()` placements: anything else is refused by name
+    (`ConfigError`) rather than guessed at; transformers' conversions on save (fused MoE
+    experts) and Megatron's partitions are not derived yet.
+    """
+
+    def __init__(self, model: nn.Module, dtype: torch.dtype | None = None) -> None:
+        from enginehooks.core.errors import ConfigError
+
+        dt = _dtensor_type()
+        state = model.state_dict()
+        self.dtype = dtype
+        self.local: dict[str, torch.Tensor] = {}
+        self.specs: dict[str, tuple[torch.dtype, tuple[int, ...]]] = {}
+        self._placement: dict[str, str] = {}
+        self.world, self.rank = 1, 0
+        for name, t in state.items():
+            wire = self.wire_dtype(t.dtype)
+            self.specs[name] = (wire, tuple(t.shape))
+            if dt is None or not isinstance(t, dt):
+                raise ConfigError(f"{name}: not a DTensor; shard-direct reads FSDP2 placements")
+            mesh = t.device_mesh
+            if mesh.ndim != 1 or len(t.placements) != 1:
+                raise ConfigError(f"{name}: a {mesh.ndim}-D mesh; shard-direct takes 1-D ones")
+            p = t.placements[0]
+            kind = "shard" if p.is_shard(0) else "replicate" if p.is_replicate() else ""
+            if not kind:
+                raise ConfigError(f"{name}: placement {p}; shard-direct takes Shard(0) and "
+                                  "Replicate()")
+            self.world, self.rank = mesh.size(), mesh.get_local_rank()
+            self._placement[name] = kind
+            self.local[name] = t.to_local()
+
+    def wire_dtype(self, dtype: torch.dtype) -> torch.dtype:
+        return self.dtype if self.dtype is not None and dtype.is_floating_point else dtype
+
+    def holds(self) -> dict[int, list[Slice]]:
+        """Every rank's bytes, by mesh rank."""
+        from enginehooks.core.schedule import Slice, dim0_shards
+
+        out: dict[int, list[Slice]] = {r: [] for r in range(self.world)}
+        for name, (wire, shape) in self.specs.items():
+            if self._placement[name] == "shard" and len(shape) > 0:
+                for r, s in dim0_shards(name, shape, wire.itemsize, self.world).items():
+                    out[r].append(s)
+            else:
+                n = wire.itemsize
+                for size in shape:
+                    n *= size
+                for r in range(self.world):
+                    out[r].append(Slice(name, 0, n))
+        return out
+
+    def source(self, t: Transfer) -> torch.Tensor:
+        """This rank's bytes [t.start, t.stop) of tensor t.name (1-D uint8)."""
+        from enginehooks.core.errors import ConfigError
+
+        mine = [s for s in self._held() if s.name == t.name]
+        if not (mine and mine[0].start <= t.start and t.stop <= mine[0].stop):
+            raise ConfigError(f"trainer rank {self.rank} holds no bytes [{t.start}, {t.stop})"
+                              f" of {t.name!r}")
+        local = self.local[t.name]
+        wire = self.specs[t.name][0]
+        local = (local if local.dtype == wire else local.to(wire)).contiguous()
+        raw = local.reshape(-1).view(torch.uint8)
+        if raw.numel() != mine[0].stop - mine[0].start:
+            raise ConfigError(f"{t.name}: this rank's shard has {raw.numel()} bytes, not the "
+                              f"{mine[0].stop - mine[0].start} that Shard(0) gives it")
+        return raw[t.start - mine[0].start: t.stop - mine[0].start]
+
+    def _held(self) -> list[Slice]:
+        if not hasattr(self, "_mine"):
+            self._mine = self.holds()[self.rank]
+        return self._mine

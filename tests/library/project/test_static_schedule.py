@@ -1,12 +1,13 @@
-"""The static schedule (`benchmarks/static_schedule.py`, `docs/scale.md` part 3): which
-trainer rank sends which bytes to which engine rank. A design study outside the package
-(no data path uses it yet); these tests pin it."""
+"""The static schedule (`enginehooks/core/schedule.py`, `docs/scale.md` part 3): which
+trainer rank sends which bytes to which engine rank. Written as a design study in
+benchmarks/ (hence this file's place); it moved into the package with the shard-direct
+data path that follows it (issue 40), and these tests still pin it."""
 
 from __future__ import annotations
 
 import pytest
 
-from benchmarks.static_schedule import (
+from enginehooks.core.schedule import (
     ScheduleError,
     Slice,
     Transfer,

@@ -1,26 +1,25 @@
-"""The static schedule: which trainer rank sends which bytes to which engine rank, so that
-every engine rank receives only its slice (`docs/scale.md`, part 3). Pure functions.
+"""The static schedule (issue 40): which trainer rank sends which bytes of which
+checkpoint tensor to which engine rank, so that every engine rank receives only its
+slice and every byte crosses the network once (`docs/scale.md`, part 3). Pure functions,
+for both sides: computed once per layout on the trainer, shipped in the signed manifest
+(`wire/schedule.py`), and read back by every engine rank.
 
-A design study, kept beside the benchmarks rather than in the package: no transport
-sends byte ranges per engine rank yet, so nothing on the data path uses it
-(`tests/library/project/test_static_schedule.py` pins it; it moves back into the package with the
-data path that uses it).
-
-Inputs, both in checkpoint layout (the flat bytes of each checkpoint tensor):
+Inputs, both in checkpoint layout (the flat bytes of each checkpoint tensor in its wire
+dtype):
 - what each trainer rank **holds** (`Slice`s): an FSDP2 rank its dim-0 shard of every
-  parameter, a Megatron TP rank its partition (after the bridge's conversion), a
-  replicated parameter on every rank that has it;
+  parameter (`dim0_shards`; `trainer_side/fsdp.py` reads it from the DTensors'
+  placements), a replicated parameter on every rank that has it; Megatron's partitions
+  through the bridge are not derived yet;
 - what each engine rank **needs**: the source bytes its loader reads, learned from the
-  engine's own loader by the copy plan (`engine/copy_plan.py`: each planned `Step`'s
-  `src` view of the checkpoint tensor; `view_slices` turns one into byte runs). A
-  tensor that stays on the loader is needed whole by every rank that loads it.
+  engine's own loader by the copy plan (`engine/shard_direct.py` turns each planned
+  `Step`'s `src` view into byte runs with `view_slices`). A tensor that stays on the
+  loader is needed whole by every rank that loads it.
 
-`schedule` computes it once (and again when a replica joins or the layouts change):
-every byte an engine rank needs is sent to it exactly once, by one trainer rank that
-holds it, and no engine rank receives a byte it does not need. Where several trainer
-ranks hold a byte, the one with the fewest bytes to send so far sends it (the egress
-links are the bottleneck across nodes); ties keep the previous sender of the same
-run, so runs stay long.
+`schedule` computes it: every byte an engine rank needs is sent to it exactly once, by
+one trainer rank that holds it, and no engine rank receives a byte it does not need.
+Where several trainer ranks hold a byte, the one with the fewest bytes to send so far
+sends it (the egress links are the bottleneck across nodes); ties keep the previous
+sender of the same run, so runs stay long.
 """
 
 from __future__ import annotations
@@ -47,7 +46,7 @@ class Slice:
 
     def __post_init__(self) -> None:
         if not 0 <= self.start <= self.stop:
-            raise ValueError(f"slice of {self.name!r}: [{self.start}, {self.stop}) is not a range")
+            raise ConfigError(f"slice of {self.name!r}: [{self.start}, {self.stop}) is not a range")
 
 
 @dataclass(frozen=True, order=True)
@@ -158,3 +157,27 @@ def floor_seconds(transfers: Iterable[Transfer], egress_bps: float, ingress_bps:
     egress, ingress = link_bytes(transfers)
     return max([b / egress_bps for b in egress.values()]
                + [b / ingress_bps for b in ingress.values()] + [0.0])
+
+
+def dim0_shards(name: str, shape: Sequence[int], itemsize: int, world: int
+                ) -> dict[int, Slice]:
+    """The bytes of checkpoint tensor `name` (`shape`, `itemsize` bytes per element)
+    that each of `world` ranks holds when it is sharded on dim 0 as FSDP2's `Shard(0)`
+    cuts it (`torch.chunk`: ceil(rows / world) rows each, the last ranks short or empty).
+    A 0-dim tensor is held whole by rank 0 only (FSDP2 does not shard scalars; every rank
+    holds it, and one is enough to send it)."""
+    if world < 1:
+        raise ConfigError(f"world {world}: at least one rank")
+    if len(shape) == 0:
+        return {0: Slice(name, 0, itemsize)}
+    rows = int(shape[0])
+    row_bytes = itemsize
+    for s in shape[1:]:
+        row_bytes *= int(s)
+    chunk = -(-rows // world) if rows else 0
+    out: dict[int, Slice] = {}
+    for r in range(world):
+        lo, hi = min(rows, r * chunk), min(rows, (r + 1) * chunk)
+        if hi > lo:
+            out[r] = Slice(name, lo * row_bytes, hi * row_bytes)
+    return out

@@ -1,0 +1,97 @@
+"""The static schedule as it travels (issue 40): `meta["schedule"]` of the signed manifest.
+
+The trainer computes the schedule once per layout (`core/schedule.py`) and writes it into
+the manifest it signs, so every engine rank reads, from text the trainer signed, exactly
+which trainer rank sends it which bytes of which tensor. Each engine rank refuses a
+schedule it cannot trust before a byte moves (`MalformedSchedule`): a transfer naming a
+rank outside the group, a tensor the manifest does not carry, a range outside the
+tensor, or two transfers giving one engine rank the same byte (a second sender could
+overwrite what the first one sent, and the digests of both would pass).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from enginehooks.core.errors import ManifestError
+from enginehooks.core.manifest import Manifest
+from enginehooks.core.schedule import Transfer
+
+#: The manifest's `meta` key that holds the schedule.
+SCHEDULE_KEY = "schedule"
+
+
+class MalformedSchedule(ManifestError):
+    """A manifest's schedule that an engine rank cannot follow or trust."""
+
+
+@dataclass(frozen=True)
+class ShardSchedule:
+    """Which trainer rank (`src` < `senders`) sends which bytes of which tensor to which
+    engine rank (`dst` < `receivers`), in the order both sides post them."""
+
+    senders: int
+    receivers: int
+    transfers: tuple[Transfer, ...]
+
+    def to_meta(self) -> dict[str, Any]:
+        return {"senders": self.senders, "receivers": self.receivers,
+                "transfers": [[t.src, t.dst, t.name, t.start, t.stop] for t in self.transfers]}
+
+    def into(self, meta: Mapping[str, Any]) -> dict[str, Any]:
+        """`meta` with this schedule under `SCHEDULE_KEY` (for `plan(meta=...)`)."""
+        return {**meta, SCHEDULE_KEY: self.to_meta()}
+
+    @staticmethod
+    def of(manifest: Manifest) -> ShardSchedule:
+        """The schedule of `manifest`, checked against its tensors (module docstring)."""
+        raw = manifest.meta.get(SCHEDULE_KEY)
+        if not isinstance(raw, dict):
+            raise MalformedSchedule("the manifest carries no schedule")
+        sizes = {t.name: t.nbytes for t in manifest.tensors}
+        return ShardSchedule.from_meta(raw, sizes)
+
+    @staticmethod
+    def from_meta(raw: Mapping[str, Any], sizes: Mapping[str, int]) -> ShardSchedule:
+        senders, receivers, items = raw.get("senders"), raw.get("receivers"), raw.get("transfers")
+        if not (_count(senders) and _count(receivers) and isinstance(items, list)):
+            raise MalformedSchedule(f"a schedule needs senders, receivers and transfers: "
+                                    f"{str(dict(raw))[:200]}")
+        out = []
+        for item in items:
+            if not (isinstance(item, list) and len(item) == 5 and isinstance(item[2], str)
+                    and all(_index(v) for i, v in enumerate(item) if i != 2)):
+                raise MalformedSchedule(f"not a transfer: {str(item)[:100]}")
+            src, dst, name, start, stop = item
+            if src >= senders or dst >= receivers:
+                raise MalformedSchedule(f"transfer {item}: ranks outside {senders} senders "
+                                        f"and {receivers} receivers")
+            if name not in sizes:
+                raise MalformedSchedule(f"transfer {item}: the manifest has no tensor {name!r}")
+            if not start < stop <= sizes[name]:
+                raise MalformedSchedule(f"transfer {item}: not a range of {name!r}'s "
+                                        f"{sizes[name]} bytes")
+            out.append(Transfer(src, dst, name, start, stop))
+        _disjoint(out)
+        return ShardSchedule(senders, receivers, tuple(out))  # type: ignore[arg-type]
+
+
+def _count(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and v > 0
+
+
+def _index(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and v >= 0
+
+
+def _disjoint(transfers: Iterable[Transfer]) -> None:
+    last: dict[tuple[int, str], Transfer] = {}
+    for t in sorted(transfers, key=lambda t: (t.dst, t.name, t.start)):
+        prev = last.get((t.dst, t.name))
+        if prev is not None and t.start < prev.stop:
+            raise MalformedSchedule(
+                f"engine rank {t.dst} would receive bytes [{t.start}, {min(t.stop, prev.stop)})"
+                f" of {t.name!r} twice (from trainer ranks {prev.src} and {t.src})")
+        last[(t.dst, t.name)] = t
