@@ -125,13 +125,17 @@ class VLLMInProcess(RunningEngine):
         return gens
 
     def _prompt(self, prompt: dict[str, Any]) -> Any:
-        """A prompt with an image (`image_prompt`): `{image}` in its text becomes the
-        model's placeholder for one image, and the image is drawn from its seed."""
-        from vllm.model_executor.models.registry import ModelRegistry
+        """A prompt with an image (`synthetic_image`): `{image}` in its text becomes the
+        prompt's `placeholder`, or the model's own for one image, and the image is drawn
+        from its seed."""
+        placeholder = prompt.get("placeholder")
+        if not placeholder:
+            from vllm.model_executor.models.registry import ModelRegistry
 
-        config = self.llm.llm_engine.model_config
-        model_cls, _ = ModelRegistry.resolve_model_cls(config.architectures, model_config=config)
-        placeholder = model_cls.get_placeholder_str("image", 1)
+            config = self.llm.llm_engine.model_config
+            model_cls, _ = ModelRegistry.resolve_model_cls(config.architectures,
+                                                           model_config=config)
+            placeholder = model_cls.get_placeholder_str("image", 1)
         return {"prompt": prompt["text"].replace("{image}", placeholder),
                 "multi_modal_data": {"image": synthetic_image(prompt["image"], prompt["side"])}}
 

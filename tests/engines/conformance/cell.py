@@ -171,7 +171,7 @@ def run_in_process(req: dict[str, Any], work: Path) -> dict[str, Any]:
     # The checkpoint's own weights, pushed back after the trained ones: the engine's
     # start from d0 (`before`) is their fresh load, so that push's oracle costs nothing.
     original = untrained(family, d0)
-    prompts = cell_prompts(family, d0)
+    prompts = cell_prompts(family, engine, d0)
     phase(work, "start")
     try:
         replica = start_engine(engine, d0, dtype=dtype, engine_args=engine_args)
@@ -216,7 +216,7 @@ def run_in_process(req: dict[str, Any], work: Path) -> dict[str, Any]:
     return undefined_by_the_checkpoint(result, info)
 
 
-def cell_prompts(family: str, d0: Path) -> list[Any]:
+def cell_prompts(family: str, engine: str, d0: Path) -> list[Any]:
     """The cell's prompts: the text ids every cell uses, and for a vision-language family
     text with a small image too (`vlm.prompts`), sent again after every push, so that a
     cache the old vision tower filled shows."""
@@ -225,11 +225,9 @@ def cell_prompts(family: str, d0: Path) -> list[Any]:
 
     if "vision-language" not in family_named(family).tags or not family.startswith("gen:"):
         return PROMPTS
-    import transformers
-
     from tests.engines.conformance.vlm import prompts
 
-    return prompts(transformers.AutoConfig.from_pretrained(d0))
+    return prompts(engine, d0)
 
 
 def untrained(family: str, d0: Path) -> Any:

@@ -66,6 +66,8 @@ def main() -> None:
             res = {"status": "not built", "detail": f"{type(e).__name__}: {e}"[:600]}
         res.update(family=cell.family, engine=args.engine, trainer=args.trainer, dtype=dtype,
                    seconds=round(time.monotonic() - t0, 1))
+        if args.vlm:
+            res["vlm"] = True  # prompted with text and images too (vlm.py)
         if "traceback" in res:
             res["traceback"] = res["traceback"][-1200:]
         done["results"].append(res)

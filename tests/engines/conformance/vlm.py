@@ -35,14 +35,35 @@ VISION_SMALL: dict[str, Any] = dict(SMALL, depth=2, embed_dim=64, num_heads=2,
 PATCHES = 4
 
 
-def prompts(config: Any) -> list[Any]:
+def prompts(engine: str, folder: Path) -> list[Any]:
     """Prompts of a VLM cell: text ids (as the text cells), then text with a small image
-    (`{image}` becomes the engine's placeholder for one image; the image is drawn from
-    its seed, the same every time: `enginehooks_testkit.engines.synthetic_image`)."""
-    side = image_side(config)
+    (`{image}` becomes the placeholder for one image, `image_placeholder`; the image is
+    drawn from its seed, the same every time: `enginehooks_testkit.engines.synthetic_image`)."""
+    import transformers
+
+    config = transformers.AutoConfig.from_pretrained(folder)
+    side, placeholder = image_side(config), image_placeholder(engine, folder)
     return [[5, 6, 7, 8], [10, 11, 12],
-            {"text": "w5 {image} w6 w7", "image": 0, "side": side},
-            {"text": "w10 w11 {image} w12", "image": 1, "side": side}]
+            {"text": "w5 {image} w6 w7", "image": 0, "side": side, "placeholder": placeholder},
+            {"text": "w10 w11 {image} w12", "image": 1, "side": side,
+             "placeholder": placeholder}]
+
+
+def image_placeholder(engine: str, folder: Path) -> str | None:
+    """What a prompt writes for one image: the engine's placeholder where the tokenizer
+    holds each of its special tokens (None: the driver asks the engine), else the
+    processor's own `image_token` (the generic tokenizer spells a token the engine
+    calls `<start_of_image>` by its processor name, `<boi>`)."""
+    import transformers
+
+    config = transformers.AutoConfig.from_pretrained(folder)
+    arch = (config.architectures or [""])[0]
+    wanted = placeholder_tokens(engine, arch)
+    vocab = transformers.AutoTokenizer.from_pretrained(folder).get_vocab()
+    if wanted and all(t in vocab for t in wanted.values()):
+        return None
+    processor = transformers.AutoProcessor.from_pretrained(folder)
+    return getattr(processor, "image_token", None)
 
 
 _TOKEN_FIELD = re.compile(r"^(\w+)_token_(?:id|index)$")
@@ -125,21 +146,45 @@ def _processor_tokens(processor: Any) -> dict[str, str]:
     return out
 
 
-def _tokenizer(vocab_size: int, specials: list[str]) -> Any:
-    """The word-level test tokenizer (`w<i>` is id i) with `specials` as the top ids."""
+def _tokenizer(vocab_size: int, specials: dict[str, str]) -> Any:
+    """The word-level test tokenizer (`w<i>` is id i) with the special tokens as the top
+    ids, each also an attribute by its name (`tokenizer.image_token`: some processors
+    read their tokens from the tokenizer)."""
     from tokenizers import AddedToken, Tokenizer, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
+    tokens = list(dict.fromkeys(specials.values()))
     vocab = {"<pad>": 0, "<s>": 1, "</s>": 2, "<unk>": 3}
-    for i in range(len(vocab), vocab_size - len(specials)):
+    for i in range(len(vocab), vocab_size - len(tokens)):
         vocab[f"w{i}"] = i
-    for i, tok in enumerate(specials):
-        vocab[tok] = vocab_size - len(specials) + i
+    for i, tok in enumerate(tokens):
+        vocab[tok] = vocab_size - len(tokens) + i
     tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.Whitespace()
-    tok.add_special_tokens([AddedToken(s, special=True, normalized=False) for s in specials])
-    return PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", pad_token="<pad>",
-                                   bos_token="<s>", eos_token="</s>")
+    tok.add_special_tokens([AddedToken(s, special=True, normalized=False) for s in tokens])
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok, unk_token="<unk>", pad_token="<pad>", bos_token="<s>",
+        eos_token="</s>", extra_special_tokens={f"{n}_token": t for n, t in specials.items()})
+
+
+_MISSING_TOKEN = re.compile(r"has no attribute '?(\w+)_token'?")
+
+
+def _processor_for(config: Any, specials: dict[str, str]) -> tuple[Any, dict[str, str]]:
+    """The processor over a tokenizer holding `specials`, and the special tokens it
+    needs: a processor that reads a token the tokenizer lacks (`tokenizer.image_token`)
+    gets a token `<name>` of that name, until it builds."""
+    specials = dict(specials)
+    for _ in range(8):
+        vocab = config.get_text_config().vocab_size
+        try:
+            return _processor(config, _tokenizer(vocab, specials)), specials
+        except AttributeError as e:
+            m = _MISSING_TOKEN.search(str(e))
+            if m is None or m.group(1) in specials:
+                raise
+            specials[m.group(1)] = f"<{m.group(1)}>"
+    raise LookupError(f"the processor of {config.model_type} keeps asking for tokens")
 
 
 def _processor(config: Any, tokenizer: Any) -> Any:
@@ -195,24 +240,27 @@ def build_vlm(family: Family, engine: str, folder: Path, seed: int = 0) -> Path:
     config_cls = getattr(transformers, family.config)
     config = config_cls(**family.kwargs)
     text = config.get_text_config()
-    vocab = text.vocab_size
-    # first pass: which special tokens the processor names
-    names = _processor_tokens(_processor(config, _tokenizer(vocab, [])))
-    for name, tok in placeholder_tokens(engine, family.model_class or "").items():
-        if tok not in names.values():
-            names.setdefault(name, tok)
+    # first pass: which special tokens the processor names (and reads from the tokenizer)
+    processor, asked = _processor_for(config, {})
+    # what the processor reads from the tokenizer wins over its own attributes (Gemma 3's
+    # processor calls its begin-of-image token `image_token`, the tokenizer's is the soft one)
+    names = dict(_processor_tokens(processor), **asked)
     fields = {m.group(1): f for f in config.to_dict() if (m := _TOKEN_FIELD.match(f))
               and f not in ("bos_token_id", "eos_token_id", "pad_token_id")}
+    # the engine's own spelling of a token the config names (`<|vision_start|>`)
+    for name, tok in placeholder_tokens(engine, family.model_class or "").items():
+        if name in fields and name not in names:
+            names[name] = tok
     for prefix in fields:
         names.setdefault(prefix, f"<{prefix}>")
-    specials = list(dict.fromkeys(names.values()))
-    tokenizer = _tokenizer(vocab, specials)
+    processor, names = _processor_for(config, names)
+    tokenizer = processor.tokenizer
     for prefix, field in fields.items():
         setattr(config, field, tokenizer.convert_tokens_to_ids(names[prefix]))
         if hasattr(text, field):
             setattr(text, field, getattr(config, field))
     out = save_tiny(folder, config, model_class=family.model_class, seed=seed)
-    _processor(config, tokenizer).save_pretrained(out)
+    processor.save_pretrained(out)
     return out
 
 
@@ -229,7 +277,7 @@ def vlm_family(arch: str) -> Family:
         config = config_class(**kwargs)
         with torch.device("meta"):
             cls._from_config(config)
-        _processor(config, _tokenizer(config.get_text_config().vocab_size, []))
+        _processor_for(config, {})
     except Exception as e:
         raise LookupError(f"transformers cannot build {arch} small: {type(e).__name__}: "
                           f"{str(e).splitlines()[0][:300] if str(e) else ''}") from e
