@@ -84,11 +84,29 @@ def shrink_vlm(config_class: type) -> dict[str, Any]:
         if sub is None or not hasattr(sub, "to_dict"):
             continue
         small = _shrink(sub, type(sub), None, SMALL if name == "text_config" else VISION_SMALL)
+        if name == "text_config":
+            _shrink_mrope(sub, small)
         patch = getattr(sub, "patch_size", None)
         if isinstance(getattr(sub, "image_size", None), int) and isinstance(patch, int):
             small["image_size"] = PATCHES * patch
         kwargs[name] = dict(sub.to_dict(), **small)
     return kwargs
+
+
+def _shrink_mrope(default: Any, small: dict[str, Any]) -> None:
+    """Multimodal rope (Qwen-VL style) splits each head's rotary half into sections,
+    which must add up to it: cut them in proportion to the smaller head."""
+    for key in ("rope_parameters", "rope_scaling"):
+        rope = getattr(default, key, None)
+        if not isinstance(rope, dict) or not isinstance(rope.get("mrope_section"), list):
+            continue
+        sections = rope["mrope_section"]
+        head = small.get("head_dim") or (small.get("hidden_size", 64)
+                                         // small.get("num_attention_heads", 2))
+        half, total = head // 2, sum(sections)
+        cut = [max(1, s * half // total) for s in sections]
+        cut[-1] += half - sum(cut)
+        small[key] = dict(rope, mrope_section=cut)
 
 
 def image_side(config: Any) -> int:
