@@ -86,9 +86,11 @@ def shrink_vlm(config_class: type) -> dict[str, Any]:
         small = _shrink(sub, type(sub), None, SMALL if name == "text_config" else VISION_SMALL)
         if name == "text_config":
             _shrink_mrope(sub, small)
-        patch = getattr(sub, "patch_size", None)
-        if isinstance(getattr(sub, "image_size", None), int) and isinstance(patch, int):
+        patch, size = _first(getattr(sub, "patch_size", None)), getattr(sub, "image_size", None)
+        if isinstance(patch, int) and isinstance(size, int):
             small["image_size"] = PATCHES * patch
+        elif isinstance(patch, int) and isinstance(size, list | tuple):  # [height, width]
+            small["image_size"] = [PATCHES * patch] * len(size)
         kwargs[name] = dict(sub.to_dict(), **small)
     return kwargs
 
@@ -109,9 +111,14 @@ def _shrink_mrope(default: Any, small: dict[str, Any]) -> None:
         small[key] = dict(rope, mrope_section=cut)
 
 
+def _first(value: Any) -> Any:
+    """A size given per axis (`[14, 14]`) as one number."""
+    return value[0] if isinstance(value, list | tuple) and value else value
+
+
 def image_side(config: Any) -> int:
     """The synthetic image's side: `PATCHES` patches of the vision tower."""
-    patch = getattr(config.vision_config, "patch_size", 14)
+    patch = _first(getattr(config.vision_config, "patch_size", 14))
     return PATCHES * (patch if isinstance(patch, int) else 14)
 
 
@@ -143,7 +150,7 @@ def _sub_processor(kind: str, model_type: str, side: int) -> Any:
     cls = getattr(transformers, name)
     default = cls()
     kwargs: dict[str, Any] = {}
-    for key in ("size", "crop_size"):
+    for key in ("size", "crop_size", "max_image_size"):
         small = _small_size(getattr(default, key, None) or {}, side)
         if small:
             kwargs[key] = small
