@@ -312,7 +312,8 @@ def vlm_family(arch: str) -> Family:
 
 def registered_vlms(engine: str) -> list[str]:
     """Image-capable multimodal architectures `engine` registers that transformers has a
-    class for (vLLM: its model class names a placeholder for an image)."""
+    class for (vLLM: its model class answers for an image placeholder, None included,
+    where the engine places the image itself; it raises for a model without images)."""
     import transformers
 
     if engine != "vllm":
@@ -325,7 +326,8 @@ def registered_vlms(engine: str) -> list[str]:
             continue
         try:
             model_cls = ModelRegistry._try_load_model_cls(arch)
-            if model_cls is not None and model_cls.get_placeholder_str("image", 1):
+            if model_cls is not None:
+                model_cls.get_placeholder_str("image", 1)
                 out.append(arch)
         except Exception:  # no image modality (audio-only models raise here)
             continue
