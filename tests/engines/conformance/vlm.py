@@ -312,8 +312,9 @@ def vlm_family(arch: str) -> Family:
 
 def registered_vlms(engine: str) -> list[str]:
     """Image-capable multimodal architectures `engine` registers that transformers has a
-    class for (vLLM: its model class answers for an image placeholder, None included,
-    where the engine places the image itself; it raises for a model without images)."""
+    class with a vision part (vLLM: its model class answers for an image placeholder,
+    None included, where the engine places the image itself; it raises for a model
+    without images)."""
     import transformers
 
     if engine != "vllm":
@@ -322,7 +323,8 @@ def registered_vlms(engine: str) -> list[str]:
 
     out = []
     for arch in sorted(_MULTIMODAL_MODELS):
-        if getattr(transformers, arch, None) is None:
+        cls = getattr(transformers, arch, None)
+        if cls is None or not is_vlm(cls.config_class):  # audio models have no vision part
             continue
         try:
             model_cls = ModelRegistry._try_load_model_cls(arch)
