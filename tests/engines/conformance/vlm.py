@@ -312,9 +312,9 @@ def vlm_family(arch: str) -> Family:
 
 def registered_vlms(engine: str) -> list[str]:
     """Image-capable multimodal architectures `engine` registers that transformers has a
-    class with a vision part (vLLM: its model class answers for an image placeholder,
-    None included, where the engine places the image itself; it raises for a model
-    without images)."""
+    class (vLLM: its model class names a placeholder for an image, or answers None, as
+    an engine that places the image itself does, for a config with a vision part; it
+    raises for a model without images)."""
     import transformers
 
     if engine != "vllm":
@@ -324,12 +324,13 @@ def registered_vlms(engine: str) -> list[str]:
     out = []
     for arch in sorted(_MULTIMODAL_MODELS):
         cls = getattr(transformers, arch, None)
-        if cls is None or not is_vlm(cls.config_class):  # audio models have no vision part
+        if cls is None:
             continue
         try:
             model_cls = ModelRegistry._try_load_model_cls(arch)
-            if model_cls is not None:
-                model_cls.get_placeholder_str("image", 1)
+            # None: the engine places the image itself, or (audio models) has none
+            if model_cls is not None and (model_cls.get_placeholder_str("image", 1)
+                                          or is_vlm(cls.config_class)):
                 out.append(arch)
         except Exception:  # no image modality (audio-only models raise here)
             continue
