@@ -133,7 +133,7 @@ def _small_size(size: Any, side: int) -> dict[str, int] | None:
     return {k: (side * side if area and k.endswith("_edge") else side) for k in have}
 
 
-def _sub_processor(kind: str, model_type: str, side: int) -> Any:
+def _sub_processor(kind: str, model_type: str, side: int, vision: Any) -> Any:
     import transformers
     from transformers.models.auto.image_processing_auto import IMAGE_PROCESSOR_MAPPING_NAMES
     from transformers.models.auto.video_processing_auto import VIDEO_PROCESSOR_MAPPING_NAMES
@@ -157,6 +157,12 @@ def _sub_processor(kind: str, model_type: str, side: int) -> Any:
     for key in ("min_pixels", "max_pixels"):
         if isinstance(getattr(default, key, None), int):
             kwargs[key] = side * side
+    # the patches it cuts are the tower's (Qwen3-VL's tower takes 16-pixel patches, its
+    # image processor's default is 14)
+    for key in ("patch_size", "temporal_patch_size"):
+        ours, tower = getattr(default, key, None), _first(getattr(vision, key, None))
+        if isinstance(ours, int) and isinstance(tower, int):
+            kwargs[key] = tower
     return cls(**kwargs)
 
 
@@ -224,7 +230,8 @@ def _processor(config: Any, tokenizer: Any) -> Any:
     parts: dict[str, Any] = {"tokenizer": tokenizer}
     for attr in cls.get_attributes():
         if attr in ("image_processor", "video_processor"):
-            parts[attr] = _sub_processor(attr.split("_")[0], config.model_type, side)
+            parts[attr] = _sub_processor(attr.split("_")[0], config.model_type, side,
+                                         config.vision_config)
     params = inspect.signature(cls.__init__).parameters
     vision = config.vision_config
     patch = getattr(vision, "patch_size", None)
