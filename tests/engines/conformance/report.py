@@ -185,7 +185,11 @@ def render_generated(results: list[dict[str, Any]], versions: dict[str, str]) ->
         "the same rule, with its processor and a tokenizer holding its special tokens; "
         "their prompts are text and text with a small synthetic image, and the same "
         "images are sent again after every push (an encoder cache filled by the old "
-        "vision tower would fail the oracle). The sweep runs in parts "
+        "vision tower would fail the oracle). A VLM's `engine cannot run` quotes the "
+        "engine's error on that small checkpoint; some of them come from where the "
+        "generic build and the engine's own processor disagree (a token count the "
+        "engine computes otherwise, a token its processor looks up by name that the "
+        "test tokenizer lacks), not only from the engine's CPU build. The sweep runs in parts "
         "(`python -m tests.engines.conformance.sweep`); empty cells were not reached yet.",
         "",
         "| architecture | " + " | ".join(f"{e} {SHORT[d]}" + ("" if t == "plain" else f" {t}")
