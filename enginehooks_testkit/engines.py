@@ -31,6 +31,16 @@ from enginehooks_testkit.generation import NEW_TOKENS, PROMPTS, Generation, firs
 __all__ = ["NEW_TOKENS", "PROMPTS", "EngineUnavailable", "Generation", "RunningEngine",
            "first_difference", "fresh_generate", "hf_generate", "register_driver", "start_engine"]
 
+def synthetic_image(seed: int, side: int) -> Any:
+    """A small RGB image drawn from `seed`, the same every time (a prompt
+    `{"text": "... {image} ...", "image": seed, "side": side}` sends it)."""
+    import numpy as np
+    from PIL import Image
+
+    rng = np.random.default_rng(seed)
+    return Image.fromarray(rng.integers(0, 256, (side, side, 3), dtype=np.uint8), "RGB")
+
+
 class EngineUnavailable(RuntimeError):
     """The engine cannot run this model here; the message carries the engine's error."""
 
@@ -103,8 +113,9 @@ class VLLMInProcess(RunningEngine):
 
         self.llm.reset_prefix_cache()  # cold cache, as the exact oracle compares
         sp = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True, logprobs=0)
-        outs = self.llm.generate([TokensPrompt(prompt_token_ids=list(p)) for p in prompts], sp,
-                                 use_tqdm=False)
+        outs = self.llm.generate([self._prompt(p) if isinstance(p, dict)
+                                  else TokensPrompt(prompt_token_ids=list(p)) for p in prompts],
+                                 sp, use_tqdm=False)
         gens = []
         for o in outs:
             c = o.outputs[0]
@@ -112,6 +123,21 @@ class VLLMInProcess(RunningEngine):
                                    tuple(step[t].logprob for t, step in zip(c.token_ids, c.logprobs)),
                                    getattr(o, "enginehooks_weight_version", None)))
         return gens
+
+    def _prompt(self, prompt: dict[str, Any]) -> Any:
+        """A prompt with an image (`synthetic_image`): `{image}` in its text becomes the
+        prompt's `placeholder`, or the model's own for one image, and the image is drawn
+        from its seed."""
+        placeholder = prompt.get("placeholder")
+        if not placeholder:
+            from vllm.model_executor.models.registry import ModelRegistry
+
+            config = self.llm.llm_engine.model_config
+            model_cls, _ = ModelRegistry.resolve_model_cls(config.architectures,
+                                                           model_config=config)
+            placeholder = model_cls.get_placeholder_str("image", 1)
+        return {"prompt": prompt["text"].replace("{image}", placeholder),
+                "multi_modal_data": {"image": synthetic_image(prompt["image"], prompt["side"])}}
 
     def close(self) -> None:
         llm, self.llm = getattr(self, "llm", None), None
@@ -318,7 +344,8 @@ def fresh_generate(engine: str, model_dir: str | Path, *, dtype: str = "float32"
     driver = DRIVERS[engine]
     request = json.dumps({"engine": engine, "driver": f"{driver.__module__}:{driver.__qualname__}",
                           "model_dir": str(model_dir), "dtype": dtype,
-                          "engine_args": engine_args or {}, "prompts": [list(p) for p in prompts],
+                          "engine_args": engine_args or {},
+                          "prompts": [p if isinstance(p, dict) else list(p) for p in prompts],
                           "max_tokens": max_tokens})
     try:
         out = subprocess.run([sys.executable, "-m", "enginehooks_testkit.engines"], input=request,

@@ -51,7 +51,8 @@ def _processor_files(src: Path, dst: Path) -> None:
     """What the engine loads beside the weights (tokenizer, image processor), which the
     model's own save_pretrained does not write."""
     for f in src.iterdir():
-        if f.name.startswith(("tokenizer", "special_tokens", "preprocessor_config")):
+        if f.name.startswith(("tokenizer", "special_tokens", "preprocessor_config",
+                              "processor_config", "video_preprocessor_config", "chat_template")):
             shutil.copy(f, dst / f.name)
 
 
@@ -118,14 +119,15 @@ def mutations(state: dict[str, Any]) -> list[tuple[str, dict[str, Any], str]]:
             ("missing", missing, layer1[0]), ("misshaped", misshaped, big)]
 
 
-def check_bad_updates(sync: Any, replica: Any, reference: Any, version: Any) -> list[str]:
+def check_bad_updates(sync: Any, replica: Any, reference: Any, version: Any,
+                      prompts: Any = None) -> list[str]:
     """Push each bad update; return what went wrong (empty: all refused cleanly)."""
     from enginehooks import ManifestError
     from enginehooks.trainer_side import StateDictAdapter, adapter_for
     from enginehooks_testkit.engines import first_difference
 
     failures = []
-    good = replica.generate()
+    good = replica.generate(*([prompts] if prompts else []))
     state = dict(adapter_for(reference).stream())
     for kind, bad, culprit in mutations(state):
         adapter = StateDictAdapter(bad)
@@ -142,7 +144,7 @@ def check_bad_updates(sync: Any, replica: Any, reference: Any, version: Any) -> 
             failures.append(f"{kind}: {adapter.produced} tensors moved before the refusal")
         if replica.handle().version() != version:
             failures.append(f"{kind}: the engine's version changed")
-        diff = first_difference(replica.generate(), good)
+        diff = first_difference(replica.generate(*([prompts] if prompts else [])), good)
         if diff is not None:
             failures.append(f"{kind}: outputs changed after a refused update: {diff}")
     return failures
@@ -169,6 +171,7 @@ def run_in_process(req: dict[str, Any], work: Path) -> dict[str, Any]:
     # The checkpoint's own weights, pushed back after the trained ones: the engine's
     # start from d0 (`before`) is their fresh load, so that push's oracle costs nothing.
     original = untrained(family, d0)
+    prompts = cell_prompts(family, engine, d0)
     phase(work, "start")
     try:
         replica = start_engine(engine, d0, dtype=dtype, engine_args=engine_args)
@@ -176,7 +179,7 @@ def run_in_process(req: dict[str, Any], work: Path) -> dict[str, Any]:
         return {"status": "cannot run", "detail": str(e)}
     with replica:
         try:
-            before = replica.generate()
+            before = replica.generate(prompts)
         except Exception as e:  # a plain load of the checkpoint cannot serve either
             return {"status": "cannot run",
                     "detail": f"the engine starts but cannot generate: {type(e).__name__}: {e}"}
@@ -193,16 +196,16 @@ def run_in_process(req: dict[str, Any], work: Path) -> dict[str, Any]:
             outputs, reports, verifications = [], [], []
             for version, weights in ((1, pushed), (2, original), (3, pushed)):
                 reports.append(sync.push(weights, version=version))
-                outputs.append(replica.generate())
+                outputs.append(replica.generate(prompts))
                 verifications.append(replica.handle().info(60)[0].get("verification") or {})
             report = reports[0]
             plan = copy_plan(replica.handle())
             info = replica.handle().info(60)[0]
             phase(work, "oracle")
             oracle = fresh_generate(engine, save_reference(reference, d0, work / "d1"),
-                                    dtype=dtype, engine_args=engine_args)
+                                    dtype=dtype, engine_args=engine_args, prompts=prompts)
             phase(work, "refusals")
-            bad = check_bad_updates(sync, replica, reference, 3)
+            bad = check_bad_updates(sync, replica, reference, 3, prompts)
     after = outputs[0]
     bad = successive(outputs, before, oracle, verifications) + bad
     result = dict(verdict(before, after, oracle, bad, report), copy_plan=plan)
@@ -211,6 +214,20 @@ def run_in_process(req: dict[str, Any], work: Path) -> dict[str, Any]:
     from tests.engines.conformance.matrix import undefined_by_the_checkpoint
 
     return undefined_by_the_checkpoint(result, info)
+
+
+def cell_prompts(family: str, engine: str, d0: Path) -> list[Any]:
+    """The cell's prompts: the text ids every cell uses, and for a vision-language family
+    text with a small image too (`vlm.prompts`), sent again after every push, so that a
+    cache the old vision tower filled shows."""
+    from enginehooks_testkit.engines import PROMPTS
+    from tests.engines.conformance.families import family_named
+
+    if "vision-language" not in family_named(family).tags or not family.startswith("gen:"):
+        return PROMPTS
+    from tests.engines.conformance.vlm import prompts
+
+    return prompts(engine, d0)
 
 
 def untrained(family: str, d0: Path) -> Any:

@@ -133,6 +133,10 @@ def build(family: Family, engine: str, folder: Any, seed: int = 0) -> Any:
 
     from enginehooks_testkit.tiny import save_tiny
 
+    if "vision-language" in family.tags and family.name.startswith("gen:"):
+        from tests.engines.conformance.vlm import build_vlm
+
+        return build_vlm(family, engine, folder, seed=seed)
     config = getattr(transformers, family.config)(**family.config_kwargs(engine))
     out = save_tiny(folder, config, model_class=family.model_class, seed=seed)
     if engine in family.image_processor:

@@ -64,9 +64,13 @@ def flipped_tie(config_class: type) -> str | None:
 
 def shrink(config_class: type, variant: str | None = None) -> dict[str, Any]:
     """Keyword arguments that build `config_class` small (see the module docstring)."""
-    default = config_class()
+    return _shrink(config_class(), config_class, variant, SMALL)
+
+
+def _shrink(default: Any, config_class: type, variant: str | None,
+            small: dict[str, Any]) -> dict[str, Any]:
     layers = _original_layers(default)
-    kwargs: dict[str, Any] = {k: v for k, v in SMALL.items() if hasattr(default, k)
+    kwargs: dict[str, Any] = {k: v for k, v in small.items() if hasattr(default, k)
                               and getattr(default, k) is not None
                               and not isinstance(getattr(config_class, k, None), property)}
     # Shrinking never grows a field: a default of one expert per token (Llama 4) or no
@@ -111,6 +115,10 @@ def generated_family(name: str) -> Family:
     if cls is None or getattr(cls, "config_class", None) is None:
         raise LookupError(f"transformers has no class {arch}")
     config_class = cls.config_class
+    from tests.engines.conformance.vlm import is_vlm, vlm_family
+
+    if is_vlm(config_class) and not variant:
+        return vlm_family(arch)
     if not is_text_decoder(config_class):
         raise LookupError(f"{arch} is not a decoder-only text architecture")
     kwargs = shrink(config_class, variant)

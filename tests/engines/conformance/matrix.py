@@ -94,11 +94,26 @@ def run(cell: Cell, root: Path, workdir: Path, timeout_s: float = 1500.0) -> dic
                              capture_output=True, text=True, timeout=timeout_s,
                              cwd=Path(__file__).resolve().parents[3])
     except subprocess.TimeoutExpired:
-        return dict(asdict(cell), status="fail", detail=f"no result within {timeout_s}s")
+        return timed_out(cell, workdir, timeout_s)
     lines = [ln for ln in out.stdout.splitlines() if ln.startswith("{")]
     if lines:
         return json.loads(lines[-1])
     return died(cell, workdir, out.returncode, out.stderr or "")
+
+
+def timed_out(cell: Cell, workdir: Path, timeout_s: float) -> dict[str, Any]:
+    """A cell with no result in time: like a death (`died`), the engine cannot run the
+    family only while it was still starting from the untouched checkpoint."""
+    try:
+        where = (workdir / "phase").read_text().strip()
+    except OSError:
+        where = "before the cell began"
+    if where == "start":
+        return dict(asdict(cell), status="cannot run",
+                    detail=f"the engine did not start from the checkpoint (or serve its "
+                           f"first generation) within {timeout_s}s, before any push")
+    return dict(asdict(cell), status="fail",
+                detail=f"no result within {timeout_s}s (phase {where!r})")
 
 
 def died(cell: Cell, workdir: Path, returncode: int, stderr: str) -> dict[str, Any]:

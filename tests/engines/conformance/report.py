@@ -179,15 +179,26 @@ def render_generated(results: list[dict[str, Any]], versions: dict[str, str]) ->
         "with the push verified equal to a fresh load of every tensor it carries), so a "
         "fresh load leaves them as its constructor made them. A row `Arch+tied` / "
         "`Arch+untied` flips the default `tie_word_embeddings` (`--ties`); a `peft` column "
-        "pushes a LoRA model merged on the fly (`--trainer peft`). The sweep runs in parts "
+        "pushes a LoRA model merged on the fly (`--trainer peft`). Rows marked (VLM): "
+        "every image-capable vision-language architecture the engine registers "
+        "(`tests/engines/conformance/vlm.py`, `--vlm`), text and vision tower shrunk by "
+        "the same rule, with its processor and a tokenizer holding its special tokens; "
+        "their prompts are text and text with a small synthetic image, and the same "
+        "images are sent again after every push (an encoder cache filled by the old "
+        "vision tower would fail the oracle). A VLM's `engine cannot run` quotes the "
+        "engine's error on that small checkpoint; some of them come from where the "
+        "generic build and the engine's own processor disagree (a token count the "
+        "engine computes otherwise, a token its processor looks up by name that the "
+        "test tokenizer lacks), not only from the engine's CPU build. The sweep runs in parts "
         "(`python -m tests.engines.conformance.sweep`); empty cells were not reached yet.",
         "",
         "| architecture | " + " | ".join(f"{e} {SHORT[d]}" + ("" if t == "plain" else f" {t}")
                                          for e, d, t in cols) + " |",
         "| --- | " + " | ".join("---" for _ in cols) + " |",
     ]
+    vlms = {r["family"] for r in results if r.get("vlm")}
     for fam in sorted({r["family"] for r in results}):
-        row = [f"`{fam[4:] if fam.startswith('gen:') else fam}`"]
+        row = [f"`{fam[4:] if fam.startswith('gen:') else fam}`" + (" (VLM)" if fam in vlms else "")]
         for e, d, t in cols:
             r = by.get((fam, e, d, t))
             mark = GEN_MARK.get(r["status"], r["status"]) if r else ""

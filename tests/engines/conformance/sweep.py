@@ -2,6 +2,7 @@
 
     bash scripts/run.sh vllm python -m tests.engines.conformance.sweep --engine vllm \\
         --out benchmarks/results/conformance/generated-vllm.json [--only A,B] [--limit N]
+    ... --vlm --out benchmarks/results/conformance/generated-vlm-vllm.json  (the VLMs)
 
 Every cell is a child process (`cell.py`) with a timeout; results already in `--out`
 are kept and skipped, so a sweep that takes hours runs in as many parts as it needs.
@@ -19,6 +20,7 @@ from typing import Any
 
 from tests.engines.conformance.generated import generated_family, registered
 from tests.engines.conformance.matrix import DTYPES, Cell, run
+from tests.engines.conformance.vlm import registered_vlms
 
 
 def main() -> None:
@@ -31,6 +33,8 @@ def main() -> None:
     ap.add_argument("--timeout", type=float, default=600.0)
     ap.add_argument("--trainer", choices=("plain", "peft"), default="plain",
                     help="peft: the trainer pushes a LoRA model merged on the fly")
+    ap.add_argument("--vlm", action="store_true",
+                    help="the vision-language architectures (vlm.py) instead of the text ones")
     ap.add_argument("--ties", action="store_true",
                     help="also the flipped tie_word_embeddings of every architecture")
     args = ap.parse_args()
@@ -39,7 +43,8 @@ def main() -> None:
     if args.out.exists():
         done = json.loads(args.out.read_text())
     seen = {(r["family"], r["dtype"], r.get("trainer", "plain")) for r in done["results"]}
-    archs = [a for a in registered(args.engine) if not args.only or a in args.only.split(",")]
+    every = registered_vlms(args.engine) if args.vlm else registered(args.engine)
+    archs = [a for a in every if not args.only or a in args.only.split(",")]
     if args.ties:
         archs = [v for a in archs for v in (a, *_flipped(a))]
     todo = [(a, d) for a in archs for d in args.dtypes.split(",")
@@ -61,6 +66,8 @@ def main() -> None:
             res = {"status": "not built", "detail": f"{type(e).__name__}: {e}"[:600]}
         res.update(family=cell.family, engine=args.engine, trainer=args.trainer, dtype=dtype,
                    seconds=round(time.monotonic() - t0, 1))
+        if args.vlm:
+            res["vlm"] = True  # prompted with text and images too (vlm.py)
         if "traceback" in res:
             res["traceback"] = res["traceback"][-1200:]
         done["results"].append(res)

@@ -79,8 +79,11 @@ def rotating_generated(per_engine: int, day: int) -> list[Cell]:
 # Generated cells that once failed and were fixed run on every CI run of their engine:
 # SGLang's MiniCPM3 loader deletes kv_b_proj after its first load (engine/transplant.py);
 # SGLang's Gemma adds 1.0 to its norms as they load, in the dtype it receives (`uncast`).
+# One vision-language cell (vlm.py, about 45 s): an image sent again after every push must
+# not be answered from the encoder cache the old vision tower filled.
 PINNED = [c for c in (Cell("gen:MiniCPM3ForCausalLM", "sglang", "plain", "float32"),
-                      Cell("gen:GemmaForCausalLM", "sglang", "plain", "bfloat16"))
+                      Cell("gen:GemmaForCausalLM", "sglang", "plain", "bfloat16"),
+                      Cell("gen:Qwen2VLForConditionalGeneration", "vllm", "plain", "float32"))
           if have(c.engine)]
 
 GENERATED = rotating_generated(int(os.environ.get("ENGINEHOOKS_GENERATED_CELLS", "1")),
