@@ -57,7 +57,9 @@ from enginehooks.core.keep import kept_modules
 from enginehooks.core.layout import layout_of, parse_reference, with_version
 from enginehooks.core.manifest import Manifest
 from enginehooks.engine.contract import EngineBinding, dispatch
+from enginehooks.engine.copy_plan import CopyPlan, PlanState
 from enginehooks.engine.expectations import Expectations
+from enginehooks.engine.shard_direct import needs_of
 from enginehooks.plugins import get_plugin_manager
 from enginehooks.transports.base import (
     JoinReceiver,
@@ -66,6 +68,8 @@ from enginehooks.transports.base import (
     Target,
     data_plane_error,
 )
+from enginehooks.wire.schedule import NEEDS_KEY
+from enginehooks.wire.schedule import needs_to_wire as wire_needs
 
 ON_TORN_ENV = "ENGINEHOOKS_ON_TORN"
 POLICIES = ("refuse", "serve")
@@ -124,6 +128,8 @@ class EngineSide:
         #: manifests this worker checked and took, by layout id (`core/layout.py`):
         #: a later push names one instead of sending it again
         self._layouts: dict[str, Manifest] = {}
+        #: `info`'s needs, computed once per recorded copy plan (the plan they came from)
+        self._needs: tuple[CopyPlan, dict[str, Any]] | None = None
         self.binding.state_changed(self.public_state())
 
     def retarget(self, other: EngineBinding | None) -> None:
@@ -265,8 +271,23 @@ class EngineSide:
             "engine": self.binding.engine,
             # parameters no checkpoint tensor loads: a fresh load leaves them as built
             "unloaded": self.expectations().unloaded()[:20],
+            **self._needs_info(),
             **self.binding.info(),
         })
+
+    def _needs_info(self) -> dict[str, Any]:
+        """`info`'s `needs` (shard-direct, `wire/schedule.py`): the byte runs of each
+        checkpoint tensor this worker's loader reads, from the copy plan its target
+        recorded (`engine/shard_direct.needs_of`); nothing while no usable plan is
+        recorded (a trainer then cannot schedule shard-direct: it broadcasts)."""
+        state = getattr(self.target, "plan", None)
+        plan = state.plan if isinstance(state, PlanState) and state.usable else None
+        if plan is None:
+            return {}
+        if self._needs is None or self._needs[0] is not plan:
+            specs = [r.spec for r in plan.routes.values()]
+            self._needs = (plan, wire_needs(needs_of(plan, specs), specs))
+        return {NEEDS_KEY: self._needs[1]}
 
     def join(self, endpoint: dict[str, Any], rank_offset: int,
              auth: str | None = None, *, replica_workers: int | None = None,

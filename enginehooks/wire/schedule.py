@@ -7,6 +7,15 @@ schedule it cannot trust before a byte moves (`MalformedSchedule`): a transfer n
 rank outside the group, a tensor the manifest does not carry, a range outside the
 tensor, or two transfers giving one engine rank the same byte (a second sender could
 overwrite what the first one sent, and the digests of both would pass).
+
+The other half travels the other way: each engine worker's `info` reports, under
+`NEEDS_KEY`, the byte runs of every checkpoint tensor its loader reads (from the copy
+plan it recorded, `engine/shard_direct.needs_of`), each with the dtype the runs are
+counted in (`needs_to_wire`). The trainer reads them with `needs_from_wire`, which
+refuses what it cannot schedule from (`MalformedNeeds`): a tensor of the update the
+worker says nothing about (its layout for it is unknown: it would be sent nothing), runs
+counted in another dtype than the update sends (every byte offset would be wrong), and
+runs that are not ranges of the tensor.
 """
 
 from __future__ import annotations
@@ -15,16 +24,57 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from enginehooks.core.errors import ManifestError
-from enginehooks.core.manifest import Manifest
-from enginehooks.core.schedule import Transfer
+from enginehooks.core.errors import ConfigError, ManifestError
+from enginehooks.core.manifest import Manifest, TensorSpec
+from enginehooks.core.schedule import Slice, Transfer
 
 #: The manifest's `meta` key that holds the schedule.
 SCHEDULE_KEY = "schedule"
 
 
+#: `info`'s key: the byte runs each checkpoint tensor this worker's loader reads.
+NEEDS_KEY = "needs"
+
+
 class MalformedSchedule(ManifestError):
     """A manifest's schedule that an engine rank cannot follow or trust."""
+
+
+class MalformedNeeds(ConfigError):
+    """An engine worker's reported needs that the trainer cannot schedule from."""
+
+
+def needs_to_wire(needs: Iterable[Slice], specs: Iterable[TensorSpec]
+                  ) -> dict[str, dict[str, Any]]:
+    """`info`'s `needs`: for every tensor of `specs` (those the worker's plan recorded),
+    its dtype and the byte runs `needs` gives it (none: the loader reads none of it)."""
+    out: dict[str, dict[str, Any]] = {s.name: {"dtype": s.dtype, "runs": []} for s in specs}
+    for n in needs:
+        out[n.name]["runs"].append([n.start, n.stop])
+    return out
+
+
+def needs_from_wire(raw: Any, specs: Iterable[TensorSpec], who: str) -> list[Slice]:
+    """The byte runs of `specs` (the update's tensors, in their wire dtypes) that worker
+    `who` reported in `info`'s `needs`, checked (module docstring)."""
+    if not isinstance(raw, dict):
+        raise MalformedNeeds(f"{who}: reports no needs (no copy plan recorded yet)")
+    out: list[Slice] = []
+    for spec in specs:
+        item = raw.get(spec.name)
+        if not isinstance(item, dict) or not isinstance(item.get("runs"), list):
+            raise MalformedNeeds(f"{who}: says nothing about tensor {spec.name!r}: its layout "
+                                 "for it is unknown")
+        if item.get("dtype") != spec.dtype:
+            raise MalformedNeeds(f"{who}: counts the bytes of {spec.name!r} in "
+                                 f"{item.get('dtype')!r}; the update sends {spec.dtype}")
+        for run in item["runs"]:
+            if not (isinstance(run, list) and len(run) == 2 and all(_index(v) for v in run)
+                    and run[0] < run[1] <= spec.nbytes):
+                raise MalformedNeeds(f"{who}: {str(run)[:60]} is not a range of "
+                                     f"{spec.name!r}'s {spec.nbytes} bytes")
+            out.append(Slice(spec.name, run[0], run[1]))
+    return out
 
 
 @dataclass(frozen=True)
