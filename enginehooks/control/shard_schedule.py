@@ -9,6 +9,10 @@ Engine ranks are numbered as the join numbers a group's members: the replicas in
 registration order, each one's workers in the order its `info` lists them
 (`engine_ranks`), the same order `WeightSync` gives rank offsets in.
 
+The schedule binds each engine rank to its worker's id (`info`'s `instance`,
+`ShardSchedule.instances`): a worker finds its rank in the signed text, and one the
+schedule does not name refuses it.
+
 `ShardPlanner` computes the schedule once per layout: a push whose tensors, holdings and
 reported needs are those of the last one reuses its schedule (only the weight version
 changes); any difference (an engine restarted with another layout, a trainer resharded)
@@ -25,7 +29,7 @@ from typing import Any
 
 from enginehooks.core.layout import layout_key
 from enginehooks.core.manifest import Manifest, TensorSpec, plan
-from enginehooks.core.schedule import Slice, schedule
+from enginehooks.core.schedule import Slice, Transfer, schedule
 from enginehooks.wire.schedule import NEEDS_KEY, ShardSchedule, needs_from_wire
 
 
@@ -53,7 +57,7 @@ class ShardPlanner:
     def __init__(self, senders: int) -> None:
         self.senders = senders
         self._key: str | None = None
-        self._schedule: ShardSchedule | None = None
+        self._transfers: tuple[Transfer, ...] | None = None
         #: how many times a schedule was computed (not reused)
         self.computed = 0
 
@@ -73,12 +77,15 @@ class ShardPlanner:
             {str(k): [[s.name, s.start, s.stop] for s in v] for k, v in holds.items()},
             {str(e): [[s.name, s.start, s.stop] for s in v] for e, v in needs.items()},
         ])
-        if key != self._key or self._schedule is None:
-            self._schedule = ShardSchedule(self.senders, len(ranks),
-                                           tuple(schedule(holds, needs)))
+        if key != self._key or self._transfers is None:
+            self._transfers = tuple(schedule(holds, needs))
             self._key = key
             self.computed += 1
-        return self._schedule
+        # each engine rank bound to its worker's id, whenever every worker has one (an
+        # engine restarted with the same layout keeps the transfers, not the ids)
+        ids = tuple(r.instance for r in ranks if r.instance)
+        return ShardSchedule(self.senders, len(ranks), self._transfers,
+                             ids if len(ids) == len(ranks) else ())
 
     def manifest(self, specs: Sequence[TensorSpec], holds: Mapping[int, Sequence[Slice]],
                  replicas: Sequence[tuple[str, Sequence[Mapping[str, Any]]]], *,

@@ -85,10 +85,24 @@ class ShardSchedule:
     senders: int
     receivers: int
     transfers: tuple[Transfer, ...]
+    #: engine rank e's worker id (`info`'s `instance`), so each worker finds its rank in
+    #: the text the trainer signed (`rank_of`); empty: ranks are given another way
+    instances: tuple[str, ...] = ()
 
     def to_meta(self) -> dict[str, Any]:
-        return {"senders": self.senders, "receivers": self.receivers,
-                "transfers": [[t.src, t.dst, t.name, t.start, t.stop] for t in self.transfers]}
+        out: dict[str, Any] = {
+            "senders": self.senders, "receivers": self.receivers,
+            "transfers": [[t.src, t.dst, t.name, t.start, t.stop] for t in self.transfers]}
+        if self.instances:
+            out["instances"] = list(self.instances)
+        return out
+
+    def rank_of(self, instance: str) -> int:
+        """The engine rank the schedule gives worker `instance`; a worker it does not
+        name refuses it (it would land another worker's bytes, or none)."""
+        if instance not in self.instances:
+            raise MalformedSchedule(f"the schedule names no engine rank for worker {instance}")
+        return self.instances.index(instance)
 
     def into(self, meta: Mapping[str, Any]) -> dict[str, Any]:
         """`meta` with this schedule under `SCHEDULE_KEY` (for `plan(meta=...)`)."""
@@ -125,7 +139,14 @@ class ShardSchedule:
                                         f"{sizes[name]} bytes")
             out.append(Transfer(src, dst, name, start, stop))
         _disjoint(out)
-        return ShardSchedule(senders, receivers, tuple(out))  # type: ignore[arg-type]
+        instances = raw.get("instances", [])
+        if not (isinstance(instances, list) and all(isinstance(i, str) for i in instances)
+                and len(set(instances)) == len(instances)
+                and len(instances) in (0, receivers)):
+            raise MalformedSchedule(f"instances {str(instances)[:200]}: not {receivers} "
+                                    "distinct worker ids")
+        return ShardSchedule(senders, receivers, tuple(out),  # type: ignore[arg-type]
+                             tuple(instances))
 
 
 def _count(v: Any) -> bool:

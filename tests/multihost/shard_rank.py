@@ -194,10 +194,14 @@ def main(spec: dict[str, Any]) -> dict[str, Any]:
             except AuthError as err:
                 out = {"refused": str(err), "type": type(err).__name__}
                 reps = 0
-        # the check phase's verdict: no byte moves unless every engine rank took it
-        store.set(f"check/{e}", out.get("refused", "ok"))
         man = Manifest.from_json(text)
         sched = ShardSchedule.of(man)
+        if not out and sched.rank_of(worker.side.instance) != e:  # its rank, as signed
+            out = {"refused": f"signed as engine rank {sched.rank_of(worker.side.instance)}",
+                   "type": "MalformedSchedule"}
+            reps = 0
+        # the check phase's verdict: no byte moves unless every engine rank took it
+        store.set(f"check/{e}", out.get("refused", "ok"))
         finish: list[float] = []
         for _ in range(reps):
             landing = ShardLanding(cplan, man.tensors, sched.transfers, e,

@@ -75,6 +75,7 @@ def test_info_to_signed_schedule_to_landing_equals_a_fresh_load() -> None:
     for e, w in enumerate(workers):
         wire.verify_token(Verifier(SECRET, audience=[w.side.instance]), "check", token,
                           manifest=text)
+        assert sched.rank_of(w.side.instance) == e  # its rank, from the signed text
         model = tp.TinyTP(e, 2)
         plan = w.target.plan.plan  # type: ignore[attr-defined]
         landing = ShardLanding(plan, man.tensors, sched.transfers, e,
@@ -133,6 +134,12 @@ def test_the_schedule_is_computed_once_per_layout() -> None:
     planner.senders = 3
     c = planner.manifest(specs, _holds(state, 3), replicas, weight_version=3, bucket_bytes=1 << 20)
     assert planner.computed == 3 and c.meta["schedule"]["senders"] == 3
+    # a worker restarted with the same layout: the transfers kept, bound to its new id
+    restarted = [("tp2", [dict(replicas[0][1][0]), {**replicas[0][1][1], "instance": "new"}])]
+    e = planner.manifest(specs, _holds(state, 3), restarted, weight_version=3,
+                         bucket_bytes=1 << 20)
+    assert planner.computed == 3
+    assert ShardSchedule.of(e).rank_of("new") == 1
     # a worker whose needs changed (restarted as the other TP rank): computed anew
     swapped = [("tp2", list(reversed(replicas[0][1])))]
     planner.manifest(specs, _holds(state, 3), swapped, weight_version=4, bucket_bytes=1 << 20)
