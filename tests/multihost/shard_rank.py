@@ -12,8 +12,9 @@ of every rank carries the data; the TCPStore carries what the library's calls wo
 engine rank's `info` answer (a `LocalEngine` whose target holds its recorded copy plan:
 `EngineSide.info` reports its needs), and the manifest rank 0 plans with
 `control/shard_schedule.ShardPlanner` with, given a secret, the `check` token over it,
-which each engine rank verifies with its `EngineSide`'s verifier before it follows the
-schedule (`"refused"`: the token it refused).
+which each engine rank's `EngineSide.check` verifies, with the tensors and whether it
+can follow the schedule, before a byte moves (`"refused"`: why it refused; the trainer
+ranks send nothing unless every engine rank took it).
 
 Trainer ranks answer `{"sent", "collectives", "control_collectives"}`: bytes sent, the
 collectives they ran on any group while sending (must be 0), and those of a
@@ -180,25 +181,28 @@ def main(spec: dict[str, Any]) -> dict[str, Any]:
         if secret:
             os.environ[SECRET_ENV] = spec["secret"]
         engine = tp.TinyTP(e, m, dims)
-        worker = LocalEngine(engine, name=f"tp{e}")
-        # the plan recorded, as an engine's ApplyTarget holds it after its first update
+        # the engine contract's side of this rank: an EngineSide whose expectations are
+        # the checkpoint's names, dtypes and shapes (the tensors are never written) and
+        # whose target holds the plan recorded, as an engine's ApplyTarget holds it
+        worker = LocalEngine(dict(full), name=f"tp{e}")
         worker.target.plan = PlanState("local")  # type: ignore[attr-defined]
         worker.target.plan.adopt(cplan, None)  # type: ignore[attr-defined]
         store.set(f"info/{e}", json.dumps(worker.side.info()))
         text = store.get("manifest").decode()
         token = store.get("token").decode() or None
         out = {}
-        if worker.side.verifier is not None:
-            try:
-                wire.verify_token(worker.side.verifier, "check", token, manifest=text)
-            except AuthError as err:
-                out = {"refused": str(err), "type": type(err).__name__}
-                reps = 0
+        try:  # the token, the tensors, and a schedule this rank can follow
+            problems = worker.side.check(text, token)
+            if problems:
+                out = {"refused": "; ".join(problems), "type": "ManifestError"}
+        except AuthError as err:
+            out = {"refused": str(err), "type": type(err).__name__}
         man = Manifest.from_json(text)
         sched = ShardSchedule.of(man)
         if not out and sched.rank_of(worker.side.instance) != e:  # its rank, as signed
             out = {"refused": f"signed as engine rank {sched.rank_of(worker.side.instance)}",
                    "type": "MalformedSchedule"}
+        if out:
             reps = 0
         # the check phase's verdict: no byte moves unless every engine rank took it
         store.set(f"check/{e}", out.get("refused", "ok"))
