@@ -47,11 +47,40 @@ class MalformedNeeds(ConfigError):
 def needs_to_wire(needs: Iterable[Slice], specs: Iterable[TensorSpec]
                   ) -> dict[str, dict[str, Any]]:
     """`info`'s `needs`: for every tensor of `specs` (those the worker's plan recorded),
-    its dtype and the byte runs `needs` gives it (none: the loader reads none of it)."""
+    its dtype and the byte runs `needs` gives it (none: the loader reads none of it).
+    Evenly spaced runs of one length travel as one `[start, stop, step, count]` (a
+    row-parallel slice is one run per row: thousands per tensor otherwise); a lone run
+    as `[start, stop]`."""
     out: dict[str, dict[str, Any]] = {s.name: {"dtype": s.dtype, "runs": []} for s in specs}
     for n in needs:
-        out[n.name]["runs"].append([n.start, n.stop])
+        runs = out[n.name]["runs"]
+        last = runs[-1] if runs else None
+        if last is not None and n.stop - n.start == last[1] - last[0]:
+            step = n.start - last[0] if len(last) == 2 else last[2]
+            if len(last) == 2 and step > 0:
+                runs[-1] = [last[0], last[1], step, 2]
+                continue
+            if len(last) == 4 and n.start == last[0] + last[3] * step:
+                last[3] += 1
+                continue
+        runs.append([n.start, n.stop])
     return out
+
+
+def _runs(name: str, run: Any, nbytes: int, who: str) -> list[Slice]:
+    """The byte runs of one `runs` item (`needs_to_wire`), checked."""
+    ok = isinstance(run, list) and len(run) in (2, 4) and all(_index(v) for v in run) \
+        and run[0] < run[1]
+    if ok and len(run) == 4:
+        start, stop, step, count = run
+        ok = step >= stop - start and count >= 1 \
+            and stop + (count - 1) * step <= nbytes
+        if ok:
+            return [Slice(name, start + i * step, stop + i * step) for i in range(count)]
+    if not ok or run[1] > nbytes:
+        raise MalformedNeeds(f"{who}: {str(run)[:60]} is not a range of "
+                             f"{name!r}'s {nbytes} bytes")
+    return [Slice(name, run[0], run[1])]
 
 
 def needs_from_wire(raw: Any, specs: Iterable[TensorSpec], who: str) -> list[Slice]:
@@ -69,11 +98,7 @@ def needs_from_wire(raw: Any, specs: Iterable[TensorSpec], who: str) -> list[Sli
             raise MalformedNeeds(f"{who}: counts the bytes of {spec.name!r} in "
                                  f"{item.get('dtype')!r}; the update sends {spec.dtype}")
         for run in item["runs"]:
-            if not (isinstance(run, list) and len(run) == 2 and all(_index(v) for v in run)
-                    and run[0] < run[1] <= spec.nbytes):
-                raise MalformedNeeds(f"{who}: {str(run)[:60]} is not a range of "
-                                     f"{spec.name!r}'s {spec.nbytes} bytes")
-            out.append(Slice(spec.name, run[0], run[1]))
+            out += _runs(spec.name, run, spec.nbytes, who)
     return out
 
 

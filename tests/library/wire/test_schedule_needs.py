@@ -43,6 +43,30 @@ def test_needs_the_trainer_cannot_schedule_from_are_refused(raw: Any, words: str
         needs_from_wire(raw, SPECS, "replica 'r' worker 0")
 
 
+def test_evenly_spaced_runs_travel_as_one_item() -> None:
+    # a row-parallel slice: 16 runs of 64 bytes, one per 128-byte row, then one more run
+    spec = TensorSpec("o", "float32", (16, 32))
+    rows = [Slice("o", 64 + 128 * i, 128 + 128 * i) for i in range(16)]
+    needs = [Slice("o", 0, 8), *rows]
+    raw = needs_to_wire(needs, [spec])
+    assert raw["o"]["runs"] == [[0, 8], [64, 128, 128, 16]]
+    assert needs_from_wire(raw, [spec], "w") == needs
+    two = [Slice("o", 0, 8), Slice("o", 100, 108)]
+    assert needs_from_wire(needs_to_wire(two, [spec]), [spec], "w") == two
+
+
+@pytest.mark.parametrize("run", [
+    [64, 128, 32, 4],      # a step shorter than a run: runs that overlap
+    [64, 128, 128, 5],     # the last run ends past the tensor's 512 bytes
+    [64, 128, 128, 0],     # no run
+    [64, 128, 128],        # neither a run nor a spaced group
+])
+def test_spaced_runs_outside_the_tensor_or_overlapping_are_refused(run: list[int]) -> None:
+    spec = TensorSpec("o", "float32", (8, 16))
+    with pytest.raises(MalformedNeeds, match="not a range"):
+        needs_from_wire({"o": {"dtype": "float32", "runs": [run]}}, [spec], "w")
+
+
 def test_a_tensor_the_update_does_not_carry_is_ignored() -> None:
     raw = needs_to_wire(NEEDS, [*SPECS, TensorSpec("vision", "float32", (2,))])
     assert needs_from_wire(raw, SPECS, "w") == NEEDS
