@@ -79,6 +79,20 @@ def needs_of(plan: CopyPlan | None, specs: Sequence[TensorSpec]) -> list[Slice]:
     return out
 
 
+def unsent(plan: CopyPlan | None, specs: Sequence[TensorSpec],
+           transfers: Iterable[Transfer], me: int) -> list[Slice]:
+    """The runs engine rank `me`'s loader reads (`needs_of`) that `transfers` do not
+    give it in full: a rank following such a schedule would load bytes nobody sent."""
+    mine: dict[str, list[Slice]] = {}
+    for t in transfers:
+        if t.dst == me:
+            mine.setdefault(t.name, []).append(Slice(t.name, t.start, t.stop))
+    got = {n: _union(v) for n, v in mine.items()}
+    return [need for need in needs_of(plan, specs)
+            if not any(g.start <= need.start and need.stop <= g.stop
+                       for g in got.get(need.name, []))]
+
+
 def _direct_map(route: Route, spec: TensorSpec, tensors: Mapping[str, torch.Tensor]
                 ) -> list[tuple[int, int, torch.Tensor]] | None:
     """(source byte start, source byte stop, the destination's bytes) per step when the
@@ -118,13 +132,10 @@ class ShardLanding:
         for t in transfers:
             if t.dst == me:
                 mine.setdefault(t.name, []).append(t)
-        got = {n: _union(Slice(n, t.start, t.stop) for t in ts) for n, ts in mine.items()}
-        for need in needs_of(plan, specs):
-            if not any(g.start <= need.start and need.stop <= g.stop
-                       for g in got.get(need.name, [])):
-                raise ManifestError(
-                    f"the schedule leaves bytes [{need.start}, {need.stop}) of {need.name!r},"
-                    f" which engine rank {me}'s loader reads, unsent")
+        for need in unsent(plan, specs, transfers, me)[:1]:
+            raise ManifestError(
+                f"the schedule leaves bytes [{need.start}, {need.stop}) of {need.name!r},"
+                f" which engine rank {me}'s loader reads, unsent")
         self._direct: dict[str, list[tuple[int, int, torch.Tensor]]] = {}
         self._staged: dict[str, torch.Tensor] = {}
         self.received_direct = 0

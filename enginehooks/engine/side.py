@@ -57,7 +57,9 @@ from enginehooks.core.keep import kept_modules
 from enginehooks.core.layout import layout_of, parse_reference, with_version
 from enginehooks.core.manifest import Manifest
 from enginehooks.engine.contract import EngineBinding, dispatch
+from enginehooks.engine.copy_plan import CopyPlan, PlanState
 from enginehooks.engine.expectations import Expectations
+from enginehooks.engine.shard_direct import needs_of, unsent
 from enginehooks.plugins import get_plugin_manager
 from enginehooks.transports.base import (
     JoinReceiver,
@@ -66,6 +68,8 @@ from enginehooks.transports.base import (
     Target,
     data_plane_error,
 )
+from enginehooks.wire.schedule import NEEDS_KEY, SCHEDULE_KEY, MalformedSchedule, ShardSchedule
+from enginehooks.wire.schedule import needs_to_wire as wire_needs
 
 ON_TORN_ENV = "ENGINEHOOKS_ON_TORN"
 POLICIES = ("refuse", "serve")
@@ -124,6 +128,8 @@ class EngineSide:
         #: manifests this worker checked and took, by layout id (`core/layout.py`):
         #: a later push names one instead of sending it again
         self._layouts: dict[str, Manifest] = {}
+        #: `info`'s needs, computed once per recorded copy plan (the plan they came from)
+        self._needs: tuple[CopyPlan, dict[str, Any]] | None = None
         self.binding.state_changed(self.public_state())
 
     def retarget(self, other: EngineBinding | None) -> None:
@@ -265,8 +271,22 @@ class EngineSide:
             "engine": self.binding.engine,
             # parameters no checkpoint tensor loads: a fresh load leaves them as built
             "unloaded": self.expectations().unloaded()[:20],
+            **self._needs_info(),
             **self.binding.info(),
         })
+
+    def _needs_info(self) -> dict[str, Any]:
+        """`info`'s `needs` (shard-direct, `wire/schedule.py`): the byte runs of each
+        checkpoint tensor this worker's loader reads, from the copy plan its target
+        recorded (`engine/shard_direct.needs_of`); nothing while no usable plan is
+        recorded (a trainer then cannot schedule shard-direct: it broadcasts)."""
+        plan = self._usable_plan()
+        if plan is None:
+            return {}
+        if self._needs is None or self._needs[0] is not plan:
+            specs = [r.spec for r in plan.routes.values()]
+            self._needs = (plan, wire_needs(needs_of(plan, specs), specs))
+        return {NEEDS_KEY: self._needs[1]}
 
     def join(self, endpoint: dict[str, Any], rank_offset: int,
              auth: str | None = None, *, replica_workers: int | None = None,
@@ -337,9 +357,33 @@ class EngineSide:
         # the engine keeps as they are where it can keep them whole (asked only then:
         # an `Expectations` written before `keep` existed still answers full updates)
         keep = kept_modules(manifest.meta)
-        if keep:
-            return self.expectations().problems(manifest.specs(), keep=keep)
-        return self.expectations().problems(manifest.specs())
+        problems = (self.expectations().problems(manifest.specs(), keep=keep) if keep
+                    else self.expectations().problems(manifest.specs()))
+        return problems + self._schedule_problems(manifest)
+
+    def _usable_plan(self) -> CopyPlan | None:
+        state = getattr(self.target, "plan", None)
+        return state.plan if isinstance(state, PlanState) and state.usable else None
+
+    def _schedule_problems(self, manifest: Manifest) -> list[str]:
+        """A manifest with a shard-direct schedule (`wire/schedule.py`) is refused at
+        check, before a byte moves, where this worker cannot follow it: a malformed
+        schedule, one that names no engine rank for this worker, no recorded copy plan
+        to land it with, or bytes its loader reads that no transfer gives it."""
+        if SCHEDULE_KEY not in manifest.meta:
+            return []
+        try:
+            sched = ShardSchedule.of(manifest)
+            me = sched.rank_of(self.instance)
+        except MalformedSchedule as e:
+            return [f"shard-direct schedule: {e}"]
+        plan = self._usable_plan()
+        if plan is None:
+            return ["shard-direct schedule: this worker has no usable recorded copy plan "
+                    "to land it with"]
+        return [f"shard-direct schedule: bytes [{s.start}, {s.stop}) of {s.name!r}, which "
+                f"this worker's loader reads (engine rank {me}), are not sent to it"
+                for s in unsent(plan, manifest.specs(), sched.transfers, me)[:5]]
 
     def receive(self, manifest_json: str, group: str,
                 auth: str | None = None) -> wire.ReceiveReply:

@@ -81,6 +81,9 @@ class WorkerInfo(TypedDict, total=False):
     engine: str
     #: parameters no checkpoint tensor loads (the first 20)
     unloaded: list[str]
+    #: the byte runs of each checkpoint tensor this worker's loader reads, once its copy
+    #: plan is recorded (shard-direct, `wire/schedule.py` `needs_to_wire`)
+    needs: dict[str, dict[str, Any]]
     # -- added by the bindings (`engine/apply.py`, SGLang's scheduler) ------------------
     beacon: str
     verification: dict[str, Any]

@@ -4,11 +4,17 @@ SPEC_JSON`, prints one JSON line with its result.
 SPEC: `{"rank", "trainers", "engines", "port" (the TCPStore, on "address" or 127.0.0.1),
 "seed", "dims" (`tp_module.Dims`' fields, optional), "reps" (pushes timed, default 1),
 "corrupt" (a trainer rank that flips a byte of its first range after digesting it),
-"secret" (hex, optional), "timeout_s"}`. Ranks 0..trainers-1 are FSDP2 trainer ranks
+"tamper" (rank 0 changes the schedule after signing it), "secret" (the shared secret,
+optional), "timeout_s"}`. Ranks 0..trainers-1 are FSDP2 trainer ranks
 (`fully_shard` over a gloo group of their own, on CPU); the rest are the engine ranks of
 one tensor-parallel module replica (`enginehooks_testkit/tp_module.py`). One gloo group
-of every rank carries the data; the TCPStore carries the engine ranks' needs and the
-manifest with the schedule (as `info` and `check` would).
+of every rank carries the data; the TCPStore carries what the library's calls would: each
+engine rank's `info` answer (a `LocalEngine` whose target holds its recorded copy plan:
+`EngineSide.info` reports its needs), and the manifest rank 0 plans with
+`control/shard_schedule.ShardPlanner` with, given a secret, the `check` token over it,
+which each engine rank's `EngineSide.check` verifies, with the tensors and whether it
+can follow the schedule, before a byte moves (`"refused"`: why it refused; the trainer
+ranks send nothing unless every engine rank took it).
 
 Trainer ranks answer `{"sent", "collectives", "control_collectives"}`: bytes sent, the
 collectives they ran on any group while sending (must be 0), and those of a
@@ -23,6 +29,7 @@ from __future__ import annotations
 
 import datetime as _dt
 import json
+import os
 import sys
 import time
 import traceback
@@ -34,12 +41,15 @@ import torch
 import torch.distributed as dist
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from enginehooks import wire
+from enginehooks.control.shard_schedule import ShardPlanner
+from enginehooks.core.auth import SECRET_ENV, AuthError
 from enginehooks.core.buckets import manifest_id
 from enginehooks.core.dtypes import dtype_name
-from enginehooks.core.manifest import Manifest, TensorSpec, plan
-from enginehooks.core.schedule import Slice, schedule
-from enginehooks.engine.copy_plan import named_tensors, record_plan
-from enginehooks.engine.shard_direct import ShardLanding, needs_of
+from enginehooks.core.manifest import Manifest, TensorSpec
+from enginehooks.engine.copy_plan import PlanState, named_tensors, record_plan
+from enginehooks.engine.local import LocalEngine
+from enginehooks.engine.shard_direct import ShardLanding
 from enginehooks.trainer_side.fsdp import FSDP2Shards
 from enginehooks.transports.shard_direct import receive_shards, send_shards
 from enginehooks.wire.schedule import ShardSchedule
@@ -98,7 +108,7 @@ def main(spec: dict[str, Any]) -> dict[str, Any]:
     timeout_s = float(spec["timeout_s"])
     reps = int(spec.get("reps", 1))
     dims = tp.Dims(**spec.get("dims", {}))
-    secret = bytes.fromhex(spec["secret"]) if spec.get("secret") else None
+    secret = spec["secret"].encode() if spec.get("secret") else None
     store = dist.TCPStore(spec.get("address", "127.0.0.1"), int(spec["port"]), k + m,
                           rank == 0, timeout=_dt.timedelta(seconds=timeout_s))
     dist.init_process_group("gloo", store=store, rank=rank, world_size=k + m,
@@ -116,14 +126,25 @@ def main(spec: dict[str, Any]) -> dict[str, Any]:
         fully_shard(model, mesh=DeviceMesh.from_group(trainers, "cpu"))
         shards = FSDP2Shards(model)
         if rank == 0:
-            needs = {e: [Slice(*x) for x in json.loads(store.get(f"needs/{e}"))]
-                     for e in range(m)}
-            sched = ShardSchedule(k, m, tuple(schedule(shards.holds(), needs)))
-            man = plan(specs, weight_version=1, bucket_bytes=1 << 20, checksum=None,
-                       meta=sched.into({}))
-            store.set("manifest", man.to_json())
+            infos = [json.loads(store.get(f"info/{e}")) for e in range(m)]
+            man = ShardPlanner(k).manifest(specs, shards.holds(), [("tp", infos)],
+                                           weight_version=1, bucket_bytes=1 << 20,
+                                           checksum=None)
+            text = man.to_json()
+            token = (wire.token(secret, "check", [i["instance"] for i in infos],
+                                manifest=text) if secret else "")
+            if spec.get("tamper"):  # another sender for the first range, after signing
+                raw = json.loads(text)
+                first = raw["meta"]["schedule"]["transfers"][0]
+                first[0] = (first[0] + 1) % k
+                text = json.dumps(raw)
+            store.set("token", token)
+            store.set("manifest", text)
         man = Manifest.from_json(store.get("manifest").decode())
         sched = ShardSchedule.of(man)
+        verdicts = [store.get(f"check/{e}").decode() for e in range(m)]
+        if any(v != "ok" for v in verdicts):
+            reps = 0  # refused at check: nothing is sent
         counter = Collectives()
         if spec.get("corrupt") == rank:
             # a byte flipped after its range was digested, before it is sent
@@ -151,18 +172,40 @@ def main(spec: dict[str, Any]) -> dict[str, Any]:
         with control.counting():
             next(iter(model.parameters())).full_tensor()
         out: dict[str, Any] = {"sent": sent, "collectives": counter.count,
-                               "control_collectives": control.count}
+                               "control_collectives": control.count, "verdicts": verdicts}
     else:
         e = rank - k
         with torch.device("meta"):
             skeleton = tp.TinyTP(e, m, dims)
         cplan = record_plan(skeleton, specs, tp.load_weights)
-        store.set(f"needs/{e}", json.dumps([[s.name, s.start, s.stop]
-                                            for s in needs_of(cplan, specs)]))
-        man = Manifest.from_json(store.get("manifest").decode())
-        sched = ShardSchedule.of(man)
+        if secret:
+            os.environ[SECRET_ENV] = spec["secret"]
         engine = tp.TinyTP(e, m, dims)
+        # the engine contract's side of this rank: an EngineSide whose expectations are
+        # the checkpoint's names, dtypes and shapes (the tensors are never written) and
+        # whose target holds the plan recorded, as an engine's ApplyTarget holds it
+        worker = LocalEngine(dict(full), name=f"tp{e}")
+        worker.target.plan = PlanState("local")  # type: ignore[attr-defined]
+        worker.target.plan.adopt(cplan, None)  # type: ignore[attr-defined]
+        store.set(f"info/{e}", json.dumps(worker.side.info()))
+        text = store.get("manifest").decode()
+        token = store.get("token").decode() or None
         out = {}
+        try:  # the token, the tensors, and a schedule this rank can follow
+            problems = worker.side.check(text, token)
+            if problems:
+                out = {"refused": "; ".join(problems), "type": "ManifestError"}
+        except AuthError as err:
+            out = {"refused": str(err), "type": type(err).__name__}
+        man = Manifest.from_json(text)
+        sched = ShardSchedule.of(man)
+        if not out and sched.rank_of(worker.side.instance) != e:  # its rank, as signed
+            out = {"refused": f"signed as engine rank {sched.rank_of(worker.side.instance)}",
+                   "type": "MalformedSchedule"}
+        if out:
+            reps = 0
+        # the check phase's verdict: no byte moves unless every engine rank took it
+        store.set(f"check/{e}", out.get("refused", "ok"))
         finish: list[float] = []
         for _ in range(reps):
             landing = ShardLanding(cplan, man.tensors, sched.transfers, e,

@@ -2,7 +2,10 @@
 loopback: two FSDP2 trainer ranks (`fully_shard`, CPU) send only their own shards'
 intersections with what each engine rank needs, straight to the two engine ranks of one
 TP=2 module replica (`enginehooks_testkit/tp_module.py`), each a process of its own
-(`shard_rank.py`).
+(`shard_rank.py`). The engine ranks report their needs through `EngineSide.info`, rank 0
+plans the schedule with `control/shard_schedule.ShardPlanner` and signs the manifest
+with the `check` token, which each engine rank verifies
+(tests/multihost/test_shard_direct_signed.py: a schedule changed after signing).
 
 - Each engine rank equals, bit for bit, a fresh load of the trainer's weights; most bytes
   land straight in its parameters (the rows of q/k/v, gate/up, the embedding), the
@@ -76,6 +79,7 @@ def test_two_fsdp2_ranks_feed_a_tp2_replica_each_byte_once_without_a_gather() ->
     for t in (t0, t1):
         assert "error" not in t, t
         assert t["collectives"] == 0
+        assert t["verdicts"] == ["ok", "ok"]  # both engine ranks took the signed schedule
         assert t["control_collectives"] >= 1  # the counter sees a gather
     sent = t0["sent"] + t1["sent"]
     assert sent == e0["received"] + e1["received"]
