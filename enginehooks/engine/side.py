@@ -242,9 +242,11 @@ class EngineSide:
                 f"{self.updating_to!r} (group {self.group}); one update at a time")
 
     # -- the verbs ----------------------------------------------------------------------
-    def info(self) -> wire.WorkerInfo:
+    def info(self, needs: bool | None = None) -> wire.WorkerInfo:
         """This worker's facts (`wire.WorkerInfo`), with the binding's extras (the keys
-        `WorkerInfo` lists for them)."""
+        `WorkerInfo` lists for them). `needs`: add the byte runs this worker's loader
+        reads (shard-direct, `_needs_info`), asked for only by a trainer that schedules
+        shard-direct: they are large for a large model, and every full push asks `info`."""
         dtype = self.binding.dtype()
         return cast(wire.WorkerInfo, {
             "rank": self.worker_rank,
@@ -271,7 +273,7 @@ class EngineSide:
             "engine": self.binding.engine,
             # parameters no checkpoint tensor loads: a fresh load leaves them as built
             "unloaded": self.expectations().unloaded()[:20],
-            **self._needs_info(),
+            **(self._needs_info() if needs else {}),
             **self.binding.info(),
         })
 

@@ -46,6 +46,19 @@ def _int(v: Any) -> int:
     return int(v)
 
 
+def _flag(v: Any) -> bool | None:
+    """An optional yes/no argument, as JSON or as text from the network."""
+    if v in (None, "", "None", "null"):
+        return None
+    if isinstance(v, bool):
+        return v
+    if v in ("true", "True", "1", 1):
+        return True
+    if v in ("false", "False", "0", 0):
+        return False
+    raise ValueError(f"expected true or false, got {v!r:.40}")
+
+
 def _token(v: Any) -> str | None:
     return None if v in (None, "", "None", "null") else _text(v)
 
@@ -87,7 +100,11 @@ class Request:
 
 @dataclass(frozen=True)
 class InfoRequest(Request):
+    """`needs`: also the byte runs the worker's loader reads (shard-direct schedules)."""
+
     verb: ClassVar[str] = "info"
+    decoders: ClassVar[tuple[Callable[[Any], Any], ...]] = (_flag,)
+    needs: bool | None = None
 
 
 @dataclass(frozen=True)

@@ -187,7 +187,7 @@ def main(spec: dict[str, Any]) -> dict[str, Any]:
         worker = LocalEngine(dict(full), name=f"tp{e}")
         worker.target.plan = PlanState("local")  # type: ignore[attr-defined]
         worker.target.plan.adopt(cplan, None)  # type: ignore[attr-defined]
-        store.set(f"info/{e}", json.dumps(worker.side.info()))
+        store.set(f"info/{e}", json.dumps(worker.side.info(needs=True)))
         text = store.get("manifest").decode()
         token = store.get("token").decode() or None
         out = {}

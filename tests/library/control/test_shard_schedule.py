@@ -60,7 +60,7 @@ def test_info_to_signed_schedule_to_landing_equals_a_fresh_load() -> None:
     state = _state()
     specs = _specs(state)
     workers = [_worker(r, specs) for r in range(2)]
-    infos = [dict(w.side.info()) for w in workers]
+    infos = [dict(w.side.info(needs=True)) for w in workers]
     replicas: list[tuple[str, list[dict[str, Any]]]] = [("tp2", infos)]
     ranks = engine_ranks(replicas)
     assert [(r.replica, r.worker) for r in ranks] == [("tp2", 0), ("tp2", 1)]
@@ -100,7 +100,7 @@ def test_the_check_token_covers_the_schedule() -> None:
     state = _state()
     specs = _specs(state)
     workers = [_worker(r, specs) for r in range(2)]
-    replicas = [("tp2", [dict(w.side.info()) for w in workers])]
+    replicas = [("tp2", [dict(w.side.info(needs=True)) for w in workers])]
     man = ShardPlanner(2).manifest(specs, _holds(state, 2), replicas, weight_version=1, bucket_bytes=1 << 20)
     text = man.to_json()
     token = wire.token(SECRET, "check", [], manifest=text)
@@ -119,7 +119,7 @@ def test_the_schedule_is_computed_once_per_layout() -> None:
     state = _state()
     specs = _specs(state)
     workers = [_worker(r, specs) for r in range(2)]
-    replicas = [("tp2", [dict(w.side.info()) for w in workers])]
+    replicas = [("tp2", [dict(w.side.info(needs=True)) for w in workers])]
     planner = ShardPlanner(2)
     a = planner.manifest(specs, _holds(state, 2), replicas, weight_version=1, bucket_bytes=1 << 20)
     b = planner.manifest(specs, _holds(state, 2), replicas, weight_version=2, bucket_bytes=1 << 20)
@@ -150,7 +150,7 @@ def test_a_worker_without_needs_is_refused_naming_it() -> None:
     state = _state()
     specs = _specs(state)
     plain = LocalEngine(tp.TinyTP(1, 2))  # no copy plan recorded: no needs
-    replicas = [("tp2", [dict(_worker(0, specs).side.info()), dict(plain.side.info())])]
+    replicas = [("tp2", [dict(_worker(0, specs).side.info(needs=True)), dict(plain.side.info(needs=True))])]
     assert NEEDS_KEY not in replicas[0][1][1]
     with pytest.raises(MalformedNeeds, match="replica 'tp2' worker 1"):
         ShardPlanner(2).manifest(specs, _holds(state, 2), replicas, weight_version=1, bucket_bytes=1 << 20)

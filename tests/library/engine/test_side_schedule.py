@@ -51,7 +51,7 @@ def _setup() -> tuple[list[LocalEngine], Manifest]:
         for r, s in dim0_shards(n, tuple(t.shape), t.element_size(), 2).items():
             holds[r].append(s)
     man = ShardPlanner(2).manifest(_specs(state), holds,
-                                   [("tp2", [dict(w.side.info()) for w in workers])],
+                                   [("tp2", [dict(w.side.info(needs=True)) for w in workers])],
                                    weight_version=1, bucket_bytes=1 << 20)
     return workers, man
 

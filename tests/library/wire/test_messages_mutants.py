@@ -267,7 +267,7 @@ def test_requests_decode_text_and_objects_alike() -> None:
 @pytest.mark.parametrize("cls,args", [
     (p.JoinRequest, ['{"h": 1}']),                       # too few
     (p.JoinRequest, ['{"h": 1}', 1, "t", "extra"]),      # too many
-    (p.InfoRequest, ["x"]),
+    (p.InfoRequest, ["true", "x"]),
     (p.ReceiveRequest, ["{}"]),
     (p.DigestsRequest, []),
 ])
