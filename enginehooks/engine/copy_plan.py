@@ -547,13 +547,16 @@ class PlanState:
     def verify_update(self, verifier: Verifier, model: torch.nn.Module,
                       build_fresh: Callable[[], torch.nn.Module], landed: Collection[str],
                       checking: bool, planned: Collection[str],
-                      digests: DigestCheck | None = None) -> None:
+                      digests: DigestCheck | None = None,
+                      stream_fresh: Callable[[Collection[str]], Iterator[Any]] | None = None
+                      ) -> None:
         """Verify after apply (`verify.Verifier.run`, with `digests` of the planned plain
         copies); when `checking` (the first update through the plan), any difference
         from a fresh load, or no verdict at all, is judged against the plan. Raises
-        `WeightsMismatch` as the verifier does."""
+        `WeightsMismatch` as the verifier does. `stream_fresh`: the shadow streamed
+        unit by unit (`engine.shadow`), where the engine gives one."""
         try:
-            verdict = verifier.run(model, build_fresh, landed, digests)
+            verdict = verifier.run(model, build_fresh, landed, digests, stream_fresh)
         except WeightsMismatch as e:
             if checking:
                 self.disable(f"the first update through the plan differed from a fresh "
