@@ -46,7 +46,7 @@ from enginehooks.engine.expectations import (
     checkpoint_specs,
     resolve_model_dir,
 )
-from enginehooks.engine.shadow import Pass, ShadowParts, stream
+from enginehooks.engine.shadow import Pass, ShadowParts, mark_loaded, stream
 from enginehooks.engine.transplant import transplant
 from enginehooks.engine.verify import DigestCheck, Verifier
 from enginehooks.transports.base import Target
@@ -357,9 +357,10 @@ class ApplyTarget(Target, ABC):
                 self.verifier.skipped()
         elif verify:
             planned = {st.dest for r in update.routes.values() for st in r.steps}
-            self.plan.verify_update(self.verifier, model, lambda: self.fresh_load(kept), landed,
-                                    checking and update.planned > 0, planned, update.digests,
-                                    self._streamer(kept))
+            self.plan.verify_update(self.verifier, model,
+                                    lambda: self.fresh_load(kept, before_processing=mark_loaded),
+                                    landed, checking and update.planned > 0, planned,
+                                    update.digests, self._streamer(kept))
         elif update.fed:
             self.verifier.skipped()
 

@@ -35,7 +35,6 @@ from __future__ import annotations
 import gc
 import logging
 import os
-import re
 from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from contextlib import contextmanager, suppress
 from dataclasses import dataclass
@@ -158,24 +157,22 @@ def held_bytes(model: torch.nn.Module) -> int:
     return total
 
 
-def _rss() -> tuple[int, int] | None:
-    """(resident, resident high-water mark) of this process in bytes (Linux)."""
-    try:
-        with open("/proc/self/status") as f:
-            text = f.read()
-    except OSError:
-        return None
-    rss, hwm = (re.search(rf"{k}:\s+(\d+) kB", text) for k in ("VmRSS", "VmHWM"))
-    if rss is None or hwm is None:
-        return None
-    return int(rss.group(1)) << 10, int(hwm.group(1)) << 10
+#: set on a whole shadow's model by the engine's `before_processing` hook: the bytes
+#: its loader left (after processing, CPU prepacking holds them where no tensor shows)
+LOADED_ATTR = "_enginehooks_loaded_bytes"
+
+
+def mark_loaded(model: torch.nn.Module) -> None:
+    """Record on `model` the bytes of tensors it holds now (`held_bytes`): called
+    between the loader and post-load processing of a whole shadow."""
+    setattr(model, LOADED_ATTR, held_bytes(model))
 
 
 class PeakMemory:
-    """The most memory the shadow added at once: on CUDA the allocator's peak above
-    what was allocated before; on the host the process's resident high-water mark
-    (reset where Linux allows) above its resident size before. `peak()` in bytes, or
-    None where it cannot be read."""
+    """The most device memory the shadow added at once, where the allocator tracks it
+    (CUDA: its peak above what was allocated before); None on the host, where freed
+    memory the process keeps resident hides new allocations from any measure short of
+    the allocator's (what the shadow held is then `Verdict.shadow_tensor_bytes`)."""
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
@@ -183,22 +180,11 @@ class PeakMemory:
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
             self.base = torch.cuda.memory_allocated(device)
-            return
-        try:
-            with open("/proc/self/clear_refs", "w") as f:
-                f.write("5")  # resets VmHWM to the current resident size
-        except OSError:
-            return
-        now = _rss()
-        self.base = now[0] if now is not None else None
 
     def peak(self) -> int | None:
         if self.base is None:
             return None
-        if self.device.type == "cuda":
-            return max(0, torch.cuda.max_memory_allocated(self.device) - self.base)
-        now = _rss()
-        return max(0, now[1] - self.base) if now is not None else None
+        return max(0, torch.cuda.max_memory_allocated(self.device) - self.base)
 
 
 @contextmanager

@@ -51,7 +51,14 @@ from typing import Any
 import torch
 
 from enginehooks.core.errors import ConfigError, EngineHooksError
-from enginehooks.engine.shadow import Pass, PeakMemory, Unstreamable, held_bytes, shadow_mode
+from enginehooks.engine.shadow import (
+    LOADED_ATTR,
+    Pass,
+    PeakMemory,
+    Unstreamable,
+    held_bytes,
+    shadow_mode,
+)
 
 log = logging.getLogger("enginehooks.verify")
 
@@ -300,8 +307,8 @@ class Verdict:
     #: the most bytes of real tensors the shadow held at once (parameters and buffers
     #: after its loader or its processing, whichever held more)
     shadow_tensor_bytes: int = 0
-    #: the most memory the shadow added at once, measured (`shadow.PeakMemory`: the
-    #: CUDA allocator's peak, or the process's resident high-water mark on the host)
+    #: the most device memory the shadow added at once, measured where the allocator
+    #: tracks it (CUDA), else None (`shadow.PeakMemory`)
     shadow_peak_bytes: int | None = None
     #: where the time went: digests, building the shadow, comparing (and repairing)
     seconds: dict[str, float] = field(default_factory=dict)
@@ -630,7 +637,7 @@ def verify_and_repair(live: torch.nn.Module, build_fresh: Callable[[], torch.nn.
             tc = time.perf_counter()
             built += tc - tb
             verdict.shadow_kind = "whole"
-            verdict.shadow_tensor_bytes = held_bytes(fresh)
+            verdict.shadow_tensor_bytes = max(held_bytes(fresh), getattr(fresh, LOADED_ATTR, 0))
             verdict.shadow_peak_bytes = peak.peak()
             _compare_and_repair(live, fresh, landed, verdict, skip, engine)
             del fresh

@@ -73,7 +73,8 @@ def test_state_reports_each_verification_exactly(monkeypatch: pytest.MonkeyPatch
     last = {"ok": True, "outcome": "verified", "compared": 3, "mismatched": [], "repaired": [],
             "unreadable": [], "how": "shadow", "digest": 0, "digest_bytes": 0,
             "shadow_bytes": 3 * 4 * 3 * 4, "probed": [], "unverified": [],
-            "shadow_kind": "whole", "shadow_units": 0, "shadow_tensor_bytes": 3 * 4 * 4}
+            "shadow_kind": "whole", "shadow_units": 0, "shadow_tensor_bytes": 3 * 4 * 4,
+            "shadow_peak_bytes": None}
     assert v.state() == {
         "policy": "first", "verified": 2, "every_update": False,
         "updates": {"verified": 2, "repaired": 0, "unverified": 1, "failed": 0},
@@ -81,7 +82,6 @@ def test_state_reports_each_verification_exactly(monkeypatch: pytest.MonkeyPatch
                  "error": "not verified: ENGINEHOOKS_VERIFY=first"}}
     v.run(Conv(), Conv, {"weight"})
     seconds = v.state()["last"].pop("seconds")
-    assert v.state()["last"].pop("shadow_peak_bytes") >= 0  # measured: this machine's
     assert v.state()["last"] == last
     assert set(seconds) == {"digest", "shadow", "compare"}
 
