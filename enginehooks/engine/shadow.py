@@ -7,8 +7,8 @@ it rarely fits. So the shadow is streamed instead, one **unit** at a time:
 
 - the engine's model class is constructed once, exactly as the engine constructs it,
   with every parameter moved to the meta device as it is registered (a global parameter
-  registration hook swaps in a meta twin of the same class and attributes: at most one
-  parameter is real at any time of the construction). Buffers stay as constructed (a
+  registration hook moves each to meta in place, the same object of the same class and
+  attributes: at most one parameter is real at any time of the construction). Buffers stay as constructed (a
   rotary cache is computed there, small);
 - a unit is an element of the model's first-level `ModuleList`s (a decoder layer), and
   the **rest** (embeddings, final norm, output head, and every ancestor) is one more;
@@ -79,23 +79,24 @@ class ShadowParts:
     device: torch.device
 
 
-def _twin(p: torch.Tensor, device: torch.device | str) -> torch.Tensor:
-    """An empty parameter like `p` on `device`, of `p`'s own class (an engine's parameter
-    subclass keeps its loader methods) and with its attributes (`weight_loader`, ...)."""
-    data = torch.empty_like(p, device=device)
-    twin = torch.Tensor._make_subclass(type(p), data, p.requires_grad)
+def _move(p: torch.Tensor, device: torch.device | str) -> None:
+    """Turn parameter `p` into an empty one on `device`, in place: the same object (so
+    every reference the engine's code holds, ties between modules, and attributes it
+    sets on it later, such as `weight_loader` after registering it, all follow), of its
+    own class, with its attributes."""
+    twin = torch.Tensor._make_subclass(type(p), torch.empty_like(p, device=device),
+                                       p.requires_grad)
     twin.__dict__.update(p.__dict__)
-    return twin
+    torch.utils.swap_tensors(p, twin)
 
 
 def construct(build: Callable[[], torch.nn.Module]) -> torch.nn.Module:
     """The engine's model class built by `build`, every parameter on the meta device:
-    each is replaced by a meta twin as it is registered, so construction never holds
-    more than one real parameter."""
-    def on_register(module: torch.nn.Module, name: str, param: Any) -> Any:
-        if param is None or param.is_meta:
-            return None
-        return _twin(param, "meta")
+    each is moved there as it is registered, so construction never holds more than one
+    real parameter."""
+    def on_register(module: torch.nn.Module, name: str, param: Any) -> None:
+        if param is not None and not param.is_meta:
+            _move(param, "meta")
 
     handle = torch.nn.modules.module.register_module_parameter_registration_hook(on_register)
     try:
@@ -221,16 +222,11 @@ def _slots(model: torch.nn.Module, unit_names: Collection[str]
 
 
 def _materialize(model: torch.nn.Module, device: torch.device) -> None:
-    """Every meta parameter of the tree as it stands made real (empty) on `device`,
-    one twin per parameter so tied ones stay tied."""
-    twins: dict[int, torch.Tensor] = {}
-    for module in model.modules():
-        for name, p in list(module._parameters.items()):
-            if p is None or not p.is_meta:
-                continue
-            if id(p) not in twins:
-                twins[id(p)] = _twin(p, device)
-            module._parameters[name] = twins[id(p)]  # type: ignore[assignment]
+    """Every meta parameter of the tree as it stands made real (empty) on `device`, in
+    place (tied ones are one object: made real once)."""
+    for p in model.parameters():
+        if p.is_meta:
+            _move(p, device)
 
 
 def _drop(root: torch.nn.Module, live_ids: Collection[int]) -> None:

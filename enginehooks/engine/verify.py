@@ -53,6 +53,7 @@ import torch
 from enginehooks.core.errors import ConfigError, EngineHooksError
 from enginehooks.engine.shadow import (
     LOADED_ATTR,
+    SHADOW_ENV,
     Pass,
     PeakMemory,
     Unstreamable,
@@ -304,6 +305,7 @@ class Verdict:
     #: (a second model at once), or "" (none)
     shadow_kind: str = ""
     shadow_units: int = 0  # units the streamed shadow built (one at a time)
+    shadow_why: str = ""  # why a shadow was built whole, where it was
     #: the most bytes of real tensors the shadow held at once (parameters and buffers
     #: after its loader or its processing, whichever held more)
     shadow_tensor_bytes: int = 0
@@ -325,7 +327,7 @@ class Verdict:
                 "how": self.how, "digest": self.digest, "digest_bytes": self.digest_bytes,
                 "shadow_bytes": self.shadow_bytes, "probed": self.probed[:50],
                 "unverified": self.unverified[:50], "shadow_kind": self.shadow_kind,
-                "shadow_units": self.shadow_units,
+                "shadow_units": self.shadow_units, "shadow_why": self.shadow_why,
                 "shadow_tensor_bytes": self.shadow_tensor_bytes,
                 "shadow_peak_bytes": self.shadow_peak_bytes}
 
@@ -602,6 +604,7 @@ def verify_and_repair(live: torch.nn.Module, build_fresh: Callable[[], torch.nn.
             before = dataclasses.replace(verdict, seconds=dict(verdict.seconds))
             peak = PeakMemory(device)
             passes = stream_fresh(touched - skip)
+            why = ""
             try:
                 while True:
                     tb = time.perf_counter()
@@ -619,18 +622,25 @@ def verify_and_repair(live: torch.nn.Module, build_fresh: Callable[[], torch.nn.
                 verdict.shadow_peak_bytes = peak.peak()
             except Unstreamable as e:
                 log.info("%s: the shadow is built whole: %s", engine, e)
+                why = str(e)
             except WeightsMismatch:
                 raise
             except Exception as e:
                 log.warning("%s: the streamed shadow failed (%s: %s); building it whole",
                             engine, type(e).__name__, e)
+                why = f"the streamed shadow failed: {type(e).__name__}: {e}"
             finally:
                 passes.close()  # type: ignore[attr-defined]
             if verdict.shadow_kind != "streamed":  # again on a whole shadow, keeping
                 # what was repaired already (those modules are suspect from now on)
                 before.mismatched, before.repaired = verdict.mismatched, verdict.repaired
                 verdict = before
+                verdict.shadow_why = why[:300]
         if verdict.shadow_kind != "streamed":
+            if stream_fresh is None:
+                verdict.shadow_why = "the engine gives no streamed shadow"
+            elif shadow_mode() != "streamed":
+                verdict.shadow_why = f"{SHADOW_ENV}=whole"
             peak = PeakMemory(device)
             tb = time.perf_counter()
             fresh = build_fresh()

@@ -47,8 +47,10 @@ rotary()  # built for real before any shadow, as an engine's live model is built
 class Linear(torch.nn.Module):
     def __init__(self) -> None:
         super().__init__()
-        self.weight = torch.nn.Parameter(torch.empty(HIDDEN, HIDDEN), requires_grad=False)
-        self.weight.weight_loader = self.weight_loader  # type: ignore[attr-defined]
+        weight = torch.nn.Parameter(torch.empty(HIDDEN, HIDDEN), requires_grad=False)
+        self.register_parameter("weight", weight)
+        # set on the object after registering it, as vLLM's and SGLang's linears do
+        weight.weight_loader = self.weight_loader  # type: ignore[attr-defined]
 
     def weight_loader(self, param: torch.Tensor, w: torch.Tensor) -> None:
         param.data.copy_(w)

@@ -35,7 +35,7 @@ def test_a_verdict_reports_every_list_capped_at_50() -> None:
     assert v.to_dict() == {"compared": 7, "mismatched": names[:50], "repaired": names[1:51],
                            "unreadable": names[2:52], "how": "digest+shadow", "digest": 2,
                            "digest_bytes": 8, "shadow_bytes": 9, "probed": names[3:53],
-                           "unverified": names[4:54], "shadow_kind": "", "shadow_units": 0,
+                           "unverified": names[4:54], "shadow_kind": "", "shadow_units": 0, "shadow_why": "",
                            "shadow_tensor_bytes": 0, "shadow_peak_bytes": None}
 
 
@@ -74,6 +74,7 @@ def test_state_reports_each_verification_exactly(monkeypatch: pytest.MonkeyPatch
             "unreadable": [], "how": "shadow", "digest": 0, "digest_bytes": 0,
             "shadow_bytes": 3 * 4 * 3 * 4, "probed": [], "unverified": [],
             "shadow_kind": "whole", "shadow_units": 0, "shadow_tensor_bytes": 3 * 4 * 4,
+            "shadow_why": "the engine gives no streamed shadow",
             "shadow_peak_bytes": None}
     assert v.state() == {
         "policy": "first", "verified": 2, "every_update": False,
