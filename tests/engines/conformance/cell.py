@@ -361,7 +361,7 @@ def run_fsdp2(req: dict[str, Any], work: Path) -> dict[str, Any]:
 def fsdp2_rank(rank: int) -> None:
     """One FSDP2 trainer rank: shard every layer, push in lockstep (rank 0 sends) the
     versions of `FSDP2_VERSIONS` (the checkpoint's own weights loaded into the sharded
-    model between them), then rank 0 saves the trained weights for the oracle."""
+    model between them); rank 0 saves the trained weights for the oracle first."""
     import datetime
 
     import torch.distributed as dist
@@ -390,6 +390,10 @@ def fsdp2_rank(rank: int) -> None:
     fully_shard(model)
     full_options = StateDictOptions(full_state_dict=True, cpu_offload=True)
     full = get_model_state_dict(model, options=full_options)
+    if rank == 0:  # (before the pushes: loading a full state spreads it into DTensors)
+        reference = trained(job["family"], d0)
+        reference.load_state_dict(full)
+        save_reference(reference, d0, Path(job["out"]))
     states = {"trained": full,
               "original": untrained(job["family"], d0).state_dict() if rank == 0 else {}}
     sync = None
@@ -407,12 +411,8 @@ def fsdp2_rank(rank: int) -> None:
         dist.barrier()
         if rank == 0:
             (work / f"pushed-{n}").touch()
-    if rank == 0:
-        reference = trained(job["family"], d0)
-        reference.load_state_dict(full)
-        save_reference(reference, d0, Path(job["out"]))
-        if sync is not None:
-            sync.close()
+    if sync is not None:
+        sync.close()
     dist.barrier()
     dist.destroy_process_group()
 
