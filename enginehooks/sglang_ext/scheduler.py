@@ -219,7 +219,7 @@ class SGLangTarget(ApplyTarget):
 
         def build() -> torch.nn.Module:
             with set_default_torch_dtype(dtype), device:
-                return _initialize_model(mr.model_config, load_config, quant)  # type: ignore[no-any-return]
+                return _initialize_model(mr.model_config, load_config, quant)
 
         def load(model: torch.nn.Module, weights: list[tuple[str, torch.Tensor]]) -> None:
             with set_default_torch_dtype(dtype):

@@ -233,7 +233,7 @@ class VLLMTarget(ApplyTarget):
         def build() -> torch.nn.Module:
             with set_current_vllm_config(cfg), set_default_torch_dtype(
                     cfg.model_config.dtype), device:
-                return initialize_model(vllm_config=cfg)  # type: ignore[no-any-return]
+                return initialize_model(vllm_config=cfg)
 
         def load(model: torch.nn.Module, weights: list[tuple[str, torch.Tensor]]) -> None:
             with set_current_vllm_config(cfg), set_default_torch_dtype(cfg.model_config.dtype):
