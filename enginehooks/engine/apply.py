@@ -48,7 +48,7 @@ from enginehooks.engine.expectations import (
 )
 from enginehooks.engine.shadow import Pass, ShadowParts, mark_loaded, stream
 from enginehooks.engine.transplant import transplant
-from enginehooks.engine.verify import DigestCheck, Verifier
+from enginehooks.engine.verify import DigestCheck, Verifier, readable_tensors
 from enginehooks.transports.base import Target
 
 __all__ = ["ApplyBinding", "ApplyTarget", "Update"]
@@ -152,7 +152,7 @@ class ApplyTarget(Target, ABC):
         if parts is None:
             return None
         model = self.model()
-        return lambda needed: stream(parts, kept, model, needed)
+        return lambda needed: stream(parts, kept, model, needed, readable_tensors)
 
     @abstractmethod
     def skeleton(self) -> torch.nn.Module:

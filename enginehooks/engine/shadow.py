@@ -258,22 +258,22 @@ class Pass:
 
 
 def stream(parts: ShadowParts, weights: list[tuple[str, torch.Tensor]], live: torch.nn.Module,
-           needed: Collection[str]) -> Iterator[Pass]:
+           needed: Collection[str], readable: Callable[[torch.nn.Module], Mapping[str, Any]]
+           ) -> Iterator[Pass]:
     """The shadow, one unit at a time, for the units holding a module of `needed` (the
     touched modules left to the shadow). Raises `Unstreamable` before loading anything
-    where streaming would not be exactly a fresh load."""
+    where streaming would not be exactly a fresh load. `readable(module)`: the tensors
+    a module itself holds that a forward can read (`verify.readable_tensors`)."""
     lands = parts.lands(weights)
     model = construct(parts.build)
     found = units(model)
     if not found:
         raise Unstreamable("the model has no list of layers")
     names = set(found)
-    from enginehooks.engine.verify import readable_tensors
-
     live_modules = dict(live.named_modules())
     for anc in sorted(_ancestors(names)):
         m = live_modules.get(anc)
-        if m is not None and readable_tensors(m):
+        if m is not None and readable(m):
             raise Unstreamable(f"{anc or '<root>'} holds tensors of its own")
     owners: dict[int, set[str]] = {}
     for pname, p in model.named_parameters(remove_duplicate=False):

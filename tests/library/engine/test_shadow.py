@@ -21,7 +21,7 @@ import torch
 
 from enginehooks.engine import shadow
 from enginehooks.engine.shadow import ShadowParts, construct, stream
-from enginehooks.engine.verify import verify_and_repair
+from enginehooks.engine.verify import readable_tensors, verify_and_repair
 
 HIDDEN, LAYERS = 64, 6
 SHARED: dict[str, torch.nn.Module] = {}
@@ -126,7 +126,8 @@ def _parts(lands: Mapping[str, Collection[str] | None] | None = None, log: Any =
 def _verify(live: Model, weights: list[tuple[str, torch.Tensor]], parts: ShadowParts | None,
             **kw: Any) -> Any:
     landed = {n for n, _ in weights}
-    streamer = (lambda needed: stream(parts, weights, live, needed)) if parts else None
+    streamer = ((lambda needed: stream(parts, weights, live, needed, readable_tensors))
+                if parts else None)
     return verify_and_repair(live, lambda: _whole(weights, **kw), landed, engine="tiny",
                              stream_fresh=streamer)
 
@@ -196,7 +197,7 @@ def test_only_units_with_a_module_left_to_the_shadow_are_built() -> None:
     live = _live(w)
     built: list[int] = []
     parts = _parts(log=lambda m: built.append(1))
-    passes = list(stream(parts, w, live, {"layers.2.proj", "layers.2"}))
+    passes = list(stream(parts, w, live, {"layers.2.proj", "layers.2"}, readable_tensors))
     assert [p.unit for p in passes] == ["layers.2"] and len(built) == 1
 
 
@@ -252,7 +253,7 @@ def test_an_update_tensor_not_in_exactly_one_unit_is_unstreamable(case: str) -> 
         "unknown landing": None, "nowhere": set(),
         "two units": {"layers.0.proj.weight", "layers.1.proj.weight"}}[case]}
     with pytest.raises(shadow.Unstreamable, match=r"layers\.0\.proj\.weight lands in"):
-        list(stream(_parts(lands), w, _live(w), {"layers.0.proj"}))
+        list(stream(_parts(lands), w, _live(w), {"layers.0.proj"}, readable_tensors))
 
 
 def test_what_a_unit_cannot_repair_is_torn_without_a_whole_shadow() -> None:
@@ -269,4 +270,5 @@ def test_what_a_unit_cannot_repair_is_torn_without_a_whole_shadow() -> None:
     parts = _parts()
     with pytest.raises(WeightsMismatch, match=r"layers\.2\.proj\.weight \(shape\)"):
         verify_and_repair(live, whole, {n for n, _ in w}, engine="tiny",
-                          stream_fresh=lambda needed: stream(parts, w, live, needed))
+                          stream_fresh=lambda needed: stream(parts, w, live, needed,
+                                                             readable_tensors))
