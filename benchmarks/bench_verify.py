@@ -15,7 +15,8 @@ Engines:
   plain torch model of ~`--gb` GB (no transformers needed), its loader a copy by name,
   in this process: pushed over gloo (the in-process transport; the bytes are staged
   through the host, so the push is slower than cuda_ipc's), with a raw device copy of
-  the same weights as the floor (`machine.raw_device_copy_s`). Per push the verdict's
+  the same weights as the floor (`machine.raw_device_copy_s`). Its shadow streams block
+  by block (`shadow_parts`), as vLLM's and SGLang's do. Per push the verdict's
   `seconds` give the verification's own time (digests, shadow, compare).
 
     python benchmarks/bench_verify.py --engine vllm --out benchmarks/results/verify/cpu.json
@@ -96,6 +97,7 @@ def module_replica(gb: float, device: torch.device,
     from enginehooks.engine.apply import ApplyBinding, ApplyTarget
     from enginehooks.engine.contract import verb_of
     from enginehooks.engine.expectations import skeleton_on_meta
+    from enginehooks.engine.shadow import ShadowParts
     from enginehooks.engine.side import EngineSide
 
     hidden, inner, dtype = 2048, 8192, torch.bfloat16
@@ -134,6 +136,14 @@ def module_replica(gb: float, device: torch.device,
             if before_processing is not None:
                 before_processing(fresh)
             return fresh
+
+        def shadow_parts(self) -> ShadowParts:
+            """The same fresh load in its steps: the shadow streamed block by block."""
+            def load(m: torch.nn.Module, weights: list[tuple[str, torch.Tensor]]) -> None:
+                m.load_weights(iter(weights))  # type: ignore[operator]
+
+            return ShadowParts(lambda: build(self.device), load, lambda m: None, self.lands,
+                               self.device)
 
     class Binding(ApplyBinding):
         engine = "module"
