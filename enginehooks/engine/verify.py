@@ -638,7 +638,9 @@ def verify_and_repair(live: torch.nn.Module, build_fresh: Callable[[], torch.nn.
                 verdict.shadow_why = why[:300]
         if verdict.shadow_kind != "streamed":
             if stream_fresh is None:
-                verdict.shadow_why = "the engine gives no streamed shadow"
+                verdict.shadow_why = ("no streamed shadow offered (the engine gives none, or "
+                                      "the copy plan's first check reads the whole "
+                                      "loader's result)")
             elif shadow_mode() != "streamed":
                 verdict.shadow_why = f"{SHADOW_ENV}=whole"
             peak = PeakMemory(device)

@@ -230,7 +230,7 @@ def pushed_summary(verification: dict[str, Any]) -> dict[str, Any]:
     """One push's verification, as a cell's row keeps it."""
     last = verification.get("last") or {}
     return {k: last.get(k) for k in ("ok", "outcome", "how", "digest_bytes", "shadow_bytes",
-                                     "repaired", "unverified")}
+                                     "repaired", "unverified", "shadow_kind", "shadow_why")}
 
 
 def successive(outputs: list[Any], before: Any, oracle: Any,

@@ -74,7 +74,8 @@ def test_state_reports_each_verification_exactly(monkeypatch: pytest.MonkeyPatch
             "unreadable": [], "how": "shadow", "digest": 0, "digest_bytes": 0,
             "shadow_bytes": 3 * 4 * 3 * 4, "probed": [], "unverified": [],
             "shadow_kind": "whole", "shadow_units": 0, "shadow_tensor_bytes": 3 * 4 * 4,
-            "shadow_why": "the engine gives no streamed shadow",
+            "shadow_why": "no streamed shadow offered (the engine gives none, or the copy "
+                          "plan's first check reads the whole loader's result)",
             "shadow_peak_bytes": None}
     assert v.state() == {
         "policy": "first", "verified": 2, "every_update": False,
