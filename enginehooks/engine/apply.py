@@ -147,12 +147,18 @@ class ApplyTarget(Target, ABC):
         return out
 
     def _streamer(self, kept: list[tuple[str, torch.Tensor]]
-                  ) -> Callable[[Collection[str]], Iterator[Pass]] | None:
+                  ) -> Callable[..., Iterator[Pass]] | None:
+        """`streamer(needed, before_processing=None)`: the shadow of `kept` streamed
+        unit by unit (`engine.shadow.stream`), or None where the engine gives none."""
         parts = self.shadow_parts()
         if parts is None:
             return None
         model = self.model()
-        return lambda needed: stream(parts, kept, model, needed, readable_tensors)
+
+        def streamer(needed: Collection[str], before_processing: Any = None) -> Iterator[Pass]:
+            return stream(parts, kept, model, needed, readable_tensors, before_processing)
+
+        return streamer
 
     @abstractmethod
     def skeleton(self) -> torch.nn.Module:
@@ -352,7 +358,7 @@ class ApplyTarget(Target, ABC):
         if plan is not None:
             self.plan.check_on_shadow(plan, self.verifier, model,
                                       lambda hook: self.fresh_load(kept, before_processing=hook),
-                                      dict(kept), landed, verify)
+                                      dict(kept), landed, verify, self._streamer(kept))
             if not verify:
                 self.verifier.skipped()
         elif verify:

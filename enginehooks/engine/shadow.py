@@ -258,12 +258,15 @@ class Pass:
 
 
 def stream(parts: ShadowParts, weights: list[tuple[str, torch.Tensor]], live: torch.nn.Module,
-           needed: Collection[str], readable: Callable[[torch.nn.Module], Mapping[str, Any]]
-           ) -> Iterator[Pass]:
+           needed: Collection[str], readable: Callable[[torch.nn.Module], Mapping[str, Any]],
+           before_processing: Callable[[torch.nn.Module, list[tuple[str, torch.Tensor]]], None]
+           | None = None) -> Iterator[Pass]:
     """The shadow, one unit at a time, for the units holding a module of `needed` (the
     touched modules left to the shadow). Raises `Unstreamable` before loading anything
     where streaming would not be exactly a fresh load. `readable(module)`: the tensors
-    a module itself holds that a forward can read (`verify.readable_tensors`)."""
+    a module itself holds that a forward can read (`verify.readable_tensors`).
+    `before_processing(model, unit_weights)`: called after each unit's load, before its
+    processing (the copy plan's check of what the loader alone wrote)."""
     lands = parts.lands(weights)
     model = construct(parts.build)
     found = units(model)
@@ -301,6 +304,8 @@ def stream(parts: ShadowParts, weights: list[tuple[str, torch.Tensor]], live: to
                 _materialize(model, parts.device)
                 parts.load(model, by_unit.get(u, []))
                 loaded = held_bytes(model)
+                if before_processing is not None:
+                    before_processing(model, by_unit.get(u, []))
                 parts.process(model)
                 mods = {n for n in all_modules if unit_of(n, names) == u}
                 yield Pass(u, mods, model, loaded)

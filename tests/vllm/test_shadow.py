@@ -56,7 +56,10 @@ def test_the_shadow_holds_one_layer_at_a_time(engine: VLLMInProcess, deep: Path,
     assert layer * LAYERS > 0.8 * model_bytes  # the layers are most of the model
     with WeightSync("gloo", bucket_bytes=1 << 20, timeout_s=120) as sync:
         sync.add_replica(engine.handle())
-        sync.push(trainer[0], version=1)  # records the copy plan (checked on a whole shadow)
+        sync.push(trainer[0], version=1)  # records the copy plan, checked unit by unit
+        v = _last(engine)
+        assert v["outcome"] == "verified" and v["shadow_kind"] == "streamed", v
+        assert engine.handle().info(30)[0]["copy_plan"]["state"] == "verifying"
         sync.push(trainer[1], version=2)  # the plan's first use: verified in full
         v = _last(engine)
         assert v["outcome"] == "verified" and v["shadow_kind"] == "streamed", v

@@ -272,3 +272,42 @@ def test_what_a_unit_cannot_repair_is_torn_without_a_whole_shadow() -> None:
         verify_and_repair(live, whole, {n for n, _ in w}, engine="tiny",
                           stream_fresh=lambda needed: stream(parts, w, live, needed,
                                                              readable_tensors))
+
+
+@pytest.mark.parametrize("verify", [True, False])
+@pytest.mark.parametrize("bad_unit", [None, "layers.4.proj.weight"])
+def test_the_copy_plans_first_check_runs_unit_by_unit(
+        monkeypatch: pytest.MonkeyPatch, verify: bool, bad_unit: str | None) -> None:
+    """The plan is checked before each unit's processing, on that unit's tensors (the
+    check itself, `check_plan`, is replaced by a recorder here: what is tested is that
+    every unit is checked and one unit's problem keeps the plan off)."""
+    from enginehooks.engine import copy_plan
+    from enginehooks.engine.verify import Verifier
+
+    w = _weights(10)
+    live = _live(w)
+    checked: list[str] = []
+
+    def check(plan: Any, loaded: Mapping[str, torch.Tensor],
+              weights: Mapping[str, torch.Tensor]) -> str | None:
+        for name, t in weights.items():
+            checked.append(name)
+            assert torch.equal(loaded[name], t)  # what the loader alone wrote, real
+        return f"{bad_unit} differs" if bad_unit in weights else None
+
+    monkeypatch.setattr(copy_plan, "check_plan", check)
+    plan = copy_plan.CopyPlan.__new__(copy_plan.CopyPlan)
+    monkeypatch.setattr(copy_plan.CopyPlan, "planned", lambda self: {"x": 1})
+    monkeypatch.setattr(copy_plan.CopyPlan, "loader", lambda self: {})
+    plan.global_reason = None
+    state = copy_plan.PlanState("tiny")
+    parts = _parts()
+
+    def whole(hook: Any) -> torch.nn.Module:
+        raise AssertionError("the whole shadow is not built where it streams")
+
+    state.check_on_shadow(plan, Verifier("tiny"), live, whole, dict(w), {n for n, _ in w},
+                          verify, lambda needed, hook: stream(parts, w, live, needed,
+                                                              readable_tensors, hook))
+    assert sorted(checked) == sorted(n for n, _ in w)
+    assert state.state == ("verifying" if bad_unit is None else "off"), state.reason
