@@ -15,11 +15,28 @@ Engines:
   plain torch model of ~`--gb` GB (no transformers needed), its loader a copy by name,
   in this process: pushed over gloo (the in-process transport; the bytes are staged
   through the host, so the push is slower than cuda_ipc's), with a raw device copy of
-  the same weights as the floor (`machine.raw_device_copy_s`). Per push the verdict's
+  the same weights as the floor (`machine.raw_device_copy_s`). Its shadow streams block
+  by block (`shadow_parts`), as vLLM's and SGLang's do. Per push the verdict's
   `seconds` give the verification's own time (digests, shadow, compare).
 
     python benchmarks/bench_verify.py --engine vllm --out benchmarks/results/verify/cpu.json
+    python benchmarks/bench_verify.py --engine vllm --shadow whole --out ...   # the old way
     python benchmarks/bench_verify.py --engine module --device cuda --out OUT.json
+
+The verification shadow is streamed unit by unit by default (`engine/shadow.py`, issue 38);
+`--shadow whole` builds it as a second whole model (`ENGINEHOOKS_SHADOW=whole`), stored
+under `<engine>+whole-shadow`. Per push, `rss_peak_added_bytes` is how far the process's
+resident high-water mark rose above its resident size before the push (Linux; reset
+through /proc/self/clear_refs): for `vllm` (in-process engine core and worker) it
+includes the shadow; for `sglang` the scheduler is another process, so it is left out.
+For `module` on CUDA, `cuda_peak_added_bytes` is the allocator's peak above the start.
+
+The GPU steady state of a module replica over nccl, on one host with two GPUs (the
+trainer's tensors on cuda:1, the replica on cuda:0; one GPU: leave out the two
+nccl arguments, gloo stages through the host):
+
+    python benchmarks/bench_verify.py --engine module --device cuda:0 --gb 1 \
+        --transport nccl --sender-device cuda:1 --out benchmarks/results/verify/gpu.json
 
 Results merge into `--out` (one key per engine) with the machine description.
 """
@@ -80,6 +97,7 @@ def module_replica(gb: float, device: torch.device,
     from enginehooks.engine.apply import ApplyBinding, ApplyTarget
     from enginehooks.engine.contract import verb_of
     from enginehooks.engine.expectations import skeleton_on_meta
+    from enginehooks.engine.shadow import ShadowParts
     from enginehooks.engine.side import EngineSide
 
     hidden, inner, dtype = 2048, 8192, torch.bfloat16
@@ -118,6 +136,14 @@ def module_replica(gb: float, device: torch.device,
             if before_processing is not None:
                 before_processing(fresh)
             return fresh
+
+        def shadow_parts(self) -> ShadowParts:
+            """The same fresh load in its steps: the shadow streamed block by block."""
+            def load(m: torch.nn.Module, weights: list[tuple[str, torch.Tensor]]) -> None:
+                m.load_weights(iter(weights))  # type: ignore[operator]
+
+            return ShadowParts(lambda: build(self.device), load, lambda m: None, self.lands,
+                               self.device)
 
     class Binding(ApplyBinding):
         engine = "module"
@@ -177,8 +203,43 @@ def engine_replica(engine: str, model_dir: Path) -> tuple[Any, Any, Callable[[in
     return running, running.handle(), trainer
 
 
+class Memory:
+    """How far memory rose during one push: the process's resident high-water mark above
+    its resident size before (Linux, where /proc/self/clear_refs resets the mark), and
+    on CUDA the allocator's peak above what was allocated before."""
+
+    def __init__(self, rss: bool, cuda: torch.device | None) -> None:
+        self.rss0 = self.cuda0 = None
+        self.cuda = cuda
+        if rss:
+            try:
+                Path("/proc/self/clear_refs").write_text("5")
+                self.rss0 = self._status("VmRSS")
+            except OSError:
+                pass
+        if cuda is not None:
+            torch.cuda.synchronize(cuda)
+            torch.cuda.reset_peak_memory_stats(cuda)
+            self.cuda0 = torch.cuda.memory_allocated(cuda)
+
+    @staticmethod
+    def _status(key: str) -> int:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith(key + ":"):
+                return int(line.split()[1]) << 10
+        raise OSError(key)
+
+    def added(self) -> tuple[int | None, int | None]:
+        rss = self._status("VmHWM") - self.rss0 if self.rss0 is not None else None
+        cuda = None
+        if self.cuda is not None and self.cuda0 is not None:
+            cuda = torch.cuda.max_memory_allocated(self.cuda) - self.cuda0
+        return rss, cuda
+
+
 def push_rows(handle: Any, trainer: Callable[[int], Any], rounds: int, transport: str = "gloo",
-              sender: str | None = None) -> list[dict[str, Any]]:
+              sender: str | None = None, measure_rss: bool = False,
+              cuda_device: torch.device | None = None) -> list[dict[str, Any]]:
     from enginehooks import WeightSync
 
     rows: list[dict[str, Any]] = []
@@ -192,9 +253,11 @@ def push_rows(handle: Any, trainer: Callable[[int], Any], rounds: int, transport
                                   + ["never", "always-after-never", "always"] * rounds):
             weights = trainer(1000 + i)
             sync.verify = phase.startswith("always")
+            memory = Memory(measure_rss, cuda_device)
             t0 = time.perf_counter()
             report = sync.push(weights, version=i + 1)
             wall = time.perf_counter() - t0
+            rss_peak, cuda_peak = memory.added()
             weights = None
             info = handle.info(120)[0]
             last = (info.get("verification") or {}).get("last") or {}
@@ -204,7 +267,10 @@ def push_rows(handle: Any, trainer: Callable[[int], Any], rounds: int, transport
                          "apply_seconds": plan.get("seconds"),
                          "verification": {k: last.get(k) for k in (
                              "ok", "outcome", "how", "digest", "digest_bytes", "shadow_bytes",
-                             "compared", "probed", "unverified", "repaired", "error", "seconds")},
+                             "compared", "probed", "unverified", "repaired", "error", "seconds",
+                             "shadow_kind", "shadow_units", "shadow_why",
+                             "shadow_tensor_bytes", "shadow_peak_bytes")},
+                         "rss_peak_added_bytes": rss_peak, "cuda_peak_added_bytes": cuda_peak,
                          "planned_last": plan.get("planned_last"),
                          "loader_last": plan.get("loader_last")})
             print(json.dumps(rows[-1]), flush=True)
@@ -218,7 +284,18 @@ def summary(rows: list[dict[str, Any]]) -> dict[str, Any]:
     pairs = [(a["seconds"], c["seconds"]) for a, _, c in zip(rows, rows[1:], rows[2:])
              if a["phase"] == "never" and c["phase"] == "always"]
     last = next((r["verification"] for r in reversed(rows) if r["phase"] == "always"), {})
-    return {"never_median_s": statistics.median(never) if never else None,
+
+    def median_of(phase: str, key: str) -> float | None:
+        vals = [r[key] for r in rows if r["phase"] == phase and r.get(key) is not None]
+        return statistics.median(vals) if vals else None
+
+    return {"shadow_kind": last.get("shadow_kind"), "shadow_units": last.get("shadow_units"),
+            "shadow_tensor_bytes": last.get("shadow_tensor_bytes"),
+            "verification_seconds": last.get("seconds"),
+            "never_rss_peak_added_median_bytes": median_of("never", "rss_peak_added_bytes"),
+            "always_rss_peak_added_median_bytes": median_of("always", "rss_peak_added_bytes"),
+            "always_cuda_peak_added_median_bytes": median_of("always", "cuda_peak_added_bytes"),
+            "never_median_s": statistics.median(never) if never else None,
             "always_median_s": statistics.median(always) if always else None,
             "added_fraction_median": (statistics.median([(b - a) / a for a, b in pairs])
                                       if pairs else None),
@@ -239,8 +316,11 @@ def main() -> int:
     ap.add_argument("--sender-device", default=None, help="where the trainer's tensors live")
     ap.add_argument("--model-dir", default=str(Path.home() / ".cache" / "enginehooks"
                                                 / "bench-qwen05b"))
+    ap.add_argument("--shadow", choices=["streamed", "whole"], default="streamed",
+                    help="how the verification shadow is built (ENGINEHOOKS_SHADOW)")
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
+    os.environ["ENGINEHOOKS_SHADOW"] = args.shadow
 
     desc = machine()
     running = None
@@ -255,18 +335,23 @@ def main() -> int:
         model_dir = build_model(Path(args.model_dir), "qwen05b")
         running, handle, trainer = engine_replica(args.engine, model_dir)
     try:
-        rows = push_rows(handle, trainer, args.rounds, args.transport, args.sender_device)
+        cuda = (torch.device(args.device) if args.engine == "module"
+                and torch.device(args.device).type == "cuda" else None)
+        rows = push_rows(handle, trainer, args.rounds, args.transport, args.sender_device,
+                         measure_rss=args.engine != "sglang", cuda_device=cuda)
     finally:
         if running is not None:
             running.close()
     out = Path(args.out)
     old = json.loads(out.read_text()) if out.exists() else {}
-    old[args.engine if args.engine != "module" else f"module-{args.device}"] = {
-        "machine": desc, "bucket_bytes": BUCKET, "transport": args.transport,
+    key = args.engine if args.engine != "module" else f"module-{args.device}"
+    key += "+whole-shadow" if args.shadow == "whole" else ""
+    old[key] = {
+        "machine": desc, "shadow": args.shadow, "bucket_bytes": BUCKET, "transport": args.transport,
         "sender_device": args.sender_device, "summary": summary(rows), "pushes": rows}
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(old, indent=1))
-    print(json.dumps(old[next(reversed(old))]["summary"]))
+    print(json.dumps(old[key]["summary"]))
     return 0
 
 

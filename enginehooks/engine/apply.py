@@ -30,7 +30,7 @@ from __future__ import annotations
 import os
 import time
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from typing import Any, ClassVar
 
 import torch
@@ -46,8 +46,9 @@ from enginehooks.engine.expectations import (
     checkpoint_specs,
     resolve_model_dir,
 )
+from enginehooks.engine.shadow import Pass, ShadowParts, mark_loaded, stream
 from enginehooks.engine.transplant import transplant
-from enginehooks.engine.verify import DigestCheck, Verifier
+from enginehooks.engine.verify import DigestCheck, Verifier, readable_tensors
 from enginehooks.transports.base import Target
 
 __all__ = ["ApplyBinding", "ApplyTarget", "Update"]
@@ -127,6 +128,37 @@ class ApplyTarget(Target, ABC):
         a fresh start from a checkpoint of them holds). `before_processing(model)`, when
         given, is called after the loader and before any post-load processing: the copy
         plan is checked there against what the loader alone wrote."""
+
+    def shadow_parts(self) -> ShadowParts | None:
+        """The engine's fresh-load path in its three steps (construct, load, process:
+        `engine.shadow.ShadowParts`), so the verification shadow is streamed unit by
+        unit, its memory bounded by one layer; None (the default): the shadow is built
+        whole by `fresh_load`."""
+        return None
+
+    def lands(self, weights: Sequence[tuple[str, torch.Tensor]]
+              ) -> dict[str, Collection[str] | None]:
+        """Where each of `weights` lands in the live model (its parameter names), by the
+        loader dry run (`expectations`); None where unknown (the loader failed on it)."""
+        specs = [TensorSpec(n, dtype_name(t.dtype), tuple(t.shape)) for n, t in weights]
+        out: dict[str, Collection[str] | None] = {}
+        for name, landing in self.expectations().landings(specs).items():
+            out[name] = None if landing.error else set(landing.params)
+        return out
+
+    def _streamer(self, kept: list[tuple[str, torch.Tensor]]
+                  ) -> Callable[..., Iterator[Pass]] | None:
+        """`streamer(needed, before_processing=None)`: the shadow of `kept` streamed
+        unit by unit (`engine.shadow.stream`), or None where the engine gives none."""
+        parts = self.shadow_parts()
+        if parts is None:
+            return None
+        model = self.model()
+
+        def streamer(needed: Collection[str], before_processing: Any = None) -> Iterator[Pass]:
+            return stream(parts, kept, model, needed, readable_tensors, before_processing)
+
+        return streamer
 
     @abstractmethod
     def skeleton(self) -> torch.nn.Module:
@@ -326,13 +358,15 @@ class ApplyTarget(Target, ABC):
         if plan is not None:
             self.plan.check_on_shadow(plan, self.verifier, model,
                                       lambda hook: self.fresh_load(kept, before_processing=hook),
-                                      dict(kept), landed, verify)
+                                      dict(kept), landed, verify, self._streamer(kept))
             if not verify:
                 self.verifier.skipped()
         elif verify:
             planned = {st.dest for r in update.routes.values() for st in r.steps}
-            self.plan.verify_update(self.verifier, model, lambda: self.fresh_load(kept), landed,
-                                    checking and update.planned > 0, planned, update.digests)
+            self.plan.verify_update(self.verifier, model,
+                                    lambda: self.fresh_load(kept, before_processing=mark_loaded),
+                                    landed, checking and update.planned > 0, planned,
+                                    update.digests, self._streamer(kept))
         elif update.fed:
             self.verifier.skipped()
 
@@ -354,7 +388,8 @@ class ApplyTarget(Target, ABC):
         fed = [TensorSpec(n, dtype_name(t.dtype), tuple(t.shape)) for n, t in kept]
         if self.verifier.wanted(self.requested):
             self.plan.verify_update(self.verifier, model, lambda: self.fresh_load(kept),
-                                    self.landed(fed) - set(self.by_fresh_load), False, set())
+                                    self.landed(fed) - set(self.by_fresh_load), False, set(),
+                                    None, self._streamer(kept))
         else:
             self.verifier.skipped()
 

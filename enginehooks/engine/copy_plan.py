@@ -520,12 +520,17 @@ class PlanState:
                         load_shadow: Callable[[Callable[[torch.nn.Module], None]],
                                               torch.nn.Module],
                         weights: Mapping[str, torch.Tensor], landed: Collection[str],
-                        verify: bool) -> None:
+                        verify: bool,
+                        stream_shadow: Callable[..., Iterator[Any]] | None = None) -> None:
         """Adopt `plan` (just recorded) after checking it on the engine's fresh-load shadow
         before its post-load processing: what the loader wrote there must be what the plan
         writes. `load_shadow(hook)` is the engine's fresh load of the update, calling
         `hook(shadow)` before processing; with `verify`, the same shadow also verifies
-        the live `model` (one fresh load for both)."""
+        the live `model` (one fresh load for both). `stream_shadow(needed, hook)`, where
+        the engine gives one, is the shadow streamed unit by unit (`engine.shadow`),
+        calling `hook(shadow, unit_weights)` before each unit's processing: the plan is
+        checked unit by unit there, on that unit's tensors, and adopted once every unit
+        agreed."""
         def hook(shadow: torch.nn.Module) -> None:
             try:
                 problem = check_plan(plan, dict(named_tensors(shadow)), weights)
@@ -533,16 +538,36 @@ class PlanState:
                 problem = f"the check failed: {type(e).__name__}: {e}"
             self.adopt(plan, problem)
 
+        problems: list[str | None] = []
+
+        def unit_hook(shadow: torch.nn.Module, unit: list[tuple[str, torch.Tensor]]) -> None:
+            try:
+                problems.append(check_plan(plan, dict(named_tensors(shadow)), dict(unit)))
+            except Exception as e:
+                problems.append(f"the check failed: {type(e).__name__}: {e}")
+
         def build() -> torch.nn.Module:
             return load_shadow(hook)
 
+        streamer = ((lambda needed: stream_shadow(needed, unit_hook))
+                    if stream_shadow is not None else None)
         if verify:
-            verifier.run(model, build, landed)
+            verifier.run(model, build, landed, stream_fresh=streamer)
+            if (verifier.last or {}).get("shadow_kind") == "streamed":
+                self.adopt(plan, next((p for p in problems if p), None))
         else:
             try:
-                build()
-            except Exception as e:
-                self.disable(f"no shadow to check it on: {type(e).__name__}: {e}")
+                if streamer is None:
+                    raise LookupError("no streamed shadow")
+                with torch.no_grad():
+                    for _ in streamer({n for n, _ in model.named_modules()}):
+                        pass
+                self.adopt(plan, next((p for p in problems if p), None))
+            except Exception:
+                try:
+                    build()
+                except Exception as e:
+                    self.disable(f"no shadow to check it on: {type(e).__name__}: {e}")
         if self.state == "pending":
             self.disable("no shadow could be built to check it on "
                          f"({(verifier.last or {}).get('error')})")
@@ -550,13 +575,16 @@ class PlanState:
     def verify_update(self, verifier: Verifier, model: torch.nn.Module,
                       build_fresh: Callable[[], torch.nn.Module], landed: Collection[str],
                       checking: bool, planned: Collection[str],
-                      digests: DigestCheck | None = None) -> None:
+                      digests: DigestCheck | None = None,
+                      stream_fresh: Callable[[Collection[str]], Iterator[Any]] | None = None
+                      ) -> None:
         """Verify after apply (`verify.Verifier.run`, with `digests` of the planned plain
         copies); when `checking` (the first update through the plan), any difference
         from a fresh load, or no verdict at all, is judged against the plan. Raises
-        `WeightsMismatch` as the verifier does."""
+        `WeightsMismatch` as the verifier does. `stream_fresh`: the shadow streamed
+        unit by unit (`engine.shadow`), where the engine gives one."""
         try:
-            verdict = verifier.run(model, build_fresh, landed, digests)
+            verdict = verifier.run(model, build_fresh, landed, digests, stream_fresh)
         except WeightsMismatch as e:
             if checking:
                 self.disable(f"the first update through the plan differed from a fresh "

@@ -38,6 +38,7 @@ the first. `first` and `never` remain opt-outs.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 import os
@@ -50,6 +51,15 @@ from typing import Any
 import torch
 
 from enginehooks.core.errors import ConfigError, EngineHooksError
+from enginehooks.engine.shadow import (
+    LOADED_ATTR,
+    SHADOW_ENV,
+    Pass,
+    PeakMemory,
+    Unstreamable,
+    held_bytes,
+    shadow_mode,
+)
 
 log = logging.getLogger("enginehooks.verify")
 
@@ -291,6 +301,17 @@ class Verdict:
     probed: list[str] = field(default_factory=list)
     unverified: list[str] = field(default_factory=list)
     shadow: bool = True  # whether a shadow was built at all
+    #: how the shadow was built: "streamed" (unit by unit, `engine.shadow`), "whole"
+    #: (a second model at once), or "" (none)
+    shadow_kind: str = ""
+    shadow_units: int = 0  # units the streamed shadow built (one at a time)
+    shadow_why: str = ""  # why a shadow was built whole, where it was
+    #: the most bytes of real tensors the shadow held at once (parameters and buffers
+    #: after its loader or its processing, whichever held more)
+    shadow_tensor_bytes: int = 0
+    #: the most device memory the shadow added at once, measured where the allocator
+    #: tracks it (CUDA), else None (`shadow.PeakMemory`)
+    shadow_peak_bytes: int | None = None
     #: where the time went: digests, building the shadow, comparing (and repairing)
     seconds: dict[str, float] = field(default_factory=dict)
 
@@ -305,7 +326,10 @@ class Verdict:
                 "repaired": self.repaired[:50], "unreadable": self.unreadable[:50],
                 "how": self.how, "digest": self.digest, "digest_bytes": self.digest_bytes,
                 "shadow_bytes": self.shadow_bytes, "probed": self.probed[:50],
-                "unverified": self.unverified[:50]}
+                "unverified": self.unverified[:50], "shadow_kind": self.shadow_kind,
+                "shadow_units": self.shadow_units, "shadow_why": self.shadow_why,
+                "shadow_tensor_bytes": self.shadow_tensor_bytes,
+                "shadow_peak_bytes": self.shadow_peak_bytes}
 
 
 @dataclass
@@ -452,16 +476,20 @@ def _with_aliases(model: torch.nn.Module, landed: Collection[str]) -> set[str]:
 
 
 def compare(live: torch.nn.Module, fresh: torch.nn.Module, landed: Collection[str],
-            verdict: Verdict, skip: Collection[str] = ()) -> list[Mismatch]:
+            verdict: Verdict, skip: Collection[str] = (),
+            only: Collection[str] | None = None) -> list[Mismatch]:
     """Every readable tensor of the touched modules of `live` that differs from
     `fresh`. Parameters are compared where this update landed something in them (others
     hold whatever they were initialised with, in both models); buffers, attributes and
     captured tensors of touched modules always (they are derived from the weights).
-    Modules in `skip` were proved otherwise (digests). Bits that cannot be read are
+    Modules in `skip` were proved otherwise (digests); with `only`, modules outside it
+    are left for another unit of a streamed shadow. Bits that cannot be read are
     compared through the modules' forwards on a probe input (`probe`), once per module;
     what that cannot compare either is listed in `verdict.unverified`."""
     landed = _with_aliases(live, landed)
     touched = touched_modules(live, landed) - set(skip)
+    if only is not None:
+        touched &= set(only)
     fresh_modules = dict(fresh.named_modules())
     out: list[Mismatch] = []
     device = next((t.device for _, t in live.named_parameters()), torch.device("cpu"))
@@ -520,11 +548,16 @@ def compare(live: torch.nn.Module, fresh: torch.nn.Module, landed: Collection[st
 def verify_and_repair(live: torch.nn.Module, build_fresh: Callable[[], torch.nn.Module],
                       landed: Collection[str], *, engine: str,
                       digests: DigestCheck | None = None,
-                      suspect: Collection[str] = ()) -> Verdict:
+                      suspect: Collection[str] = (),
+                      stream_fresh: Callable[[Collection[str]], Iterator[Pass]] | None = None
+                      ) -> Verdict:
     """Prove what the digests of planned plain copies can (`DigestCheck`); build the
     fresh-load shadow only when some touched module is left, compare it there, repair
     in place what differs in values, compare again. Raises `WeightsMismatch` naming what
-    still differs."""
+    still differs. `stream_fresh(needed)`, where the engine gives one, streams the
+    shadow unit by unit (`engine.shadow`) for the modules `needed`; the whole shadow
+    (`build_fresh`) is built where it cannot stream (`Unstreamable`, or
+    `ENGINEHOOKS_SHADOW=whole`)."""
     verdict = Verdict()
     skip: set[str] = set()
     t0 = time.perf_counter()
@@ -564,35 +597,96 @@ def verify_and_repair(live: torch.nn.Module, build_fresh: Callable[[], torch.nn.
             f"({sorted(touched - skip)[:4]}) where the last update needed none, and no copy "
             f"of {len(digests.uncopied)} planned tensors was kept: the engine is torn "
             "until the next update, which keeps copies and compares them on a shadow")
-    fresh = build_fresh()
-    t2 = time.perf_counter()
-    verdict.seconds["shadow"] = round(t2 - t1, 4)
+    device = next((t.device for _, t in live.named_parameters()), torch.device("cpu"))
+    built = compared = 0.0
     with torch.no_grad():
-        first = compare(live, fresh, landed, verdict, skip)
-        for m in first:
-            if m.why == "values" and m.live is not None and m.fresh is not None:
-                m.live.copy_(m.fresh.to(m.live.device))
-                verdict.repaired.append(m.name)
-            elif m.kind == "opaque" and m.module is not None and m.attr is not None:
-                setattr(m.module, m.attr, getattr(m.fresh_module, m.attr))
-                verdict.repaired.append(m.name)
-        verdict.mismatched = [m.name for m in first]
-        if first:
-            log.warning("%s: after the update %d tensors differed from a fresh load of the same "
-                        "weights (%s); repaired in place from the fresh load: %s", engine,
-                        len(first), ", ".join(f"{m.name} [{m.why}]" for m in first[:8]),
-                        len(verdict.repaired))
-            again = compare(live, fresh, landed, Verdict(), skip)
-            if again:
-                raise WeightsMismatch(
-                    f"after the update, {len(again)} tensors the {engine} engine's forward reads "
-                    f"differ from a fresh load of the same weights and could not be repaired: "
-                    + ", ".join(f"{m.name} ({m.why})" for m in again[:8])
-                    + "; the engine is torn and refuses generation until an update succeeds "
-                    "(report it upstream: the engine's reload path)")
-    del fresh
-    verdict.seconds["compare"] = round(time.perf_counter() - t2, 4)
+        if stream_fresh is not None and shadow_mode() == "streamed":
+            before = dataclasses.replace(verdict, seconds=dict(verdict.seconds))
+            peak = PeakMemory(device)
+            passes = stream_fresh(touched - skip)
+            why = ""
+            try:
+                while True:
+                    tb = time.perf_counter()
+                    p = next(passes, None)
+                    tc = time.perf_counter()
+                    built += tc - tb
+                    if p is None:
+                        break
+                    verdict.shadow_units += 1
+                    verdict.shadow_tensor_bytes = max(verdict.shadow_tensor_bytes,
+                                                      p.loaded_bytes, held_bytes(p.model))
+                    _compare_and_repair(live, p.model, landed, verdict, skip, engine, p.modules)
+                    compared += time.perf_counter() - tc
+                verdict.shadow_kind = "streamed"
+                verdict.shadow_peak_bytes = peak.peak()
+            except Unstreamable as e:
+                log.info("%s: the shadow is built whole: %s", engine, e)
+                why = str(e)
+            except WeightsMismatch:
+                raise
+            except Exception as e:
+                log.warning("%s: the streamed shadow failed (%s: %s); building it whole",
+                            engine, type(e).__name__, e)
+                why = f"the streamed shadow failed: {type(e).__name__}: {e}"
+            finally:
+                passes.close()  # type: ignore[attr-defined]
+            if verdict.shadow_kind != "streamed":  # again on a whole shadow, keeping
+                # what was repaired already (those modules are suspect from now on)
+                before.mismatched, before.repaired = verdict.mismatched, verdict.repaired
+                verdict = before
+                verdict.shadow_why = why[:300]
+        if verdict.shadow_kind != "streamed":
+            if stream_fresh is None:
+                verdict.shadow_why = ("no streamed shadow offered (the engine gives none, or "
+                                      "the copy plan's first check reads the whole "
+                                      "loader's result)")
+            elif shadow_mode() != "streamed":
+                verdict.shadow_why = f"{SHADOW_ENV}=whole"
+            peak = PeakMemory(device)
+            tb = time.perf_counter()
+            fresh = build_fresh()
+            tc = time.perf_counter()
+            built += tc - tb
+            verdict.shadow_kind = "whole"
+            verdict.shadow_tensor_bytes = max(held_bytes(fresh), getattr(fresh, LOADED_ATTR, 0))
+            verdict.shadow_peak_bytes = peak.peak()
+            _compare_and_repair(live, fresh, landed, verdict, skip, engine)
+            del fresh
+            compared += time.perf_counter() - tc
+    verdict.seconds["shadow"] = round(built, 4)
+    verdict.seconds["compare"] = round(compared, 4)
     return verdict
+
+
+def _compare_and_repair(live: torch.nn.Module, fresh: torch.nn.Module, landed: Collection[str],
+                        verdict: Verdict, skip: Collection[str], engine: str,
+                        only: Collection[str] | None = None) -> None:
+    """Compare `fresh` (the shadow, or one unit of it) with `live`, repair in place what
+    differs, compare again; raise `WeightsMismatch` naming what still differs."""
+    first = compare(live, fresh, landed, verdict, skip, only)
+    for m in first:
+        if m.why == "values" and m.live is not None and m.fresh is not None:
+            m.live.copy_(m.fresh.to(m.live.device))
+            verdict.repaired.append(m.name)
+        elif m.kind == "opaque" and m.module is not None and m.attr is not None:
+            setattr(m.module, m.attr, getattr(m.fresh_module, m.attr))
+            verdict.repaired.append(m.name)
+    verdict.mismatched.extend(m.name for m in first)
+    if not first:
+        return
+    log.warning("%s: after the update %d tensors differed from a fresh load of the same "
+                "weights (%s); repaired in place from the fresh load: %s", engine,
+                len(first), ", ".join(f"{m.name} [{m.why}]" for m in first[:8]),
+                sum(1 for m in first if m.name in verdict.repaired))
+    again = compare(live, fresh, landed, Verdict(), skip, only)
+    if again:
+        raise WeightsMismatch(
+            f"after the update, {len(again)} tensors the {engine} engine's forward reads "
+            f"differ from a fresh load of the same weights and could not be repaired: "
+            + ", ".join(f"{m.name} ({m.why})" for m in again[:8])
+            + "; the engine is torn and refuses generation until an update succeeds "
+            "(report it upstream: the engine's reload path)")
 
 
 def named_live(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
@@ -652,10 +746,13 @@ class Verifier:
                      "error": f"not verified: {VERIFY_ENV}={self.policy}"}
 
     def run(self, live: torch.nn.Module, build_fresh: Callable[[], torch.nn.Module],
-            landed: Collection[str], digests: DigestCheck | None = None) -> Verdict | None:
+            landed: Collection[str], digests: DigestCheck | None = None,
+            stream_fresh: Callable[[Collection[str]], Iterator[Pass]] | None = None
+            ) -> Verdict | None:
         try:
             verdict = verify_and_repair(live, build_fresh, landed, engine=self.engine,
-                                        digests=digests, suspect=self.suspect)
+                                        digests=digests, suspect=self.suspect,
+                                        stream_fresh=stream_fresh)
         except WeightsMismatch as e:
             self.sticky, self.digest_only_last = True, False
             self.counts["failed"] += 1

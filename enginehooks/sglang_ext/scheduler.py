@@ -35,6 +35,7 @@ from enginehooks.core.errors import ConfigError
 from enginehooks.engine.apply import ApplyBinding, ApplyTarget
 from enginehooks.engine.contract import PREFIX, VERBS, method_name
 from enginehooks.engine.expectations import skeleton_on_meta
+from enginehooks.engine.shadow import ShadowParts
 from enginehooks.engine.side import EngineSide
 from enginehooks.engine.verify import ensure_room
 
@@ -198,6 +199,37 @@ class SGLangTarget(ApplyTarget):
                 before_processing(model)
             DefaultModelLoader.postprocess_weights(model, self.device)
         return model
+
+    def shadow_parts(self) -> ShadowParts:
+        """`fresh_load` in its three steps, for the streamed shadow (`engine.shadow`):
+        SGLang's `_initialize_model`, `DefaultModelLoader.load_weights_only`, then its
+        `postprocess_weights`, in the dtype context `fresh_load` gives them."""
+        from sglang.srt.configs.load_config import LoadConfig
+        from sglang.srt.model_loader.loader import (
+            DefaultModelLoader,
+            _get_quantization_config,
+            _initialize_model,
+        )
+        from sglang.srt.model_loader.utils import set_default_torch_dtype
+
+        mr = _model_runner(self.sched)
+        load_config = getattr(mr, "load_config", None) or LoadConfig(load_format="auto")
+        quant = _get_quantization_config(mr.model_config, load_config)
+        device, dtype = self.device, mr.model_config.dtype
+
+        def build() -> torch.nn.Module:
+            with set_default_torch_dtype(dtype), device:
+                return _initialize_model(mr.model_config, load_config, quant)
+
+        def load(model: torch.nn.Module, weights: list[tuple[str, torch.Tensor]]) -> None:
+            with set_default_torch_dtype(dtype):
+                DefaultModelLoader.load_weights_only(model, iter(weights), device)
+
+        def process(model: torch.nn.Module) -> None:
+            with set_default_torch_dtype(dtype):
+                DefaultModelLoader.postprocess_weights(model, device)
+
+        return ShadowParts(build, load, process, self.lands, device)
 
     # `load_path` stays False (the default): SGLang's reload-from-disk rewrites the
     # runner's model_path to the update's folder (which the disk transport later

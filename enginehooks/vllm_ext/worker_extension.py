@@ -47,6 +47,7 @@ from enginehooks.engine.copy_plan import (
     replay,
 )
 from enginehooks.engine.expectations import skeleton_on_meta
+from enginehooks.engine.shadow import ShadowParts
 from enginehooks.engine.side import EngineSide
 from enginehooks.engine.verify import ensure_room
 from enginehooks.vllm_ext.cpu_amx import allow_amx
@@ -213,6 +214,36 @@ class VLLMTarget(ApplyTarget):
                     before_processing(model)
                 process_weights_after_loading(model, cfg.model_config, self.device)
         return model
+
+    def shadow_parts(self) -> ShadowParts:
+        """`fresh_load` in its three steps, for the streamed shadow (`engine.shadow`):
+        vLLM's `initialize_model`, the model's `load_weights`, vLLM's
+        `process_weights_after_loading`, each in the config and dtype contexts
+        `fresh_load` gives them."""
+        from vllm.config import set_current_vllm_config
+        from vllm.model_executor.model_loader.utils import (
+            initialize_model,
+            process_weights_after_loading,
+        )
+        from vllm.utils.torch_utils import set_default_torch_dtype
+
+        cfg = private_config(self.worker.vllm_config)
+        device = self.device
+
+        def build() -> torch.nn.Module:
+            with set_current_vllm_config(cfg), set_default_torch_dtype(
+                    cfg.model_config.dtype), device:
+                return initialize_model(vllm_config=cfg)
+
+        def load(model: torch.nn.Module, weights: list[tuple[str, torch.Tensor]]) -> None:
+            with set_current_vllm_config(cfg), set_default_torch_dtype(cfg.model_config.dtype):
+                model.load_weights(iter(weights))  # type: ignore[operator]
+
+        def process(model: torch.nn.Module) -> None:
+            with set_current_vllm_config(cfg), set_default_torch_dtype(cfg.model_config.dtype):
+                process_weights_after_loading(model, cfg.model_config, device)
+
+        return ShadowParts(build, load, process, self.lands, device)
 
     def _unwind_reload(self) -> None:
         """After a reload died mid-stream, finish vLLM's layerwise reload anyway.

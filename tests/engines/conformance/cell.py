@@ -17,7 +17,8 @@ What a cell checks:
    a row, judged after each (issue 38): the trained weights, the checkpoint's own
    (judged against the engine's start from them), the trained ones again (judged against
    the same fresh load); every push must report a verification that passed (or a
-   repair that did). FSDP2 cells push once.
+   repair that did). FSDP2 cells push the same three versions from the sharded model
+   (the engine then runs as a server, asked between pushes).
 3. Bad updates (one extra tensor, one missing, one misshaped) are refused in `check`
    before any byte moves, naming the tensor, and change nothing: same version, same
    outputs.
@@ -246,7 +247,7 @@ def pushed_summary(verification: dict[str, Any]) -> dict[str, Any]:
     """One push's verification, as a cell's row keeps it."""
     last = verification.get("last") or {}
     return {k: last.get(k) for k in ("ok", "outcome", "how", "digest_bytes", "shadow_bytes",
-                                     "repaired", "unverified")}
+                                     "repaired", "unverified", "shadow_kind", "shadow_why")}
 
 
 def successive(outputs: list[Any], before: Any, oracle: Any,
@@ -296,11 +297,19 @@ def verdict(before: Any, after: Any, oracle: Any, bad: list[str], report: Any) -
 
 
 # -- FSDP2: two trainer ranks, the engine as a server -------------------------------------
+#: the FSDP2 ranks' versions, in order: the trained weights, the checkpoint's own, the
+#: trained ones again (as the in-process cells push them)
+FSDP2_VERSIONS = ("trained", "original", "trained")
+
+
 def run_fsdp2(req: dict[str, Any], work: Path) -> dict[str, Any]:
     """Two FSDP2 trainer ranks (gloo) push to the engine running as a server (a trainer
-    and an engine sharing a process would share torch.distributed's default group)."""
+    and an engine sharing a process would share torch.distributed's default group):
+    three versions in a row, the exact oracle after each, as the in-process cells do
+    (the ranks wait for `go-<n>` in the cell's folder before push n > 1, and write
+    `pushed-<n>` after it, so the engine is asked between pushes)."""
     from enginehooks_testkit.engines import first_difference
-    from enginehooks_testkit.servers import SERVERS, free_port
+    from enginehooks_testkit.servers import HANDLES, SERVERS, free_port
     from tests.engines.conformance.families import family_named
 
     family, engine, dtype = req["family"], req["engine"], req["dtype"]
@@ -310,53 +319,75 @@ def run_fsdp2(req: dict[str, Any], work: Path) -> dict[str, Any]:
     d0 = checkpoint(family, engine, Path(req["root"]))
     server_cls = SERVERS[engine]
     phase(work, "start")
+    outputs: list[Any] = []
+    verifications: list[dict[str, Any]] = []
     with server_cls(d0, work / "server-a.log", dtype=dtype) as a:
         before = a.generations()
+        handle = HANDLES[engine](a.url, name="server")
         phase(work, "push")
         port = free_port()
-        procs = [subprocess.Popen(
-            [sys.executable, "-m", "tests.engines.conformance.cell", "--fsdp2-rank", str(rank)],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-            env=dict(os.environ, OMP_NUM_THREADS="1"))
-            for rank in (0, 1)]
+        logs = [work / f"rank-{rank}.log" for rank in (0, 1)]
         job = json.dumps({"family": family, "d0": str(d0), "port": port, "url": a.url,
-                          "engine": engine, "out": str(work / "d1")})
-        outs = []
+                          "engine": engine, "out": str(work / "d1"), "work": str(work)})
+        procs = []
+        for rank, log in zip((0, 1), logs):
+            with open(log, "w") as f:  # a file: a pipe nobody reads between pushes fills
+                procs.append(subprocess.Popen(
+                    [sys.executable, "-m", "tests.engines.conformance.cell", "--fsdp2-rank",
+                     str(rank)], stdin=subprocess.PIPE, stdout=f, stderr=subprocess.STDOUT,
+                    text=True, env=dict(os.environ, OMP_NUM_THREADS="1")))
         for p in procs:  # both ranks get the job before either is waited for
             p.stdin.write(job)  # type: ignore[union-attr]
             p.stdin.close()  # type: ignore[union-attr]
             p.stdin = None  # communicate() would flush the closed pipe
+        deadline = time.monotonic() + 600
+        for n in range(1, len(FSDP2_VERSIONS) + 1):
+            while not (work / f"pushed-{n}").exists():
+                if time.monotonic() > deadline or any(p.poll() is not None for p in procs):
+                    break
+                time.sleep(0.5)
+            if not (work / f"pushed-{n}").exists():
+                break
+            outputs.append(a.generations())
+            verifications.append(handle.info(60)[0].get("verification") or {})
+            (work / f"go-{n + 1}").touch()
         for p in procs:
             try:
-                out, _ = p.communicate(timeout=600)
+                p.wait(timeout=max(1.0, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
                 p.kill()
-                out, _ = p.communicate()
-            outs.append(out)
-        if any(p.returncode for p in procs):
+                p.wait()
+        if any(p.returncode for p in procs) or len(outputs) < len(FSDP2_VERSIONS):
             return {"status": "fail", "detail": "trainer ranks failed: " + " | ".join(
-                o[-1500:] for o, p in zip(outs, procs) if p.returncode)}
-        after = a.generations()
+                log.read_text()[-1500:] for log, p in zip(logs, procs) if p.returncode)
+                or f"only {len(outputs)} of {len(FSDP2_VERSIONS)} pushes"}
     phase(work, "oracle")
     with server_cls(work / "d1", work / "server-b.log", dtype=dtype) as b:
         oracle = b.generations()
     problems = []
-    if first_difference(after, before) is None:
+    if first_difference(outputs[0], before) is None:
         problems.append("the push did not change the outputs")
-    diff = first_difference(after, oracle)
+    diff = first_difference(outputs[0], oracle)
     if diff is not None:
         problems.append(f"after the push != freshly loaded: {diff}")
-    return {"status": "fail" if problems else "pass", "detail": "; ".join(problems)}
+    problems += successive(outputs, before, oracle, verifications)
+    return {"status": "fail" if problems else "pass", "detail": "; ".join(problems),
+            "pushes": [pushed_summary(v) for v in verifications]}
 
 
 def fsdp2_rank(rank: int) -> None:
-    """One FSDP2 trainer rank: shard every layer, push in lockstep (rank 0 sends), then
-    rank 0 saves the gathered weights for the oracle."""
+    """One FSDP2 trainer rank: shard every layer, push in lockstep (rank 0 sends) the
+    versions of `FSDP2_VERSIONS` (the checkpoint's own weights loaded into the sharded
+    model between them); rank 0 saves the trained weights for the oracle first."""
     import datetime
 
     import torch.distributed as dist
     from torch import nn
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        get_model_state_dict,
+        set_model_state_dict,
+    )
     from torch.distributed.fsdp import fully_shard
 
     from enginehooks import WeightSync
@@ -364,8 +395,9 @@ def fsdp2_rank(rank: int) -> None:
     from enginehooks_testkit.servers import HANDLES
 
     job = json.loads(sys.stdin.read())
+    work = Path(job["work"])
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{job['port']}", rank=rank,
-                            world_size=2, timeout=datetime.timedelta(seconds=120))
+                            world_size=2, timeout=datetime.timedelta(seconds=300))
     d0 = Path(job["d0"])
     model = trained(job["family"], d0)
     for module in list(model.modules()):
@@ -373,19 +405,31 @@ def fsdp2_rank(rank: int) -> None:
             for layer in module:
                 fully_shard(layer)
     fully_shard(model)
+    full_options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    full = get_model_state_dict(model, options=full_options)
+    if rank == 0:  # (before the pushes: loading a full state spreads it into DTensors)
+        reference = trained(job["family"], d0)
+        reference.load_state_dict(full)
+        save_reference(reference, d0, Path(job["out"]))
+    states = {"trained": full,
+              "original": untrained(job["family"], d0).state_dict() if rank == 0 else {}}
     sync = None
     if rank == 0:
         sync = WeightSync("gloo", bucket_bytes=BUCKET, timeout_s=120, pause=True)
         sync.add_replica(HANDLES[job["engine"]](job["url"], name="server"))
-    push(FSDP2Adapter(model, start_timeout_s=300.0), 1, sync=sync)
-    full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True,
-                                                                cpu_offload=True))
-    if rank == 0:
-        reference = trained(job["family"], d0)
-        reference.load_state_dict(full)
-        save_reference(reference, d0, Path(job["out"]))
-        if sync is not None:
-            sync.close()
+    for n, name in enumerate(FSDP2_VERSIONS, 1):
+        if n > 1:
+            while not (work / f"go-{n}").exists():
+                time.sleep(0.2)
+            # rank 0's full state, spread to the shards (the others hold none of it)
+            set_model_state_dict(model, states[name], options=StateDictOptions(
+                full_state_dict=True, broadcast_from_rank0=True))
+        push(FSDP2Adapter(model, start_timeout_s=300.0), n, sync=sync)
+        dist.barrier()
+        if rank == 0:
+            (work / f"pushed-{n}").touch()
+    if sync is not None:
+        sync.close()
     dist.barrier()
     dist.destroy_process_group()
 
