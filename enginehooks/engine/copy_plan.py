@@ -556,14 +556,17 @@ class PlanState:
             if (verifier.last or {}).get("shadow_kind") == "streamed":
                 self.adopt(plan, next((p for p in problems if p), None))
         else:
-            try:
-                if streamer is None:
-                    raise LookupError("no streamed shadow")
-                with torch.no_grad():
-                    for _ in streamer({n for n, _ in model.named_modules()}):
-                        pass
-                self.adopt(plan, next((p for p in problems if p), None))
-            except Exception:
+            streamed = False
+            if streamer is not None:
+                try:
+                    with torch.no_grad():
+                        for _ in streamer({n for n, _ in model.named_modules()}):
+                            pass
+                    self.adopt(plan, next((p for p in problems if p), None))
+                    streamed = True
+                except Exception:  # the whole shadow below checks it
+                    pass
+            if not streamed:
                 try:
                     build()
                 except Exception as e:
