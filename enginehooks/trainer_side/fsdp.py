@@ -75,8 +75,11 @@ class FSDP2Adapter(LockstepAdapter, CheckpointAdapter):
         state = self._once("state", self._module_state)
         self._planned_now = True  # the stream below shares this read
         refs, layout = self._refs, self._layout
+        # One rank alone only: ranks that stream in lockstep run collectives, and every
+        # rank must make the same choice (their tensors are gathered, never views, so
+        # nothing would be recorded there anyway)
         key = (("stream", id(layout)) if refs is not None and layout is not None
-               and self.owners is None else None)
+               and self.owners is None and self.lockstep.alone else None)
         rec = refs.memos.get(key) if refs is not None and key is not None else None
         if (isinstance(rec, StreamRecord) and rec.layout is layout and rec.refs is refs
                 and rec.holds(state)):
