@@ -54,3 +54,24 @@ def run_ranks(script: str | Path, scenario: str, out: Path, extra: dict[str, Any
             raise AssertionError(f"{scenario} rank {rank} exited {p.returncode}:\n{tail}")
         results.append(json.loads(f.read_text()))
     return results
+
+
+def rank_main(scenarios: dict[str, Any]) -> None:
+    """A rank's entry point (`script SCENARIO RANK WORLD PORT OUT`): joins a gloo group of
+    WORLD ranks on loopback, runs `scenarios["scenario_" + SCENARIO](rank, extra, out)`
+    and writes what it returns to `OUT/rank<r>.json` for `run_ranks`. Exits without the
+    process group's teardown (a peer may be gone on purpose)."""
+    import datetime
+
+    import torch.distributed as dist
+
+    scenario, rank, world, port, out = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), \
+        int(sys.argv[4]), Path(sys.argv[5])
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    extra = json.loads((out / "extra.json").read_text())
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=world, timeout=datetime.timedelta(seconds=30))
+    res = scenarios[f"scenario_{scenario}"](rank, extra, out)
+    (out / f"rank{rank}.json").write_text(json.dumps(res))
+    sys.stdout.flush()
+    os._exit(0)

@@ -24,9 +24,6 @@ kept alive by the map.
 
 from __future__ import annotations
 
-import json
-import os
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -146,25 +143,8 @@ def scenario_cases(rank: int, extra: dict[str, Any], out: Path) -> dict[str, Any
     return res
 
 
-def _main() -> None:
-    import datetime
-
-    import torch.distributed as dist
-
-    scenario, rank, world, port, out = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), \
-        int(sys.argv[4]), Path(sys.argv[5])
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    extra = json.loads((out / "extra.json").read_text())
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                            world_size=world, timeout=datetime.timedelta(seconds=30))
-    res = globals()[f"scenario_{scenario}"](rank, extra, out)
-    (out / f"rank{rank}.json").write_text(json.dumps(res))
-    sys.stdout.flush()
-    os._exit(0)  # skip process-group teardown
-
-
 if __name__ == "__main__":
-    _main()
+    support_ranks.rank_main(globals())
 
 
 @pytest.fixture(scope="module")
