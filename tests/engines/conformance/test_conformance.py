@@ -81,9 +81,22 @@ def rotating_generated(per_engine: int, day: int) -> list[Cell]:
 # SGLang's Gemma adds 1.0 to its norms as they load, in the dtype it receives (`uncast`).
 # One vision-language cell (vlm.py, about 45 s): an image sent again after every push must
 # not be answered from the encoder cache the old vision tower filled.
-PINNED = [c for c in (Cell("gen:MiniCPM3ForCausalLM", "sglang", "plain", "float32"),
-                      Cell("gen:GemmaForCausalLM", "sglang", "plain", "bfloat16"),
-                      Cell("gen:Qwen2VLForConditionalGeneration", "vllm", "plain", "float32"))
+# The two SGLang cells (about 56 s each) take turns, one a day (`pinned_today`); `slice-all`
+# and `full` run both.
+ALL_PINNED = [Cell("gen:MiniCPM3ForCausalLM", "sglang", "plain", "float32"),
+              Cell("gen:GemmaForCausalLM", "sglang", "plain", "bfloat16"),
+              Cell("gen:Qwen2VLForConditionalGeneration", "vllm", "plain", "float32")]
+
+
+def pinned_today(cells: list[Cell], day: int) -> list[Cell]:
+    """Every engine's pinned cells, SGLang's taking turns (one a day)."""
+    sglang = [c for c in cells if c.engine == "sglang"]
+    turn = [sglang[day % len(sglang)]] if sglang else []
+    return [c for c in cells if c.engine != "sglang" or c in turn]
+
+
+PINNED = [c for c in (ALL_PINNED if SCOPE in ("full", "slice-all")
+                      else pinned_today(ALL_PINNED, datetime.date.today().toordinal()))
           if have(c.engine)]
 
 GENERATED = rotating_generated(int(os.environ.get("ENGINEHOOKS_GENERATED_CELLS", "1")),
@@ -176,6 +189,15 @@ def test_generated_cell_still_passes(cell: Cell, checkpoints: Path, tmp_path: Pa
 def test_pinned_generated_cell_passes(cell: Cell, checkpoints: Path, tmp_path: Path) -> None:
     res = run(cell, checkpoints, tmp_path, timeout_s=900)
     assert res["status"] == "pass", f"{cell} ({res['status']}): {str(res.get('detail'))[:2000]}"
+
+
+def test_the_pinned_rotation_runs_every_pinned_cell() -> None:
+    """Over two days both SGLang pinned cells run, one a day; the others every day."""
+    days = [pinned_today(ALL_PINNED, day) for day in range(2)]
+    assert {c for cells in days for c in cells} == set(ALL_PINNED)
+    for cells in days:
+        assert sum(c.engine == "sglang" for c in cells) == 1
+        assert all(c in cells for c in ALL_PINNED if c.engine != "sglang")
 
 
 def test_the_slice_rotation_runs_every_shared_family_on_every_engine() -> None:
