@@ -30,7 +30,7 @@ from torch import nn
 from enginehooks.core.checkpoint_format import CheckpointFormat, Source
 from enginehooks.trainer_side.contract import CheckpointAdapter, hf_name
 from enginehooks.trainer_side.lockstep import LockstepAdapter
-from enginehooks.trainer_side.state_refs import StateRefs, StreamRecord, _local, state_of
+from enginehooks.trainer_side.state_refs import StateRefs, StreamRecord, local_tensor, state_of
 
 if TYPE_CHECKING:
     from torch.distributed.tensor import DTensor
@@ -179,7 +179,7 @@ class FSDP2Adapter(LockstepAdapter, CheckpointAdapter):
                 if _whole_here(t):
                     # one rank holds the whole tensor: no gather (and no DTensor
                     # dispatch); every rank decides alike, from the mesh alone
-                    local = _local(t)
+                    local = local_tensor(t)
                     if local.requires_grad:
                         local = local.detach()
                     out[name] = local if local.dtype == wire else local.to(wire)

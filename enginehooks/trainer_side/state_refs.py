@@ -22,7 +22,9 @@ key, with no other entry: a model whose state-dict hooks rename, drop, add or re
 entries never gets a map, and one that gains a hook later loses it.
 
 The map holds weak references only (modules and tensors), so it never keeps a
-parameter the trainer dropped alive; it is kept per model object (`state_of`).
+parameter the trainer dropped alive; it is kept per model object (`state_of`). Its
+memos may hold the last push's stream (`StreamRecord`), whose views keep the memory
+they view until the next push replaces the record.
 """
 
 from __future__ import annotations
@@ -38,7 +40,7 @@ from torch import nn
 _MAPS: weakref.WeakKeyDictionary[nn.Module, StateRefs] = weakref.WeakKeyDictionary()
 
 
-def _local(t: torch.Tensor) -> torch.Tensor:
+def local_tensor(t: torch.Tensor) -> torch.Tensor:
     """The tensor holding `t`'s bytes on this rank (a DTensor's local shard)."""
     inner = getattr(t, "_local_tensor", None)
     return inner if isinstance(inner, torch.Tensor) else t
@@ -111,7 +113,7 @@ class StateRefs:
         for key, value in state.items():
             mod, attr, is_param, reg = found[key]
             if (value.dtype != reg.dtype or value.shape != reg.shape
-                    or _local(value).data_ptr() != _local(reg).data_ptr()):
+                    or local_tensor(value).data_ptr() != local_tensor(reg).data_ptr()):
                 return None
             entries.append(_Entry(key, weakref.ref(mod), attr, is_param, weakref.ref(reg),
                                   reg.dtype, reg.shape))
@@ -191,7 +193,7 @@ class StreamRecord:
         sources: dict[str, tuple[int, torch.dtype, torch.Size]] = {}
         storages: set[int] = set()
         for name, t in state.items():
-            loc = _local(t)
+            loc = local_tensor(t)
             sources[name] = (loc.data_ptr(), loc.dtype, loc.shape)
             storages.add(loc.untyped_storage().data_ptr())
         return cls(refs, layout, key, sources, storages)
@@ -211,7 +213,7 @@ class StreamRecord:
             return False
         for name, t in state.items():
             want = self.sources.get(name)
-            loc = _local(t)
+            loc = local_tensor(t)
             if want is None or (loc.data_ptr(), loc.dtype, loc.shape) != want:
                 return False
         return True

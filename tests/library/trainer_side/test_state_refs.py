@@ -116,9 +116,9 @@ def scenario_cases(rank: int, extra: dict[str, Any], out: Path) -> dict[str, Any
 
     # the same parameter object, its local shard moved to other memory (`set_`): the
     # map holds, the recorded views would read the old memory: produced anew
-    from enginehooks.trainer_side.state_refs import _local
+    from enginehooks.trainer_side.state_refs import local_tensor
 
-    shard = _local(model.model.norm.weight)
+    shard = local_tensor(model.model.norm.weight)
     with torch.no_grad():
         shard.set_(shard.clone() * 5)
     push("storage moved")
