@@ -27,8 +27,6 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-import pytest
-
 from tests.support import ranks as support_ranks
 
 BUCKET = 32 << 10
@@ -145,13 +143,6 @@ def scenario_cases(rank: int, extra: dict[str, Any], out: Path) -> dict[str, Any
 
 if __name__ == "__main__":
     support_ranks.rank_main(globals())
-
-
-@pytest.fixture(scope="module")
-def tiny_llama(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from enginehooks_testkit.tiny import make_tiny_model
-
-    return make_tiny_model(tmp_path_factory.mktemp("refs") / "llama", arch="llama", seed=0)
 
 
 def test_a_push_walks_the_model_only_when_the_walk_could_give_something_else(

@@ -24,8 +24,6 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-import pytest
-
 from tests.support import ranks as support_ranks
 
 BUCKET = 32 << 10
@@ -232,13 +230,6 @@ if __name__ == "__main__":
 
 
 # -- the tests --------------------------------------------------------------------------------
-@pytest.fixture(scope="module")
-def tiny_llama(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from enginehooks_testkit.tiny import make_tiny_model
-
-    return make_tiny_model(tmp_path_factory.mktemp("stream") / "llama", arch="llama", seed=0)
-
-
 def test_two_fsdp2_ranks_read_the_state_dict_once_and_flag_once_per_push(
         tiny_llama: Path, tmp_path: Path) -> None:
     r0, r1 = run_ranks("two", tmp_path, {"model": str(tiny_llama)}, world=2)
