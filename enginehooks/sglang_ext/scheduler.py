@@ -178,26 +178,15 @@ class SGLangTarget(ApplyTarget):
                    ) -> torch.nn.Module:
         """SGLang's fresh-load path on `weights`: the model class built as its loader
         builds it, then `DefaultModelLoader.load_weights_and_postprocess` (in its two
-        halves, `before_processing(model)` between them: the copy plan's check)."""
-        from sglang.srt.configs.load_config import LoadConfig
-        from sglang.srt.model_loader.loader import (
-            DefaultModelLoader,
-            _get_quantization_config,
-            _initialize_model,
-        )
-        from sglang.srt.model_loader.utils import set_default_torch_dtype
-
-        mr = _model_runner(self.sched)
-        load_config = getattr(mr, "load_config", None) or LoadConfig(load_format="auto")
-        quant = _get_quantization_config(mr.model_config, load_config)
+        halves, `before_processing(model)` between them: the copy plan's check), through
+        the same three steps the streamed shadow takes (`shadow_parts`)."""
+        parts = self.shadow_parts()
         ensure_room(self.device, sum(t.nbytes for _, t in weights))
-        with set_default_torch_dtype(mr.model_config.dtype):
-            with self.device:
-                model = _initialize_model(mr.model_config, load_config, quant)
-            DefaultModelLoader.load_weights_only(model, iter(weights), self.device)
-            if before_processing is not None:
-                before_processing(model)
-            DefaultModelLoader.postprocess_weights(model, self.device)
+        model = parts.build()
+        parts.load(model, weights)
+        if before_processing is not None:
+            before_processing(model)
+        parts.process(model)
         return model
 
     def shadow_parts(self) -> ShadowParts:
