@@ -146,13 +146,15 @@ def replica_main(conn: Any, cfg_json: str) -> None:
 
 
 class ProcessReplica(EngineHandle):
-    """A `LocalEngine` in another process, one JSON call at a time over a pipe."""
+    """A replica in another process (`main(conn, cfg_json)`, by default a `LocalEngine`),
+    one JSON call at a time over a pipe. `bench_verify.py` passes its own `main`."""
 
-    def __init__(self, cfg: dict[str, Any]) -> None:
+    def __init__(self, cfg: dict[str, Any], main: Any = None) -> None:
         self.name = "replica"
         ctx = mp.get_context("spawn")
         self.conn, child = ctx.Pipe()
-        self.proc = ctx.Process(target=replica_main, args=(child, json.dumps(cfg)), daemon=True)
+        self.proc = ctx.Process(target=main or replica_main, args=(child, json.dumps(cfg)),
+                                daemon=True)
         self.proc.start()
         self.lock = threading.Lock()
 

@@ -32,11 +32,19 @@ includes the shadow; for `sglang` the scheduler is another process, so it is lef
 For `module` on CUDA, `cuda_peak_added_bytes` is the allocator's peak above the start.
 
 The GPU steady state of a module replica over nccl, on one host with two GPUs (the
-trainer's tensors on cuda:1, the replica on cuda:0; one GPU: leave out the two
-nccl arguments, gloo stages through the host):
+trainer's tensors on cuda:1, the replica on cuda:0), and colocated over cuda_ipc (both on
+cuda:0); gloo stages through the host:
 
     python benchmarks/bench_verify.py --engine module --device cuda:0 --gb 1 \
         --transport nccl --sender-device cuda:1 --out benchmarks/results/verify/gpu.json
+    python benchmarks/bench_verify.py --engine module --device cuda:0 --gb 1 \
+        --transport cuda_ipc --sender-device cuda:0 --out benchmarks/results/verify/gpu.json
+
+With `nccl` or `cuda_ipc` the replica lives in a spawned process (`bench_e2e`'s
+`ProcessReplica`, JSON over a pipe): their join and receive block until the trainer's
+side meets them, which a replica in the trainer's own thread never would (the first
+version of this benchmark ran the replica in-process over nccl and waited out its
+timeout), and CUDA IPC handles cannot be opened in the process that made them.
 
 Results merge into `--out` (one key per engine) with the machine description.
 """
@@ -87,6 +95,31 @@ class Blocks(torch.nn.Module):
                 params[name].copy_(t)
 
 
+def blocks_builder(gb: float) -> Callable[[torch.device], torch.nn.Module]:
+    """A builder of the ~`gb` GB bf16 stack of blocks, on a given device."""
+    hidden, inner = 2048, 8192
+    per_layer = (2 * hidden * inner + 2 * hidden) * 2
+    layers = max(1, round(gb * 1e9 / per_layer))
+
+    def build(dev: torch.device) -> torch.nn.Module:
+        with dev:
+            return Blocks(layers, hidden, inner, torch.bfloat16)
+
+    return build
+
+
+def module_trainer(gb: float, where: torch.device) -> Callable[[int], dict[str, torch.Tensor]]:
+    """trainer(seed): new weights for the replica's every tensor, on `where`."""
+    shapes = {n: p.shape for n, p in blocks_builder(gb)(torch.device("meta")).state_dict().items()}
+
+    def trainer(seed: int) -> dict[str, torch.Tensor]:
+        g = torch.Generator(device=where).manual_seed(seed)
+        return {n: torch.randn(s, generator=g, device=where, dtype=torch.float32)
+                .to(torch.bfloat16) for n, s in shapes.items()}
+
+    return trainer
+
+
 def module_replica(gb: float, device: torch.device,
                    sender: torch.device | None = None) -> tuple[Any, Callable[[int], Any]]:
     """(handle, trainer(seed)) for a module replica of ~`gb` GB in bf16 on `device`."""
@@ -100,13 +133,8 @@ def module_replica(gb: float, device: torch.device,
     from enginehooks.engine.shadow import ShadowParts
     from enginehooks.engine.side import EngineSide
 
-    hidden, inner, dtype = 2048, 8192, torch.bfloat16
-    per_layer = (2 * hidden * inner + 2 * hidden) * 2
-    layers = max(1, round(gb * 1e9 / per_layer))
-
-    def build(dev: torch.device) -> torch.nn.Module:
-        with dev:
-            return Blocks(layers, hidden, inner, dtype)
+    dtype = torch.bfloat16
+    build = blocks_builder(gb)
 
     folder = Path(tempfile.mkdtemp(prefix="bench-verify-"))
     model = build(device)
@@ -162,11 +190,7 @@ def module_replica(gb: float, device: torch.device,
         def flush_cache(self, timeout_s: float, auth: str | None = None) -> None:
             """No cache."""
 
-    def trainer(seed: int) -> dict[str, torch.Tensor]:
-        where = sender or device
-        g = torch.Generator(device=where).manual_seed(seed)
-        return {n: torch.randn(p.shape, generator=g, device=where, dtype=torch.float32)
-                .to(dtype) for n, p in model.state_dict().items()}
+    trainer = module_trainer(gb, sender or device)
 
     def raw_copy() -> float:
         """Seconds of a device copy of every weight (the floor a push of them has)."""
@@ -185,6 +209,49 @@ def module_replica(gb: float, device: torch.device,
 
     Handle.raw_copy = staticmethod(raw_copy)  # type: ignore[attr-defined]
     return Handle(), trainer
+
+
+def replica_process_main(conn: Any, cfg_json: str) -> None:
+    """The module replica in a spawned process: JSON calls over `conn` (`rpc`, `memory`
+    to start and read the allocator's peak, `stop`); the first reply is the raw copy's
+    floor."""
+    cfg = json.loads(cfg_json)
+    device = torch.device(cfg["device"])
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    handle, _ = module_replica(cfg["gb"], device)
+    conn.send_bytes(json.dumps({"raw_device_copy_s": handle.raw_copy()}).encode())
+    memory: Memory | None = None
+    while True:
+        msg = json.loads(conn.recv_bytes())
+        reply: dict[str, Any]
+        try:
+            if msg["op"] == "stop":
+                conn.send_bytes(b"{}")
+                return
+            if msg["op"] == "memory":
+                if msg.get("start"):
+                    memory = Memory(False, device if device.type == "cuda" else None)
+                    reply = {}
+                else:
+                    reply = {"cuda": memory.added()[1] if memory is not None else None}
+            else:
+                reply = {"ok": handle.rpc(msg["method"], *msg["args"],
+                                          timeout_s=msg["timeout_s"])}
+        except Exception as e:
+            reply = {"error": f"{type(e).__name__}: {e}"}
+        conn.send_bytes(json.dumps(reply).encode())
+
+
+def process_replica(gb: float, device: torch.device) -> tuple[Any, float]:
+    """(handle, raw copy seconds) of a module replica in a spawned process."""
+    from bench_e2e import ProcessReplica
+
+    replica = ProcessReplica({"gb": gb, "device": str(device)}, main=replica_process_main)
+    if not replica.conn.poll(1800):
+        raise TimeoutError("the replica process did not start within 1800 s")
+    raw = float(json.loads(replica.conn.recv_bytes())["raw_device_copy_s"])
+    return replica, raw
 
 
 # -- the real engines (CPU) ----------------------------------------------------------------
@@ -243,7 +310,7 @@ def push_rows(handle: Any, trainer: Callable[[int], Any], rounds: int, transport
     from enginehooks import WeightSync
 
     rows: list[dict[str, Any]] = []
-    with WeightSync(transport, bucket_bytes=BUCKET, timeout_s=1800, device=sender) as sync:
+    with WeightSync(transport, bucket_bytes=BUCKET, timeout_s=600, device=sender) as sync:
         sync.add_replica(handle)
         # Each round: an unverified push, a verified one after it (which keeps copies of
         # what its digests prove: the update before it was not verified), then the
@@ -253,11 +320,16 @@ def push_rows(handle: Any, trainer: Callable[[int], Any], rounds: int, transport
                                   + ["never", "always-after-never", "always"] * rounds):
             weights = trainer(1000 + i)
             sync.verify = phase.startswith("always")
-            memory = Memory(measure_rss, cuda_device)
+            remote = hasattr(handle, "_call")  # a replica process: its allocator's peak
+            memory = Memory(measure_rss, None if remote else cuda_device)
+            if remote:
+                handle._call({"op": "memory", "start": True}, 60)
             t0 = time.perf_counter()
             report = sync.push(weights, version=i + 1)
             wall = time.perf_counter() - t0
             rss_peak, cuda_peak = memory.added()
+            if remote:
+                cuda_peak = handle._call({"op": "memory"}, 60)["cuda"]
             weights = None
             info = handle.info(120)[0]
             last = (info.get("verification") or {}).get("last") or {}
@@ -327,10 +399,16 @@ def main() -> int:
     if args.engine == "module":
         device = torch.device(args.device)
         sender = torch.device(args.sender_device) if args.sender_device else None
-        handle, trainer = module_replica(args.gb, device, sender)
         if device.type == "cuda":
             desc["gpu"] = torch.cuda.get_device_name(device)
-        desc["raw_device_copy_s"] = round(handle.raw_copy(), 5)
+        if args.transport == "gloo":
+            handle, trainer = module_replica(args.gb, device, sender)
+            desc["raw_device_copy_s"] = round(handle.raw_copy(), 5)
+        else:  # the receiver must not share the trainer's process (see the docstring)
+            handle, raw = process_replica(args.gb, device)
+            running = handle
+            trainer = module_trainer(args.gb, sender or device)
+            desc["raw_device_copy_s"] = round(raw, 5)
     else:
         model_dir = build_model(Path(args.model_dir), "qwen05b")
         running, handle, trainer = engine_replica(args.engine, model_dir)
@@ -341,10 +419,14 @@ def main() -> int:
                          measure_rss=args.engine != "sglang", cuda_device=cuda)
     finally:
         if running is not None:
-            running.close()
+            if hasattr(running, "stop"):
+                running.stop()
+            else:
+                running.close()
     out = Path(args.out)
     old = json.loads(out.read_text()) if out.exists() else {}
     key = args.engine if args.engine != "module" else f"module-{args.device}"
+    key += f"-{args.transport}" if args.engine == "module" and args.transport != "gloo" else ""
     key += "+whole-shadow" if args.shadow == "whole" else ""
     old[key] = {
         "machine": desc, "shadow": args.shadow, "bucket_bytes": BUCKET, "transport": args.transport,
