@@ -349,6 +349,26 @@ class DigestCheck:
     unproved: set[str] = field(default_factory=set)
     uncopied: set[str] = field(default_factory=set)
     received_bytes: int = 0
+    #: device vectors the received runs' digest terms are added into (`_device_term`)
+    _slots: dict[torch.device, tuple[torch.Tensor, int]] = field(default_factory=dict)
+
+    def _device_term(self, b: torch.Tensor) -> torch.Tensor | None:
+        """The `sum64` term of received bytes `b` (without the length term, which both
+        sides of a comparison share) as a 0-dim device tensor, added by one kernel into
+        a slot of a vector this check holds (`checksums.sum64_into`), with no host sync;
+        None off CUDA. A digest read back per tensor costs ~0.2 ms on a GPU (a sync
+        each), and `sum64_tensor`'s launches and temporaries ~0.09 ms: most of a push of a
+        few GB. The terms are compared in one batch by `check`."""
+        from enginehooks.core.checksums import sum64_into
+
+        if b.device.type != "cuda":
+            return None
+        vec, k = self._slots.get(b.device, (None, _SLOTS))
+        if vec is None or k == _SLOTS:  # a new vector (the old one's slots stay referenced)
+            vec, k = torch.zeros(_SLOTS, dtype=torch.int64, device=b.device), 0
+        self._slots[b.device] = (vec, k + 1)
+        sum64_into(b, vec, k)
+        return vec[k]
 
     @staticmethod
     def provable(steps: Iterable[Any], received: torch.Tensor,
@@ -383,7 +403,7 @@ class DigestCheck:
                 self.unproved.add(st.dest)
                 continue
             algo = digest_algorithm(b)
-            want = _device_term(b) if algo == DIGEST else None
+            want = self._device_term(b) if algo == DIGEST else None
             self.runs.setdefault(st.dest, []).append(
                 (d[0], d[1], algo, want if want is not None else _digest(algo, b)))
             self.received_bytes += b.numel()
@@ -444,15 +464,8 @@ def _digest(algo: str, b: torch.Tensor) -> int:
     return digest(algo, b)
 
 
-def _device_term(b: torch.Tensor) -> torch.Tensor | None:
-    """The `sum64` term of bytes `b` (without the length term, which both sides of a
-    comparison share) as a 0-dim device tensor, computed where `b` lives without a host
-    sync (`core/checksums.sum64_tensor`), or None off CUDA. A digest read back per
-    tensor costs ~0.2 ms on a GPU (a sync each), most of a push of a few GB; the terms
-    are compared in one batch by `DigestCheck.check`."""
-    from enginehooks.core.checksums import sum64_tensor
-
-    return sum64_tensor(b) if b.device.type == "cuda" else None
+#: digest terms per device vector of a `DigestCheck` (a vector per 1024 received runs)
+_SLOTS = 1024
 
 
 def _launch_terms(runs: list[torch.Tensor], out: torch.Tensor) -> None:

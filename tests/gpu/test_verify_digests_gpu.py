@@ -53,3 +53,19 @@ def test_device_digests_prove_copies_and_name_a_byte_changed_after_landing() -> 
     live["qkv"].view(-1)[29] += 1.0  # k's last element
     good, bad = check.check(live)
     assert bad == ["qkv"] and good == ["w"]
+
+
+@needs_gpu
+def test_sum64_into_adds_the_same_term_as_sum64_tensor_into_its_slot() -> None:
+    from enginehooks.core.checksums import sum64_into, sum64_tensor
+
+    dev = torch.device("cuda", 0)
+    g = torch.Generator(device="cpu").manual_seed(7)
+    raw = torch.randint(0, 256, (3 << 20,), dtype=torch.uint8, generator=g).to(dev)
+    out = torch.zeros(8, dtype=torch.int64, device=dev)
+    # whole words, a ragged tail, an odd start (read through an aligned copy), empty
+    runs = [raw[:1 << 20], raw[5:(1 << 20) + 12], raw[3:4], raw[:0], raw]
+    for k, b in enumerate(runs):
+        sum64_into(b, out, k + 1)
+    want = [0] + [int(sum64_tensor(b)) for b in runs] + [0, 0]
+    assert out.tolist() == want
