@@ -2,7 +2,8 @@
 # The final code on a GPU machine, in one call: the GPU tests, then the benchmarks of
 # issues 37 and 38 whose JSON is committed (transports at 1 GiB, the colocated
 # FSDP2 -> replica push with dense and MoE shapes, 2 FSDP2 ranks -> 2 replicas over NCCL
-# where 4 GPUs are present, verification always vs never on a module replica).
+# where 4 GPUs are present, verification always vs never on a module replica over
+# cuda_ipc and nccl).
 # Usage (repo root, PYTHONPATH=$PWD): bash benchmarks/device_final.sh OUTDIR
 set -o pipefail
 OUT=${1:?outdir}
@@ -24,6 +25,12 @@ if [ "$ngpu" -ge 4 ]; then
     --deadline-s 190 --out "$OUT/multisender" > "$OUT/multisender.stdout" 2>&1
   tail -25 "$OUT/multisender.stdout"
 fi
-timeout 70 python3 benchmarks/bench_verify.py --engine module --device cuda --gb 1 --rounds 3 \
-  --out "$OUT/bench_verify-gpu.json" > "$OUT/bench_verify-gpu.log" 2>&1
-tail -6 "$OUT/bench_verify-gpu.log"
+# verification always vs never: colocated (cuda_ipc), and over nccl where 2 GPUs are present
+for t in cuda_ipc nccl; do
+  sd=cuda:0; [ "$t" = nccl ] && sd=cuda:1
+  if [ "$t" = nccl ] && [ "$ngpu" -lt 2 ]; then continue; fi
+  timeout 120 python3 benchmarks/bench_verify.py --engine module --device cuda:0 --gb 1 \
+    --rounds 5 --transport "$t" --sender-device "$sd" --out "$OUT/bench_verify-gpu.json" \
+    > "$OUT/bench_verify-gpu-$t.log" 2>&1
+  tail -1 "$OUT/bench_verify-gpu-$t.log" | cut -c1-300
+done
