@@ -231,14 +231,24 @@ def render_generated(results: list[dict[str, Any]], versions: dict[str, str]) ->
     return "\n".join(lines)
 
 
+def merged_versions(seen: dict[str, list[str]]) -> dict[str, str]:
+    """One header entry per package from several results files: the engines' environments
+    pin different torch builds, so a package seen with several versions lists them all
+    (in the order the files came) instead of whichever file came last."""
+    return {k: " / ".join(vs) for k, vs in seen.items()}
+
+
 def main(paths: list[str]) -> None:
     generated = bool(paths) and paths[0] == "--generated"
     results: list[dict[str, Any]] = []
-    versions: dict[str, str] = {}
+    seen: dict[str, list[str]] = {}
     for p in paths[1:] if generated else paths:
         data = json.loads(Path(p).read_text())
         results += data["results"]
-        versions.update(data.get("versions", {}))
+        for k, v in data.get("versions", {}).items():
+            if v not in seen.setdefault(k, []):
+                seen[k].append(v)
+    versions = merged_versions(seen)
     sys.stdout.write(render_generated(results, versions) if generated
                      else render(results, versions))
 
