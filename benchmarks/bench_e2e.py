@@ -137,6 +137,20 @@ def replica_main(conn: Any, cfg_json: str) -> None:
             elif msg["op"] == "digest":
                 torch.cuda.synchronize()
                 reply = {"digest": digest(state())}
+            elif msg["op"] == "profile":  # cProfile the calls in between (on, then off)
+                import cProfile
+                import io
+                import pstats
+
+                if msg["on"]:
+                    profiler = cProfile.Profile()
+                    profiler.enable()
+                    reply = {}
+                else:
+                    profiler.disable()
+                    buf = io.StringIO()
+                    pstats.Stats(profiler, stream=buf).sort_stats("tottime").print_stats(40)
+                    reply = {"text": buf.getvalue()}
             else:
                 out = engine.rpc(msg["method"], *msg["args"], timeout_s=msg["timeout_s"])
                 reply = {"ok": out}
@@ -330,13 +344,17 @@ def main(argv: list[str] | None = None) -> int:
                 import pstats
 
                 pr = cProfile.Profile()
+                replica._call({"op": "profile", "on": True}, 60)
                 pr.enable()
                 once()
                 pr.disable()
+                text = replica._call({"op": "profile", "on": False}, 60)["text"]
                 buf = io.StringIO()
                 pstats.Stats(pr, stream=buf).sort_stats("cumtime").print_stats(45)
                 with open(f"{prof}.trainer-{cs}.txt", "w") as f:
                     f.write(buf.getvalue())
+                with open(f"{prof}.replica-{cs}.txt", "w") as f:
+                    f.write(text)
             ok = replica.digest() == mine
             steady = reports[args.warmup:] or reports
             item.update(checksum=cs, bit_exact=ok,
