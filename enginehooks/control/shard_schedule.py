@@ -120,6 +120,9 @@ def shard_source(adapter: Any, rank: int, senders: int) -> FSDP2Shards:
     rename = getattr(adapter, "rename", None)
     if callable(rename):
         shards.rename(rename)
+    for name, dt in (getattr(adapter, "dtypes", None) or {}).items():
+        if name in shards.specs:  # the replicas' exceptions; None: the trainer's own dtype
+            shards.specs[name] = (dt or shards.local[name].dtype, shards.specs[name][1])
     if shards.world != senders or shards.rank != rank:
         raise ConfigError(f"the model's mesh has {shards.world} ranks (this one {shards.rank});"
                           f" the senders are {senders} (this one {rank}): shard-direct needs "

@@ -87,7 +87,7 @@ from enginehooks.trainer_side.keep import leave_out, module_names
 from enginehooks.trainer_side.lockstep import LockstepAdapter
 from enginehooks.transports.base import Abort, JoinSender, LeaveSender, Sender, Stream
 from enginehooks.transports.shard_direct import ShardStream
-from enginehooks.wire.schedule import SCHEDULE_KEY
+from enginehooks.wire.schedule import NEEDS_DIGEST_KEY, NEEDS_KEY, SCHEDULE_KEY
 
 DEFAULT_BUCKET_BYTES = 256 << 20
 #: How long, after a failure that another party caused, the replicas get to report their
@@ -270,6 +270,10 @@ class WeightSync:
         self._receives: list[Future[Any]] = []
         #: the shard-direct schedule, kept per layout (`Transport.schedules` only)
         self._planner: ShardPlanner | None = None
+        #: each worker's needs (by its id) under their digest: asked once per layout
+        self._needs_held: dict[str, tuple[str, Any]] = {}
+        #: how many times the workers' needs were asked (`InfoRequest(needs=True)`)
+        self.needs_asked = 0
 
     # -- membership ---------------------------------------------------------------------
     def add_replica(self, handle: EngineHandle) -> None:
@@ -519,8 +523,7 @@ class WeightSync:
                 raise ConfigError("the trainer ranks stream different tensors")
             shards = shard_source(adapter, 0, senders)
             matching(specs, shards)
-            infos = self._all(report, "info", lambda r: r.request(
-                wire.InfoRequest(needs=True), self.timeout_s))
+            infos = self._needs(report)
             if self._planner is None or self._planner.senders != senders:
                 self._planner = ShardPlanner(senders)
             return self._planner.manifest(
@@ -529,6 +532,27 @@ class WeightSync:
         except ConfigError as e:  # MalformedNeeds is one
             meta[SCHEDULE_OFF_KEY] = f"{type(e).__name__}: {e}"[:500]
             return None
+
+    def _needs(self, report: PushReport) -> list[list[dict[str, Any]]]:
+        """Every replica's `info` with each worker's needs, asked once per layout: a plain
+        `info` first; only where a worker's `needs_key` is not the digest of the needs
+        held for that worker (by its id) from before are the needs asked
+        (`InfoRequest(needs=True)`, of every replica; the cache then holds them)."""
+        infos = self._all(report, "info", lambda r: r.info(self.timeout_s))
+        held = self._needs_held
+        if all(i.get(NEEDS_DIGEST_KEY) is not None
+               and held.get(str(i.get("instance")), ("", None))[0] == i[NEEDS_DIGEST_KEY]
+               for per in infos for i in per):
+            return [[{**i, NEEDS_KEY: held[str(i["instance"])][1]} for i in per]
+                    for per in infos]
+        infos = self._all(report, "info", lambda r: r.request(
+            wire.InfoRequest(needs=True), self.timeout_s))
+        self.needs_asked += 1
+        for per in infos:
+            for i in per:
+                if i.get(NEEDS_DIGEST_KEY) is not None and isinstance(i.get(NEEDS_KEY), dict):
+                    held[str(i.get("instance"))] = (str(i[NEEDS_DIGEST_KEY]), i[NEEDS_KEY])
+        return infos
 
     def _stream(self, adapter: TrainerAdapter, manifest: Manifest) -> Stream:
         """What this rank's sender sends from: the adapter's stream, or for a scheduled

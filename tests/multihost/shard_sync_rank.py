@@ -101,6 +101,25 @@ class TPWorker(EngineHandle):
         """A module has no cache."""
 
 
+def count_sends(into: dict[str, list[int]]) -> None:
+    """Count, per push, the collectives this process runs inside its `shard` sender's
+    `send` (`into["collectives"]`) and the bytes it sends (`into["sent"]`)."""
+    import enginehooks.transports.shard_direct as sd
+
+    counter = Collectives()
+    send = sd.ShardSender.send
+
+    def counted(self: Any, manifest: Any, stream: Any, abort: Any) -> Any:
+        before = counter.count
+        with counter.counting():
+            stats = send(self, manifest, stream, abort)
+        into["collectives"].append(counter.count - before)
+        into["sent"].append(stats.bytes)
+        return stats
+
+    sd.ShardSender.send = counted  # type: ignore[method-assign]
+
+
 def main(spec: dict[str, Any]) -> dict[str, Any]:
     from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.fsdp import fully_shard
@@ -123,20 +142,8 @@ def main(spec: dict[str, Any]) -> dict[str, Any]:
         workers = [TPWorker(e, 2, specs, not spec.get("no_plan")) for e in range(2)]
         for w in workers:
             sync.add_replica(w)
-    counter = Collectives()
-    counts: list[int] = []
-    sent: list[int] = []
-    send = sd.ShardSender.send
-
-    def counted(self: Any, manifest: Any, stream: Any, abort: Any) -> Any:
-        before = counter.count
-        with counter.counting():
-            stats = send(self, manifest, stream, abort)
-        counts.append(counter.count - before)
-        sent.append(stats.bytes)
-        return stats
-
-    sd.ShardSender.send = counted  # type: ignore[method-assign]
+    sends: dict[str, list[int]] = {"collectives": [], "sent": []}
+    count_sends(sends)
     if spec.get("corrupt") == rank:  # a byte flipped after its range was digested
         seal = sd._seal
         flipped: set[int] = set()
@@ -170,7 +177,8 @@ def main(spec: dict[str, Any]) -> dict[str, Any]:
                     w.target.model.state_dict().values(),
                     tp.fresh(e, 2, state).state_dict().values()))
                 for e, w in enumerate(workers)])
-    out["collectives"], out["sent"] = counts, sent
+    out.update(sends)
+    out["needs_asked"] = sync.needs_asked
     sync.close()
     dist.destroy_process_group()
     return out

@@ -4,12 +4,12 @@ senders=TrainerRanks(...))` on two FSDP2 trainer processes (`shard_sync_rank.py`
 replica whose two workers are `EngineSide`s with the copy plan recorded from their
 loader (hosted by rank 0).
 
-- The coordinator asks the workers' needs once per layout, plans the schedule into the
-  signed manifest; each trainer rank sends only its own shards' intersections, point to
-  point, with no collective inside its send; the workers go check -> receive -> apply ->
-  current through their normal states and equal a fresh load of the pushed weights bit
-  for bit, twice (the second push reuses the schedule). Bytes sent: the model's once,
-  within 2%.
+- The coordinator asks the workers' needs once per layout (the first push only), plans
+  the schedule into the signed manifest; each trainer rank sends only its own shards'
+  intersections, point to point, with no collective inside its send; the workers go
+  check -> receive -> apply -> current through their normal states and equal a fresh
+  load of the pushed weights bit for bit, twice (the second push reuses the schedule).
+  Bytes sent: the model's once, within 2%.
 - A byte flipped after its range was digested ends the update `torn` on the worker that
   received it, and the push raises `ChecksumError` naming the tensor and the sender.
 """
@@ -75,6 +75,7 @@ def test_two_fsdp2_ranks_push_shard_direct_through_weightsync() -> None:
         received = [w["workers"][0]["schedule"]["received"] for w in rep["workers"]]
         assert sum(received) == sum(parts)
     assert r0["collectives"] == r1["collectives"] == [0, 0]  # no gather while sending
+    assert r0["needs_asked"] == 1  # once per layout: the second push held them
 
 
 def test_a_byte_changed_after_its_digest_leaves_the_update_torn() -> None:
