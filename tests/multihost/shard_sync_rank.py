@@ -3,7 +3,8 @@
 
 SPEC: `{"rank", "world", "master" ("addr:port" of the trainer's own gloo group), "seed",
 "timeout_s", "pushes" (versions pushed, in order), "corrupt" (a trainer rank that flips
-a byte of its first range after digesting it, in every push), "secret", "no_plan"}`.
+a byte of its first range after digesting it, in push "corrupt_push" (an index) or in
+every push), "secret", "no_plan"}`.
 
 Every rank builds `enginehooks_testkit/tp_module.TinyFull`, `fully_shard`s it over the
 trainer ranks (FSDP2 on CPU) and calls `WeightSync("shard", senders=TrainerRanks(...))
@@ -144,6 +145,7 @@ def main(spec: dict[str, Any]) -> dict[str, Any]:
             sync.add_replica(w)
     sends: dict[str, list[int]] = {"collectives": [], "sent": []}
     count_sends(sends)
+    at = [0]  # the push under way
     if spec.get("corrupt") == rank:  # a byte flipped after its range was digested
         seal = sd._seal
         flipped: set[int] = set()
@@ -151,13 +153,14 @@ def main(spec: dict[str, Any]) -> dict[str, Any]:
         def late_flip(key: Any, mid: int, index: int, buf: torch.Tensor, checksum: Any
                       ) -> tuple[int, int]:
             sealed = seal(key, mid, index, buf, checksum)
-            if mid not in flipped:
+            if mid not in flipped and spec.get("corrupt_push", at[0]) == at[0]:
                 flipped.add(mid)
                 buf[0] ^= 0xFF
             return sealed
         sd._seal = late_flip  # type: ignore[assignment]
     out: dict[str, Any] = {"reports": [], "states": [], "equal": []}
     for i, version in enumerate(spec["pushes"]):
+        at[0] = i
         model = tp.TinyFull(int(spec["seed"]) + i)
         state = {n: t.detach().clone() for n, t in model.state_dict().items()}
         fully_shard(model, mesh=DeviceMesh.from_group(dist.group.WORLD, "cpu"))

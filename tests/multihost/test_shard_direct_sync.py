@@ -58,8 +58,10 @@ def run(**extra: Any) -> list[dict[str, Any]]:
     return out
 
 
-def test_two_fsdp2_ranks_push_shard_direct_through_weightsync() -> None:
-    r0, r1 = run(pushes=["v1", "v2"], secret=SECRET)
+def test_two_fsdp2_ranks_push_shard_direct_through_weightsync_then_a_bad_byte_tears() -> None:
+    """One pair of processes for both halves (the CI slot): two good pushes, then one
+    whose range rank 1 changed after digesting it."""
+    r0, r1 = run(pushes=["v1", "v2", "v3"], secret=SECRET, corrupt=1, corrupt_push=2)
     assert "error" not in r0 and "error" not in r1, (r0, r1)
     model = sum(t.numel() * t.element_size() for t in tp.TinyFull().state_dict().values())
     for i, version in enumerate(["v1", "v2"]):
@@ -74,15 +76,11 @@ def test_two_fsdp2_ranks_push_shard_direct_through_weightsync() -> None:
         assert [s["bytes"] for s in rep["schedule"]] == parts
         received = [w["workers"][0]["schedule"]["received"] for w in rep["workers"]]
         assert sum(received) == sum(parts)
-    assert r0["collectives"] == r1["collectives"] == [0, 0]  # no gather while sending
-    assert r0["needs_asked"] == 1  # once per layout: the second push held them
-
-
-def test_a_byte_changed_after_its_digest_leaves_the_update_torn() -> None:
-    r0, r1 = run(pushes=["v1"], secret=SECRET, corrupt=1)
-    rep = r0["reports"][0]
+    assert r0["collectives"] == r1["collectives"] == [0, 0, 0]  # no gather while sending
+    assert r0["needs_asked"] == 1  # once per layout: the later pushes held them
+    # the third push: a byte changed after its range's digest
+    rep = r0["reports"][2]
     assert rep["type"] == "ChecksumError", rep
     assert "from trainer rank 1" in rep["error"] and "keyed digest" in rep["error"]
-    states = r0["states"][0]
-    assert ["torn", None] in states  # the worker that got the byte holds no version
-    assert r1["reports"][0]["ok"] is False
+    assert ["torn", None] in r0["states"][2]  # the worker that got the byte holds no version
+    assert r1["reports"][2]["ok"] is False
