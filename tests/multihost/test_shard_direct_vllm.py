@@ -1,7 +1,7 @@
 """A real vLLM engine at tensor parallel 2 fed shard-direct by two trainer processes
 (issue 40's oracle), outside CI (`ENGINEHOOKS_MULTIHOST_FULL=1`: two TP=2 vLLM servers
 take minutes on the CI's two cores; the run's log is committed as
-benchmarks/results/shard-direct-vllm-tp2.log).
+benchmarks/results/multihost/shard-direct-vllm-tp2.log).
 
 Two FSDP2 trainer ranks (`multi_trainer.py`, mode "fsdp2", transport "shard": each
 rank's model `fully_shard`ed over both, gloo, loopback) push with
