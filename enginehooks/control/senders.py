@@ -30,6 +30,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from enginehooks.control.shard_schedule import shard_source
 from enginehooks.core.dtypes import dtype_name, torch_dtype
 from enginehooks.core.errors import ConfigError, TransportError
 from enginehooks.core.manifest import Manifest, TensorSpec
@@ -53,6 +54,8 @@ from enginehooks.trainer_side.choose import adapter_for
 from enginehooks.trainer_side.contract import TrainerAdapter
 from enginehooks.trainer_side.lockstep import PushAborted
 from enginehooks.transports.base import Abort, Sender, SendStats, Stream
+from enginehooks.transports.shard_direct import ShardStream
+from enginehooks.wire.schedule import SCHEDULE_KEY
 
 #: How long the coordinator waits for the other ranks' answer to a `close`.
 CLOSE_WAIT_S = 5.0
@@ -152,7 +155,10 @@ class SenderSet(Sender):
         self._ok(g.result(self.timeout_s), "join its broadcast group")
 
     def send(self, manifest: Manifest, stream: Stream, abort: Abort) -> SendStats:
-        mine = parts(manifest)
+        # a shard-direct schedule (`control/shard_schedule.py`) is every rank's whole
+        # plan: each sends its own shards along it, from the whole manifest
+        scheduled = SCHEDULE_KEY in manifest.meta
+        mine = [manifest] * len(self.endpoints) if scheduled else parts(manifest)
         if len(mine) != len(self.endpoints):
             raise TransportError(f"the manifest has {len(mine)} senders; the group has "
                                  f"{len(self.endpoints)}")
@@ -160,13 +166,18 @@ class SenderSet(Sender):
         with self._lock:
             g = self.command(Send(manifest.to_json()))
         names = {t.name for t in mine[0].tensors}
-        stats = self.own.send(mine[0], only(stream, names), abort)
+        stats = self.own.send(mine[0], stream if scheduled else only(stream, names), abort)
         g.future.add_done_callback(lambda _f: abort.poke())
         if not abort.wait_for(g.done, self.timeout_s):
             raise TransportError(f"trainer ranks 1..{self.ranks.size - 1} did not finish "
                                  f"sending within {self.timeout_s}s")
         answers = self._ok(g.result(self.timeout_s), "send its part")
-        stats.bytes = manifest.total_bytes
+        if scheduled:  # the schedule's bytes, every rank's (the model's once, or so)
+            stats.extra["schedule"] = [stats.extra.get("schedule")] + [
+                {"rank": j, "bytes": a.bytes} for j, a in enumerate(answers) if j]
+            stats.bytes = stats.bytes + sum(a.bytes or 0 for a in answers[1:])
+        else:
+            stats.bytes = manifest.total_bytes
         stats.buckets = len(manifest.buckets)
         stats.seconds = time.perf_counter() - t0
         stats.extra["senders"] = [{"rank": 0, "seconds": stats.seconds}] + [
@@ -289,6 +300,11 @@ class Follower:
             if self.adapter is None:
                 raise TransportError("send before plan")
             manifest = Manifest.from_json(cmd.manifest)
+            if SCHEDULE_KEY in manifest.meta:  # its own shards, along the schedule
+                adapter, rank, size = self.adapter, self.ranks.rank, self.ranks.size
+                stats = self._here().send(manifest, ShardStream(
+                    adapter.stream, lambda: shard_source(adapter, rank, size)), Abort())
+                return Answer(seconds=stats.seconds, bytes=stats.bytes), stats
             part = parts(manifest)[self.ranks.rank]
             names = {t.name for t in part.tensors}
             # this rank gathers, converts and casts only its part (issue 37 item 5)

@@ -27,9 +27,12 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from enginehooks.core.dtypes import dtype_name
+from enginehooks.core.errors import ConfigError
 from enginehooks.core.layout import layout_key
 from enginehooks.core.manifest import Manifest, TensorSpec, plan
 from enginehooks.core.schedule import Slice, Transfer, schedule
+from enginehooks.trainer_side.fsdp import FSDP2Shards
 from enginehooks.wire.schedule import NEEDS_KEY, ShardSchedule, needs_from_wire
 
 
@@ -97,3 +100,41 @@ class ShardPlanner:
         sched = self.schedule(specs, holds, replicas)
         return plan(list(specs), weight_version=weight_version, bucket_bytes=bucket_bytes,
                     meta=sched.into(dict(meta or {})), **layout)
+
+
+#: `meta` key of a manifest the `shard` transport broadcasts instead: why no schedule
+SCHEDULE_OFF_KEY = "schedule_off"
+
+
+def shard_source(adapter: Any, rank: int, senders: int) -> FSDP2Shards:
+    """Trainer rank `rank`'s own bytes for a schedule of `senders` ranks: the adapter's
+    FSDP2 model's local shards under the adapter's checkpoint names, cast to its wire
+    dtype (`trainer_side/fsdp.FSDP2Shards`). Refused (`ConfigError`, naming why) where
+    the placements are not ones a schedule is derived from, or where the model's mesh
+    is not the sender ranks (mesh rank j must be sender j)."""
+    model = getattr(adapter, "model", None)
+    if model is None:
+        raise ConfigError(f"a {type(adapter).__name__} adapter has no model to read "
+                          "placements from")
+    shards = FSDP2Shards(model, dtype=getattr(adapter, "dtype", None))
+    rename = getattr(adapter, "rename", None)
+    if callable(rename):
+        shards.rename(rename)
+    for name, dt in (getattr(adapter, "dtypes", None) or {}).items():
+        if name in shards.specs:  # the replicas' exceptions; None: the trainer's own dtype
+            shards.specs[name] = (dt or shards.local[name].dtype, shards.specs[name][1])
+    if shards.world != senders or shards.rank != rank:
+        raise ConfigError(f"the model's mesh has {shards.world} ranks (this one {shards.rank});"
+                          f" the senders are {senders} (this one {rank}): shard-direct needs "
+                          "mesh rank j to be sender j")
+    return shards
+
+
+def matching(specs: Sequence[TensorSpec], shards: FSDP2Shards) -> None:
+    """Refuse (`ConfigError`) a manifest tensor the shards hold in another dtype or
+    shape (per-tensor wire dtypes, a conversion on save): the byte offsets would differ."""
+    for s in specs:
+        held = shards.specs.get(s.name)
+        if held is None or dtype_name(held[0]) != s.dtype or tuple(held[1]) != tuple(s.shape):
+            raise ConfigError(f"{s.name}: the update sends {s.dtype}{list(s.shape)}; the "
+                              f"trainer's shards hold {held}: not schedulable")

@@ -51,6 +51,12 @@ from enginehooks.control.senders import (
     owners_of,
     with_send_order,
 )
+from enginehooks.control.shard_schedule import (
+    SCHEDULE_OFF_KEY,
+    ShardPlanner,
+    matching,
+    shard_source,
+)
 from enginehooks.core.auth import AuthError, load_secret
 from enginehooks.core.checksums import check_name
 from enginehooks.core.deadline import Deadline
@@ -79,7 +85,9 @@ from enginehooks.trainer_side.choose import adapter_for
 from enginehooks.trainer_side.contract import TrainerAdapter
 from enginehooks.trainer_side.keep import leave_out, module_names
 from enginehooks.trainer_side.lockstep import LockstepAdapter
-from enginehooks.transports.base import Abort, JoinSender, LeaveSender, Sender
+from enginehooks.transports.base import Abort, JoinSender, LeaveSender, Sender, Stream
+from enginehooks.transports.shard_direct import ShardStream
+from enginehooks.wire.schedule import NEEDS_DIGEST_KEY, NEEDS_KEY, SCHEDULE_KEY
 
 DEFAULT_BUCKET_BYTES = 256 << 20
 #: How long, after a failure that another party caused, the replicas get to report their
@@ -260,6 +268,12 @@ class WeightSync:
         self._rpcs_lock = threading.Lock()
         #: the receive calls of the last transfer (a fallback waits for them to end)
         self._receives: list[Future[Any]] = []
+        #: the shard-direct schedule, kept per layout (`Transport.schedules` only)
+        self._planner: ShardPlanner | None = None
+        #: each worker's needs (by its id) under their digest: asked once per layout
+        self._needs_held: dict[str, tuple[str, Any]] = {}
+        #: how many times the workers' needs were asked (`InfoRequest(needs=True)`)
+        self.needs_asked = 0
 
     # -- membership ---------------------------------------------------------------------
     def add_replica(self, handle: EngineHandle) -> None:
@@ -467,10 +481,14 @@ class WeightSync:
                 if key is not None:  # the workers keep what they take under this id
                     meta[LAYOUT_KEY] = layout_id
                     kept.update(key=self._options_key(key), specs=specs)
-                return adapter, plan(specs, **layout)
+                scheduled = self._scheduled(report, adapter, [specs], layout)
+                return adapter, scheduled or plan(specs, **layout)
             # several senders: every rank says what it can stream; one manifest lists
             # each sender's part (and, for lockstep ranks, the order they send in)
             per_rank = ask_plans(self.senders, adapter)
+            scheduled = self._scheduled(report, adapter, per_rank, layout)
+            if scheduled is not None:  # each rank sends its own shards (no parts)
+                return adapter, scheduled
             manifest = with_send_order(plan(parts=decide_parts(per_rank), **layout), per_rank)
             # this rank gathers, converts and casts only its own part (the others theirs)
             adapter.owners = owners_of(manifest, self.senders)
@@ -482,6 +500,68 @@ class WeightSync:
             self._layout = PreparedLayout(layout_id, kept["key"], manifest, adapter,
                                           kept["specs"], list(self._replicas), self._wire)
 
+    def _scheduled(self, report: PushReport, adapter: TrainerAdapter,
+                   per_rank: list[list[TensorSpec]], layout: dict[str, Any]) -> Manifest | None:
+        """For a transport that schedules (`Transport.schedules`: `shard`), the manifest
+        with the static shard-direct schedule (`control/shard_schedule.py`): every
+        engine worker's needs asked once (`info` with needs), each trainer rank's
+        holdings read from its placements, the schedule computed once per layout (the
+        `ShardPlanner` keeps it) and written into the manifest the check and receive
+        tokens sign. None (the transport broadcasts over the same groups, the reason in
+        `meta["schedule_off"]`) where no schedule can be made: a worker with no copy plan
+        recorded yet (the first push records it), ranks that stream different tensors,
+        placements other than FSDP2's `Shard(0)`/`Replicate()` on the sender ranks."""
+        if not self.transport.schedules:
+            return None
+        meta = layout["meta"]
+        senders = self.senders.size if self.senders is not None else 1
+        try:
+            if KEEP_KEY in meta:
+                raise ConfigError("push(keep=...) is broadcast")
+            specs = per_rank[0]
+            if any(list(p) != list(specs) for p in per_rank[1:]):
+                raise ConfigError("the trainer ranks stream different tensors")
+            shards = shard_source(adapter, 0, senders)
+            matching(specs, shards)
+            infos = self._needs(report)
+            if self._planner is None or self._planner.senders != senders:
+                self._planner = ShardPlanner(senders)
+            return self._planner.manifest(
+                specs, shards.holds(), [(r.name, i) for r, i in zip(self._replicas, infos)],
+                **layout)
+        except ConfigError as e:  # MalformedNeeds is one
+            meta[SCHEDULE_OFF_KEY] = f"{type(e).__name__}: {e}"[:500]
+            return None
+
+    def _needs(self, report: PushReport) -> list[list[dict[str, Any]]]:
+        """Every replica's `info` with each worker's needs, asked once per layout: a plain
+        `info` first; only where a worker's `needs_key` is not the digest of the needs
+        held for that worker (by its id) from before are the needs asked
+        (`InfoRequest(needs=True)`, of every replica; the cache then holds them)."""
+        infos = self._all(report, "info", lambda r: r.info(self.timeout_s))
+        held = self._needs_held
+        if all(i.get(NEEDS_DIGEST_KEY) is not None
+               and held.get(str(i.get("instance")), ("", None))[0] == i[NEEDS_DIGEST_KEY]
+               for per in infos for i in per):
+            return [[{**i, NEEDS_KEY: held[str(i["instance"])][1]} for i in per]
+                    for per in infos]
+        infos = self._all(report, "info", lambda r: r.request(
+            wire.InfoRequest(needs=True), self.timeout_s))
+        self.needs_asked += 1
+        for per in infos:
+            for i in per:
+                if i.get(NEEDS_DIGEST_KEY) is not None and isinstance(i.get(NEEDS_KEY), dict):
+                    held[str(i.get("instance"))] = (str(i[NEEDS_DIGEST_KEY]), i[NEEDS_KEY])
+        return infos
+
+    def _stream(self, adapter: TrainerAdapter, manifest: Manifest) -> Stream:
+        """What this rank's sender sends from: the adapter's stream, or for a scheduled
+        manifest a `ShardStream` (its own shards; the stream is never started)."""
+        if SCHEDULE_KEY not in manifest.meta:
+            return adapter.stream()
+        senders = self.senders.size if self.senders is not None else 1
+        return ShardStream(adapter.stream, lambda: shard_source(adapter, 0, senders))
+
     def _transact(self, adapter: TrainerAdapter, manifest: Manifest, report: PushReport,
                   prepared: PreparedLayout | None) -> None:
         report.bytes, report.buckets = manifest.total_bytes, len(manifest.buckets)
@@ -492,7 +572,8 @@ class WeightSync:
             # Sharded trainers: the other ranks iterate the same stream in lockstep and
             # wait for the sender's go; tell them this push is off, with the reason, so
             # they return instead of blocking in a collective (trainer_side.lockstep).
-            if prepared is None:
+            # (A scheduled push never started the stream: no rank waits on it.)
+            if prepared is None and SCHEDULE_KEY not in manifest.meta:
                 adapter.cancel(f"{type(e).__name__}: {e}")
             raise
 
@@ -831,7 +912,7 @@ class WeightSync:
         try:
             stats = self._pm.hook.send_weights(
                 transport=self.transport_name, sender=sender, manifest=manifest,
-                stream=adapter.stream(), abort=abort,
+                stream=self._stream(adapter, manifest), abort=abort,
             )
         except BaseException as e:
             # A replica's own error says more than the sender's "aborted": prefer it. The

@@ -54,7 +54,7 @@ from enginehooks.core.errors import (
     TransportError,
 )
 from enginehooks.core.keep import kept_modules
-from enginehooks.core.layout import layout_of, parse_reference, with_version
+from enginehooks.core.layout import layout_key, layout_of, parse_reference, with_version
 from enginehooks.core.manifest import Manifest
 from enginehooks.engine.contract import EngineBinding, dispatch
 from enginehooks.engine.copy_plan import CopyPlan, PlanState
@@ -68,7 +68,13 @@ from enginehooks.transports.base import (
     Target,
     data_plane_error,
 )
-from enginehooks.wire.schedule import NEEDS_KEY, SCHEDULE_KEY, MalformedSchedule, ShardSchedule
+from enginehooks.wire.schedule import (
+    NEEDS_DIGEST_KEY,
+    NEEDS_KEY,
+    SCHEDULE_KEY,
+    MalformedSchedule,
+    ShardSchedule,
+)
 from enginehooks.wire.schedule import needs_to_wire as wire_needs
 
 ON_TORN_ENV = "ENGINEHOOKS_ON_TORN"
@@ -129,7 +135,7 @@ class EngineSide:
         #: a later push names one instead of sending it again
         self._layouts: dict[str, Manifest] = {}
         #: `info`'s needs, computed once per recorded copy plan (the plan they came from)
-        self._needs: tuple[CopyPlan, dict[str, Any]] | None = None
+        self._needs: tuple[CopyPlan, dict[str, Any], str] | None = None
         self.binding.state_changed(self.public_state())
 
     def retarget(self, other: EngineBinding | None) -> None:
@@ -273,7 +279,7 @@ class EngineSide:
             "engine": self.binding.engine,
             # parameters no checkpoint tensor loads: a fresh load leaves them as built
             "unloaded": self.expectations().unloaded()[:20],
-            **(self._needs_info() if needs else {}),
+            **(self._needs_info() if needs else self._needs_digest()),
             **self.binding.info(),
         })
 
@@ -287,8 +293,16 @@ class EngineSide:
             return {}
         if self._needs is None or self._needs[0] is not plan:
             specs = [r.spec for r in plan.routes.values()]
-            self._needs = (plan, wire_needs(needs_of(plan, specs), specs))
-        return {NEEDS_KEY: self._needs[1]}
+            runs = wire_needs(needs_of(plan, specs), specs)
+            self._needs = (plan, runs, layout_key(runs))
+        return {NEEDS_KEY: self._needs[1], NEEDS_DIGEST_KEY: self._needs[2]}
+
+    def _needs_digest(self) -> dict[str, Any]:
+        """`info`'s `needs_key` (`wire/schedule.NEEDS_DIGEST_KEY`), where the needs were
+        computed for the current plan: a trainer holding them asks no more."""
+        if self._needs is None or self._needs[0] is not self._usable_plan():
+            return {}
+        return {NEEDS_DIGEST_KEY: self._needs[2]}
 
     def join(self, endpoint: dict[str, Any], rank_offset: int,
              auth: str | None = None, *, replica_workers: int | None = None,

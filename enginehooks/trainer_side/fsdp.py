@@ -21,7 +21,7 @@ trainer never holds the whole model unsharded:
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, cast
 
 import torch
@@ -371,6 +371,13 @@ class FSDP2Shards:
             self.world, self.rank = mesh.size(), mesh.get_local_rank()
             self._placement[name] = kind
             self.local[name] = t.to_local()
+
+    def rename(self, fn: Callable[[str], str]) -> None:
+        """Name every tensor `fn(module name)` (the adapter's checkpoint names)."""
+        self.specs = {fn(n): v for n, v in self.specs.items()}
+        self.local = {fn(n): v for n, v in self.local.items()}
+        self._placement = {fn(n): v for n, v in self._placement.items()}
+        self.__dict__.pop("_mine", None)
 
     def wire_dtype(self, dtype: torch.dtype) -> torch.dtype:
         return self.dtype if self.dtype is not None and dtype.is_floating_point else dtype

@@ -303,6 +303,10 @@ class Transport(ABC):
     #: (`WeightSync(senders=...)`, `docs/scale.md`): each then opens a sender of its own,
     #: and a receiver accepts an endpoint that lists the senders' endpoints.
     several_senders: ClassVar[bool] = False
+    #: Whether `WeightSync` plans a static shard-direct schedule for this transport (the
+    #: `shard` transport, `transports/shard_direct.py`): it asks the engine workers'
+    #: needs and writes the schedule into the manifest where it can.
+    schedules: ClassVar[bool] = False
 
     @abstractmethod
     def sender(self, **options: Any) -> Sender:

@@ -84,6 +84,8 @@ class WorkerInfo(TypedDict, total=False):
     #: the byte runs of each checkpoint tensor this worker's loader reads, once its copy
     #: plan is recorded (shard-direct, `wire/schedule.py` `needs_to_wire`)
     needs: dict[str, dict[str, Any]]
+    #: a digest of `needs`, once computed for the current copy plan (`NEEDS_DIGEST_KEY`)
+    needs_key: str
     # -- added by the bindings (`engine/apply.py`, SGLang's scheduler) ------------------
     beacon: str
     verification: dict[str, Any]

@@ -35,6 +35,11 @@ SCHEDULE_KEY = "schedule"
 #: `info`'s key: the byte runs each checkpoint tensor this worker's loader reads.
 NEEDS_KEY = "needs"
 
+#: `info`'s key: a digest of those needs, in every `info` once they were computed for
+#: the worker's current copy plan (a trainer that holds needs under this digest for the
+#: same worker asks for them no more: once per layout)
+NEEDS_DIGEST_KEY = "needs_key"
+
 
 class MalformedSchedule(ManifestError):
     """A manifest's schedule that an engine rank cannot follow or trust."""

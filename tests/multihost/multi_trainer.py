@@ -9,7 +9,8 @@ SPEC: `{"model_dir", "host" (this rank's address), "rank", "world", "master"
 shares it out), "owned" (rank r streams only the tensors it owns: every world-th name),
 "fsdp2" (each push's model is `fully_shard`ed over the ranks: real DTensors, gathered in
 lockstep while each rank sends its share; the control channel is a gloo group of its
-own) or "single" (rank 0 alone pushes with a plain `WeightSync`; the baseline).
+own; `"transport": "shard"` pushes it shard-direct, `shard_sync_rank.count_sends`
+counting each rank's sends) or "single" (rank 0 alone pushes with a plain `WeightSync`; the baseline).
 
 Commands: `{"op": "push", "seed", "version"}` on every rank (answers `{"ok", "seconds",
 ...}` or the error, with `"type"`); `{"op": "digests", "names", "replica"?}` (rank 0);
@@ -43,13 +44,18 @@ def main(spec: dict[str, Any]) -> None:
                             world_size=world, timeout=_dt.timedelta(seconds=timeout_s * 8))
     handles = {r["name"]: handle_of(r) for r in spec.get("replicas") or []}
     sync: WeightSync
+    sends: dict[str, list[int]] = {"collectives": [], "sent": []}
     if mode == "single":
         sync = WeightSync("gloo", host=spec["host"], timeout_s=timeout_s,
                           bucket_bytes=spec["bucket_bytes"])
     else:
         # FSDP2 gathers on the default group: the control channel needs its own
         control = dist.new_group(backend="gloo") if mode == "fsdp2" else None
-        sync = WeightSync("gloo", senders=TrainerRanks(control, timeout_s=timeout_s),
+        transport = spec.get("transport", "gloo")
+        if transport == "shard":  # count the collectives inside each rank's sends
+            from tests.multihost.shard_sync_rank import count_sends
+            count_sends(sends)
+        sync = WeightSync(transport, senders=TrainerRanks(control, timeout_s=timeout_s),
                           host=spec["host"], timeout_s=timeout_s,
                           bucket_bytes=spec["bucket_bytes"])
     if rank == 0:
@@ -93,7 +99,9 @@ def main(spec: dict[str, Any]) -> None:
                         "seconds": time.monotonic() - t0})
                 continue
             answer({"ok": True, "seconds": time.monotonic() - t0, "bytes": report.bytes,
-                    "phases": dict(getattr(report, "phases", {}) or {})})
+                    "phases": dict(getattr(report, "phases", {}) or {}),
+                    "schedule": report.sender.get("schedule"), "sends": sends,
+                    "workers": [r.stats for r in report.replicas]})
         elif op == "digests":
             h = handles[cmd["replica"]] if "replica" in cmd else next(iter(handles.values()))
             answer({"ok": True, "digests": h.digests(cmd["names"], timeout_s=60.0)})
