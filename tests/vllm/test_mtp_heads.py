@@ -1,0 +1,128 @@
+"""MTP heads pushed with the model (issue 39 item 5), on a real vLLM CPU server running
+speculative decoding with the checkpoint's own multi-token-prediction layers
+(`--speculative-config '{"method": "mtp"}'`).
+
+vLLM builds the MTP drafter as a second model from the same checkpoint: the main model's
+loader skips `model.mtp_layers.*` and the drafter's takes them. Before companions
+(`engine/companions.py`) a push updated the main model only and the engine reported the
+new version with the old MTP head; a push that left the head out was taken too.
+
+The model is a tiny MiMo (`enginehooks_testkit.mtp`: a Qwen2 with one MTP layer). Its
+random head drafts nothing acceptable. The push carries a perturbed model whose head
+drafts what the model just predicted (`copying_head`), accepted wherever the model repeats
+a token. The exact oracle: greedy speculative decoding is lossless, so the target's tokens
+and logprobs equal those of a server freshly started from `save_pretrained` of the pushed
+model, and the drafter shows in the drafted/accepted counts, which equal that server's
+too. A push without the MTP tensors is refused before any byte moves, naming them.
+
+Two servers of about a minute each on 2 cores: outside CI, run with
+ENGINEHOOKS_MTP_CELLS=1 (`scripts/run.sh vllm python -m pytest tests/vllm/test_mtp_heads.py`);
+its log is in benchmarks/results/mtp/.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from enginehooks import WeightSync
+from enginehooks.core.errors import ManifestError
+from enginehooks_testkit.engines import NEW_TOKENS, PROMPTS, Generation
+from enginehooks_testkit.mtp import (
+    MTP_PREFIX,
+    copying_head,
+    load_tiny_mimo,
+    make_tiny_mimo,
+    mimo_config,
+)
+from enginehooks_testkit.tiny import perturb
+from tests.support import requires_vllm
+from tests.vllm.conftest import VLLMServerProcess
+from tests.vllm.test_draft_model import counters
+
+pytestmark = [requires_vllm, pytest.mark.vllm, pytest.mark.slow,
+              pytest.mark.skipif(os.environ.get("ENGINEHOOKS_MTP_CELLS") != "1",
+                                 reason="starts two vLLM servers: ENGINEHOOKS_MTP_CELLS=1")]
+
+MTP = ["--speculative-config", json.dumps({"method": "mtp", "num_speculative_tokens": 1})]
+
+
+def run(server: VLLMServerProcess) -> tuple[list[Generation], tuple[float, float]]:
+    """Greedy answers (tokens, logprobs) of the test prompts and the drafted/accepted
+    tokens they took."""
+    drafted, accepted = counters(server)
+    answers = server.generations(PROMPTS, NEW_TOKENS)
+    drafted2, accepted2 = counters(server)
+    return answers, (drafted2 - drafted, accepted2 - accepted)
+
+
+def oracle(answers: list[Generation]) -> list[tuple[Any, Any]]:
+    return [(a.tokens, a.logprobs) for a in answers]
+
+
+@pytest.fixture(scope="module")
+def mimo(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_tiny_mimo(tmp_path_factory.mktemp("mimo") / "d0", seed=0)
+
+
+@pytest.fixture(scope="module")
+def mtp_server(mimo: Path, tmp_path_factory: pytest.TempPathFactory
+               ) -> Iterator[VLLMServerProcess]:
+    # Pushed through the worker extension (WeightSync): the worker reaches its drafter.
+    log = tmp_path_factory.mktemp("logs") / "vllm-mtp.log"
+    with VLLMServerProcess(mimo, log, extra_args=MTP) as srv:
+        yield srv
+
+
+def push(server: VLLMServerProcess, model: Any, version: str) -> Any:
+    from enginehooks.vllm_ext import VLLMServer
+
+    with WeightSync("gloo", bucket_bytes=64 << 10, timeout_s=120, verify=True) as sync:
+        sync.add_replica(VLLMServer(server.url, name="mtp"))
+        return sync.push(model, version=version)
+
+
+def test_a_push_without_the_mtp_head_is_refused(mtp_server: VLLMServerProcess,
+                                               mimo: Path) -> None:
+    before, counts = run(mtp_server)
+    assert counts[0] > 0 and counts[1] == 0, "the random head drafts nothing acceptable"
+    model = perturb(load_tiny_mimo(mimo), seed=5)
+    without = {n: t for n, t in model.state_dict().items() if not n.startswith(MTP_PREFIX)}
+    with pytest.raises(ManifestError, match=r"the MTP drafter: 16 tensors .* missing") as e:
+        push(mtp_server, without, "no-head")
+    assert "model.mtp_layers.0." in str(e.value)
+    again, counts_again = run(mtp_server)
+    assert oracle(again) == oracle(before) and counts_again == counts, "nothing moved"
+
+
+def test_a_pushed_mtp_head_drafts_as_a_fresh_start_with_it(
+        mtp_server: VLLMServerProcess, mimo: Path, tmp_path: Path) -> None:
+    model = copying_head(perturb(load_tiny_mimo(mimo), seed=7))
+    report = push(mtp_server, model, "mtp-1")
+    assert report.ok
+    from enginehooks.vllm_ext import VLLMServer
+
+    info = VLLMServer(mtp_server.url).info(30)[0]
+    pushed, pushed_counts = run(mtp_server)
+    assert pushed_counts[1] > 0, "the pushed head drafts the model's repeats"
+
+    mtp_server.stop()  # the oracle's server: the same flags, the pushed model from disk
+    folder = tmp_path / "pushed"
+    model.save_pretrained(folder)
+    mimo_config(folder)
+    for f in mimo.iterdir():
+        if f.name.startswith(("tokenizer", "special_tokens")):
+            shutil.copy(f, folder / f.name)
+    with VLLMServerProcess(folder, tmp_path / "vllm-mtp-fresh.log", extra_args=MTP) as fresh:
+        fresh_answers, fresh_counts = run(fresh)
+    assert oracle(pushed) == oracle(fresh_answers)
+    assert pushed_counts == fresh_counts
+    drafter = info["companions"]["the MTP drafter"]
+    assert drafter["tensors_last"] == 18  # 16 MTP tensors, the embedding and the head
+    assert drafter["verification"]["last"]["ok"] is True, drafter
