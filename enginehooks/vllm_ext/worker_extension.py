@@ -668,11 +668,24 @@ class WorkerExtension:
             # One receiving state per worker: when vLLM runs the "enginehooks"
             # weight-transfer backend too, its state is the worker's, so both ways
             # of pushing report the same version and torn state.
-            side = getattr(getattr(self, "weight_transfer_engine", None), "side", None)
+            engine: Any = getattr(self, "weight_transfer_engine", None)
+            side = getattr(engine, "side", None)
             if not isinstance(side, EngineSide):
                 side = EngineSide(VLLMBinding(self))
+            elif _pristine(side) and mtp_companions(self):
+                # vLLM hands the backend the model, never the worker, so the backend's
+                # state cannot reach an MTP drafter: while it has taken no update yet,
+                # the worker's own state (drafter included) replaces it for both
+                side = EngineSide(VLLMBinding(self))
+                engine.side = side
             self._enginehooks_state = side
         return side
+
+
+def _pristine(side: EngineSide) -> bool:
+    """Whether a receiving state has done nothing yet: no group, no update, no draft."""
+    return (side.state == "initial" and side.group is None and side.version is None
+            and not getattr(side, "_others", None))
 
 
 def _worker_method(verb: str) -> Any:

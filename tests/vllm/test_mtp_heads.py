@@ -13,9 +13,10 @@ drafts what the model just predicted (`copying_head`), accepted wherever the mod
 a token. The exact oracle: greedy speculative decoding is lossless, so the target's tokens
 and logprobs equal those of a server freshly started from `save_pretrained` of the pushed
 model, and the drafter shows in the drafted/accepted counts, which equal that server's
-too. A push without the MTP tensors is refused before any byte moves, naming them.
+too. A push without the MTP tensors is refused before any byte moves, naming them. The
+same push into a server started with backend "enginehooks" as well meets the same oracle.
 
-Two servers of about a minute each on 2 cores: outside CI, run with
+Three servers of about a minute each on 2 cores: outside CI, run with
 ENGINEHOOKS_MTP_CELLS=1 (`scripts/run.sh vllm python -m pytest tests/vllm/test_mtp_heads.py`);
 its log is in benchmarks/results/mtp/.
 """
@@ -48,7 +49,7 @@ from tests.vllm.test_draft_model import counters
 
 pytestmark = [requires_vllm, pytest.mark.vllm, pytest.mark.slow,
               pytest.mark.skipif(os.environ.get("ENGINEHOOKS_MTP_CELLS") != "1",
-                                 reason="starts two vLLM servers: ENGINEHOOKS_MTP_CELLS=1")]
+                                 reason="starts three vLLM servers: ENGINEHOOKS_MTP_CELLS=1")]
 
 MTP = ["--speculative-config", json.dumps({"method": "mtp", "num_speculative_tokens": 1})]
 
@@ -101,28 +102,62 @@ def test_a_push_without_the_mtp_head_is_refused(mtp_server: VLLMServerProcess,
     assert oracle(again) == oracle(before) and counts_again == counts, "nothing moved"
 
 
+#: the fresh server's answers and counts for each pushed model (one fresh start each)
+FRESH: dict[int, tuple[list[tuple[Any, Any]], tuple[float, float]]] = {}
+
+
+def pushed_model(mimo: Path, seed: int) -> Any:
+    """A 'trained' model: every weight moved, and a head that drafts the model's repeats."""
+    return copying_head(perturb(load_tiny_mimo(mimo), seed=seed))
+
+
+def fresh_start(model: Any, seed: int, mimo: Path, tmp_path: Path
+                ) -> tuple[list[tuple[Any, Any]], tuple[float, float]]:
+    """The oracle: a server with the same flags started from `save_pretrained` of the
+    pushed model (started once per model; call it with no other server running)."""
+    if seed not in FRESH:
+        folder = tmp_path / "pushed"
+        model.save_pretrained(folder)
+        mimo_config(folder)
+        for f in mimo.iterdir():
+            if f.name.startswith(("tokenizer", "special_tokens")):
+                shutil.copy(f, folder / f.name)
+        with VLLMServerProcess(folder, tmp_path / "vllm-mtp-fresh.log", extra_args=MTP) as fresh:
+            answers, counts = run(fresh)
+        FRESH[seed] = (oracle(answers), counts)
+    return FRESH[seed]
+
+
 def test_a_pushed_mtp_head_drafts_as_a_fresh_start_with_it(
         mtp_server: VLLMServerProcess, mimo: Path, tmp_path: Path) -> None:
-    model = copying_head(perturb(load_tiny_mimo(mimo), seed=7))
-    report = push(mtp_server, model, "mtp-1")
-    assert report.ok
     from enginehooks.vllm_ext import VLLMServer
 
+    model = pushed_model(mimo, seed=7)
+    report = push(mtp_server, model, "mtp-1")
+    assert report.ok
     info = VLLMServer(mtp_server.url).info(30)[0]
     pushed, pushed_counts = run(mtp_server)
     assert pushed_counts[1] > 0, "the pushed head drafts the model's repeats"
+    mtp_server.stop()  # one server at a time: the oracle's next
 
-    mtp_server.stop()  # the oracle's server: the same flags, the pushed model from disk
-    folder = tmp_path / "pushed"
-    model.save_pretrained(folder)
-    mimo_config(folder)
-    for f in mimo.iterdir():
-        if f.name.startswith(("tokenizer", "special_tokens")):
-            shutil.copy(f, folder / f.name)
-    with VLLMServerProcess(folder, tmp_path / "vllm-mtp-fresh.log", extra_args=MTP) as fresh:
-        fresh_answers, fresh_counts = run(fresh)
-    assert oracle(pushed) == oracle(fresh_answers)
+    fresh_answers, fresh_counts = fresh_start(model, 7, mimo, tmp_path)
+    assert oracle(pushed) == fresh_answers
     assert pushed_counts == fresh_counts
     drafter = info["companions"]["the MTP drafter"]
     assert drafter["tensors_last"] == 18  # 16 MTP tensors, the embedding and the head
     assert drafter["verification"]["last"]["ok"] is True, drafter
+
+
+def test_with_the_transfer_backend_too_the_head_is_pushed(mimo: Path, tmp_path: Path) -> None:
+    """A server started with backend "enginehooks" as well: the backend's receiving state
+    is handed the model only, so the worker's own (drafter included) takes its place
+    while it is unused, for both ways of pushing."""
+    model = pushed_model(mimo, seed=7)
+    fresh_answers, fresh_counts = fresh_start(model, 7, mimo, tmp_path)
+    backend = ["--weight-transfer-config", '{"backend": "enginehooks"}']
+    with VLLMServerProcess(mimo, tmp_path / "vllm-mtp-backend.log",
+                           extra_args=backend + MTP) as srv:
+        assert push(srv, model, "mtp-1").ok
+        pushed, pushed_counts = run(srv)
+    assert oracle(pushed) == fresh_answers
+    assert pushed_counts == fresh_counts
