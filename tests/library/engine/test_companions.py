@@ -188,3 +188,20 @@ def test_the_drafter_refuses_what_its_loader_refuses(
         sync.add_replica(handle)
         with pytest.raises(ManifestError, match=f"the MTP drafter: .*{name}"):
             sync.push(state, version=1)
+
+
+def test_without_a_drafter_the_mtp_layers_are_checkpoint_tensors_it_skips(tmp_path: Path) -> None:
+    """An engine serving the same checkpoint without speculative decoding (no companion)
+    takes a push with the MTP layers (its loader skips them, as it skips the checkpoint's
+    own: not "unknown tensors") and one without them."""
+    folder = make_tiny_mimo(tmp_path / "mimo", seed=4)
+    main = Part(folder, build_main, main_takes)
+    handle = Handle(EngineSide(Binding(main)))
+    model = perturb(load_tiny_mimo(folder), seed=13)
+    without = {n: t for n, t in model.state_dict().items() if not n.startswith(MTP_PREFIX)}
+    with WeightSync("gloo", timeout_s=60) as sync:
+        sync.add_replica(handle)
+        assert sync.push(model, version=1).ok
+        assert sync.push(without, version=2).ok
+    assert holds(main, model)
+    assert "companions" not in handle.info(30)[0]
