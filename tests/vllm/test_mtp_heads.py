@@ -132,6 +132,9 @@ def test_a_pushed_mtp_head_drafts_as_a_fresh_start_with_it(
         mtp_server: VLLMServerProcess, mimo: Path, tmp_path: Path) -> None:
     from enginehooks.vllm_ext import VLLMServer
 
+    # two pushes: the second goes through the copy plans the first recorded (the
+    # drafter's too), verified against fresh loads as the first through a plan always is
+    assert push(mtp_server, pushed_model(mimo, seed=6), "mtp-0").ok
     model = pushed_model(mimo, seed=7)
     report = push(mtp_server, model, "mtp-1")
     assert report.ok
@@ -146,6 +149,7 @@ def test_a_pushed_mtp_head_drafts_as_a_fresh_start_with_it(
     drafter = info["companions"]["the MTP drafter"]
     assert drafter["tensors_last"] == 18  # 16 MTP tensors, the embedding and the head
     assert drafter["verification"]["last"]["ok"] is True, drafter
+    assert drafter["verification"]["verified"] == 2, drafter
 
 
 def test_with_the_transfer_backend_too_the_head_is_pushed(mimo: Path, tmp_path: Path) -> None:

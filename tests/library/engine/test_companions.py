@@ -151,14 +151,21 @@ def test_a_push_lands_in_the_model_and_its_mtp_drafter(engine: tuple[Part, Part,
     with WeightSync("gloo", bucket_bytes=8 << 10, timeout_s=60) as sync:
         sync.add_replica(handle)
         report = sync.push(model, version=1)
-    assert report.ok
-    assert holds(main, model) and holds(drafter, model)
-    info = handle.info(30)[0]
-    assert info["version"] == 1
-    took = info["companions"]["the MTP drafter"]
-    assert took["tensors_last"] == 18  # 16 MTP tensors, the embedding and the output head
-    assert took["verification"]["last"]["ok"] is True, took
-    assert took["verification"]["verified"] == 1
+        assert report.ok
+        assert holds(main, model) and holds(drafter, model)
+        info = handle.info(30)[0]
+        assert info["version"] == 1
+        took = info["companions"]["the MTP drafter"]
+        assert took["tensors_last"] == 18  # 16 MTP tensors, the embedding and the output head
+        assert took["verification"]["last"]["ok"] is True, took
+        assert took["verification"]["verified"] == 1
+        # the second push goes through the copy plan each model recorded on the first
+        second = perturb(load_tiny_mimo(folder), seed=21)
+        assert sync.push(second, version=2).ok
+    assert holds(main, second) and holds(drafter, second)
+    took = handle.info(30)[0]["companions"]["the MTP drafter"]
+    assert took["verification"]["verified"] == 2 and took["verification"]["last"]["ok"] is True
+    assert drafter.plan.info()["applied"] == 1, drafter.plan.info()
 
 
 def test_a_push_without_the_mtp_layers_is_refused_and_moves_nothing(
