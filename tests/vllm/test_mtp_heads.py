@@ -14,9 +14,10 @@ a token. The exact oracle: greedy speculative decoding is lossless, so the targe
 and logprobs equal those of a server freshly started from `save_pretrained` of the pushed
 model, and the drafter shows in the drafted/accepted counts, which equal that server's
 too. A push without the MTP tensors is refused before any byte moves, naming them. The
-same push into a server started with backend "enginehooks" as well meets the same oracle.
+same push into a server started with backend "enginehooks" as well meets the same oracle,
+and so does a push by vLLM's own weight-transfer client into such a server.
 
-Three servers of about a minute each on 2 cores: outside CI, run with
+Four servers of about a minute each on 2 cores: outside CI, run with
 ENGINEHOOKS_MTP_CELLS=1 (`scripts/run.sh vllm python -m pytest tests/vllm/test_mtp_heads.py`);
 its log is in benchmarks/results/mtp/.
 """
@@ -49,7 +50,7 @@ from tests.vllm.test_draft_model import counters
 
 pytestmark = [requires_vllm, pytest.mark.vllm, pytest.mark.slow,
               pytest.mark.skipif(os.environ.get("ENGINEHOOKS_MTP_CELLS") != "1",
-                                 reason="starts three vLLM servers: ENGINEHOOKS_MTP_CELLS=1")]
+                                 reason="starts four vLLM servers: ENGINEHOOKS_MTP_CELLS=1")]
 
 MTP = ["--speculative-config", json.dumps({"method": "mtp", "num_speculative_tokens": 1})]
 
@@ -162,6 +163,42 @@ def test_with_the_transfer_backend_too_the_head_is_pushed(mimo: Path, tmp_path: 
     with VLLMServerProcess(mimo, tmp_path / "vllm-mtp-backend.log",
                            extra_args=backend + MTP) as srv:
         assert push(srv, model, "mtp-1").ok
+        pushed, pushed_counts = run(srv)
+    assert oracle(pushed) == fresh_answers
+    assert pushed_counts == fresh_counts
+
+
+def test_vllms_own_client_pushes_the_head_once_the_extension_has_answered(
+        mimo: Path, tmp_path: Path) -> None:
+    """vLLM's own weight-transfer client (a main session, backend "enginehooks") on such
+    a server: once the worker extension has answered (`info`), the backend's state is
+    the worker's and its main session updates the drafter too."""
+    from vllm.distributed.weight_transfer import (
+        HTTPVLLMWeightSyncClient,
+        ModuleSource,
+        WeightTransferTrainerFactory,
+    )
+
+    from enginehooks.control._http import request_json
+    from enginehooks.vllm_ext import VLLMServer
+    from enginehooks.vllm_ext.transfer_trainer import EnginehooksTrainerInitInfo
+
+    model = pushed_model(mimo, seed=7)
+    fresh_answers, fresh_counts = fresh_start(model, 7, mimo, tmp_path)
+    backend = ["--weight-transfer-config", '{"backend": "enginehooks"}']
+    with VLLMServerProcess(mimo, tmp_path / "vllm-mtp-client.log",
+                           extra_args=backend + MTP) as srv:
+        info = VLLMServer(srv.url).info(30)[0]
+        assert info["companions"]["the MTP drafter"]["tensors_last"] is None
+        trainer = WeightTransferTrainerFactory.trainer_init(
+            EnginehooksTrainerInitInfo(rank=0, world_size=2, timeout_s=120),
+            client=HTTPVLLMWeightSyncClient(srv.url, timeout=120), source=ModuleSource(model))
+        request_json(f"{srv.url}/pause", {}, timeout_s=60)  # vLLM's RL pattern
+        try:
+            assert trainer.send_weights(weight_version="mtp-1").ok
+        finally:
+            trainer.shutdown()
+            request_json(f"{srv.url}/resume", {}, timeout_s=60)
         pushed, pushed_counts = run(srv)
     assert oracle(pushed) == fresh_answers
     assert pushed_counts == fresh_counts
