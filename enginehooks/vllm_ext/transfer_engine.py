@@ -51,7 +51,7 @@ from vllm.distributed.weight_transfer.base import (
 
 from enginehooks.core.errors import ConfigError, EngineHooksError, ManifestError
 from enginehooks.engine.side import EngineSide
-from enginehooks.vllm_ext.worker_extension import VLLMBinding
+from enginehooks.vllm_ext.worker_extension import ModelWorker, VLLMBinding
 from enginehooks.wire import relayed
 
 if TYPE_CHECKING:
@@ -121,43 +121,6 @@ class EnginehooksUpdateInfo(WeightTransferUpdateInfo):
             raise ConfigError(f"update_info.phase must be one of {PHASES}, got {self.phase!r}")
         if not isinstance(self.manifest, str) or not self.manifest:
             raise ConfigError("update_info.manifest must be the manifest's JSON text")
-
-
-class ModelWorker:
-    """The parts of a vLLM worker that `VLLMBinding` uses, built from what vLLM hands a
-    weight-transfer engine (config, device, model): a weight-transfer engine is never
-    given its worker.
-
-    Its `reload_weights` is vLLM's in-place reload on the model, as the worker's own
-    does; the worker additionally resets LoRA state (vLLM's `finish_weight_update` does
-    that here too) and its encoder and multimodal caches, which this engine cannot
-    reach: text models hold none.
-    """
-
-    def __init__(self, vllm_config: VllmConfig, device: torch.device, model: torch.nn.Module):
-        self.vllm_config = vllm_config
-        self.device = device
-        # A rank unique across data-parallel groups, counted as vLLM's own backends do
-        # (`nccl_common`): every worker of the deployment has its own rank in the group.
-        pc = vllm_config.parallel_config
-        per_dp = int(getattr(pc, "world_size", 1) or 1)
-        self.rank = int(getattr(pc, "data_parallel_index", 0) or 0) * per_dp + int(pc.rank)
-        #: the deployment's workers (data-parallel size x TP x PP)
-        self.workers = int(getattr(pc, "data_parallel_size", 1) or 1) * per_dp
-        self._model = model
-        self.model_runner = self  # VLLMBinding reads `worker.model_runner.get_model()`
-
-    def get_model(self) -> torch.nn.Module:
-        return self._model
-
-    def reload_weights(self, *, weights_iterator: Any = None, weights_path: str | None = None,
-                       is_checkpoint_format: bool = True) -> None:
-        from vllm.config import set_current_vllm_config
-        from vllm.model_executor.model_loader.reload.inplace import reload_weights
-
-        with set_current_vllm_config(self.vllm_config):
-            reload_weights(self.vllm_config, self._model, weights_iterator=weights_iterator,
-                           weights_path=weights_path, is_checkpoint_format=is_checkpoint_format)
 
 
 class EnginehooksWeightTransferEngine(

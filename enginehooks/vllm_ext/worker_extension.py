@@ -29,14 +29,15 @@ import logging
 import time
 from collections.abc import Callable, Iterator, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from enginehooks.core.dtypes import dtype_name
 from enginehooks.core.errors import EngineHooksError
 from enginehooks.core.manifest import Manifest, TensorSpec
-from enginehooks.engine.apply import ApplyBinding, ApplyTarget
+from enginehooks.engine.apply import ApplyTarget
+from enginehooks.engine.companions import CompanionBinding
 from enginehooks.engine.contract import VERBS, method_name
 from enginehooks.engine.copy_plan import (
     CopyPlan,
@@ -51,6 +52,9 @@ from enginehooks.engine.shadow import ShadowParts
 from enginehooks.engine.side import EngineSide
 from enginehooks.engine.verify import ensure_room
 from enginehooks.vllm_ext.cpu_amx import allow_amx
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
 
 # vLLM imports this module in each worker before its first forward: a worker whose
 # general plugins were filtered out still gets AMX permission (cpu_amx).
@@ -561,15 +565,84 @@ def _repair_after_reload(model: torch.nn.Module, loaded: set[str]) -> None:
                 kernel.fused_experts.process_weights_after_loading(module)
 
 
-class VLLMBinding(ApplyBinding):
-    """What a vLLM worker supplies to the engine contract."""
+class ModelWorker:
+    """The parts of a vLLM worker that `VLLMBinding` uses, built from a config, a device
+    and a model: what vLLM hands a weight-transfer engine (which is never given its
+    worker), or a worker's speculative drafter (`mtp_companions`).
+
+    Its `reload_weights` is vLLM's in-place reload on the model, as the worker's own
+    does; the worker additionally resets LoRA state (vLLM's `finish_weight_update` does
+    that here too) and its encoder and multimodal caches, which this engine cannot
+    reach: text models hold none.
+    """
+
+    def __init__(self, vllm_config: VllmConfig, device: torch.device, model: torch.nn.Module):
+        self.vllm_config = vllm_config
+        self.device = device
+        # A rank unique across data-parallel groups, counted as vLLM's own backends do
+        # (`nccl_common`): every worker of the deployment has its own rank in the group.
+        pc = vllm_config.parallel_config
+        per_dp = int(getattr(pc, "world_size", 1) or 1)
+        self.rank = int(getattr(pc, "data_parallel_index", 0) or 0) * per_dp + int(pc.rank)
+        #: the deployment's workers (data-parallel size x TP x PP)
+        self.workers = int(getattr(pc, "data_parallel_size", 1) or 1) * per_dp
+        self._model = model
+        self.model_runner = self  # VLLMBinding reads `worker.model_runner.get_model()`
+
+    def get_model(self) -> torch.nn.Module:
+        return self._model
+
+    def reload_weights(self, *, weights_iterator: Any = None, weights_path: str | None = None,
+                       is_checkpoint_format: bool = True) -> None:
+        from vllm.config import set_current_vllm_config
+        from vllm.model_executor.model_loader.reload.inplace import reload_weights
+
+        with set_current_vllm_config(self.vllm_config):
+            reload_weights(self.vllm_config, self._model, weights_iterator=weights_iterator,
+                           weights_path=weights_path, is_checkpoint_format=is_checkpoint_format)
+
+
+def mtp_companions(worker: Any) -> list[tuple[str, ApplyTarget]]:
+    """The worker's MTP drafter as a companion of its model (`engine.companions`), when
+    vLLM runs speculative decoding with multi-token-prediction layers of the model's own
+    checkpoint (one of vLLM's MTP methods): its drafter is a second model (vLLM's MTP
+    class for the architecture) whose loader takes the checkpoint's MTP layers, which the
+    main model's loader skips. A separate draft model ("draft_model", EAGLE heads of their
+    own checkpoint) is pushed on its own through vLLM's `start_draft_weight_update`."""
+    from typing import get_args
+
+    spec = getattr(worker.vllm_config, "speculative_config", None)
+    if spec is None or getattr(spec, "draft_model_config", None) is None:
+        return []
+    try:
+        from vllm.config.speculative import MTPModelTypes
+    except ImportError:  # a vLLM without MTP methods
+        return []
+    if spec.method not in get_args(MTPModelTypes):
+        return []
+    runner = getattr(worker, "model_runner", None)
+    get_draft = getattr(runner, "get_draft_model", None)
+    draft = get_draft() if callable(get_draft) else None
+    if draft is None:
+        return []
+    cfg = copy.copy(worker.vllm_config)
+    cfg.model_config = spec.draft_model_config  # vLLM's config of its MTP model class
+    device = torch.device(getattr(worker, "device", "cpu"))
+    return [("the MTP drafter", VLLMTarget(ModelWorker(cfg, device, draft)))]
+
+
+class VLLMBinding(CompanionBinding):
+    """What a vLLM worker supplies to the engine contract (with its MTP drafter as a
+    companion, when it runs one: `mtp_companions`)."""
 
     engine = "vllm"
 
     def __init__(self, worker: Any) -> None:
         self.worker = worker
         rank = int(getattr(worker, "rank", 0))
-        super().__init__(VLLMTarget(worker), rank, beacon=f"worker-{rank}")
+        # models vLLM loads from the same checkpoint (an MTP drafter) are updated with it
+        super().__init__(VLLMTarget(worker), mtp_companions(worker), rank,
+                         beacon=f"worker-{rank}")
 
     def dtype(self) -> str:
         return dtype_name(self.worker.vllm_config.model_config.dtype)
@@ -595,11 +668,24 @@ class WorkerExtension:
             # One receiving state per worker: when vLLM runs the "enginehooks"
             # weight-transfer backend too, its state is the worker's, so both ways
             # of pushing report the same version and torn state.
-            side = getattr(getattr(self, "weight_transfer_engine", None), "side", None)
+            engine: Any = getattr(self, "weight_transfer_engine", None)
+            side = getattr(engine, "side", None)
             if not isinstance(side, EngineSide):
                 side = EngineSide(VLLMBinding(self))
+            elif _pristine(side) and mtp_companions(self):
+                # vLLM hands the backend the model, never the worker, so the backend's
+                # state cannot reach an MTP drafter: while it has taken no update yet,
+                # the worker's own state (drafter included) replaces it for both
+                side = EngineSide(VLLMBinding(self))
+                engine.side = side
             self._enginehooks_state = side
         return side
+
+
+def _pristine(side: EngineSide) -> bool:
+    """Whether a receiving state has done nothing yet: no group, no update, no draft."""
+    return (side.state == "initial" and side.group is None and side.version is None
+            and not getattr(side, "_others", None))
 
 
 def _worker_method(verb: str) -> Any:

@@ -45,6 +45,9 @@ class ReceiveReply(TypedDict, total=False):
     kept: list[str]
     #: what verification found for this update, and how (`engine.verify.Verifier.last`)
     verification: dict[str, Any]
+    #: models updated with the main one (an MTP drafter, `engine/companions.py`): per
+    #: model, the tensors it took and its own verification
+    companions: dict[str, dict[str, Any]]
 
 
 class FlushReply(TypedDict):
@@ -91,6 +94,8 @@ class WorkerInfo(TypedDict, total=False):
     verification: dict[str, Any]
     copy_plan: dict[str, Any]
     engine_weight_version: int | str | None
+    #: models updated with the main one (an MTP drafter, `engine/companions.py`)
+    companions: dict[str, dict[str, Any]]
 
 
 def check_infos(infos: Sequence[Any], who: str, secret: bool) -> list[WorkerInfo]:
