@@ -226,6 +226,8 @@ class Event:
 
 #: the verdict counts the report sums, best first (a push's verdict is its worst worker's)
 VERDICTS = ("verified", "repaired", "unverified", "failed")
+#: the verdict's `seconds` keys that add up to the verification's own time
+TOTAL_STEPS = ("digest", "shadow", "compare", "keep", "digest_received")
 
 
 def push_verdict(report: Any) -> dict[str, Any]:
@@ -249,7 +251,10 @@ def push_verdict(report: Any) -> dict[str, Any]:
                             "unverified": list(v.get("unverified") or [])[:8],
                             "seconds": v.get("seconds") or {}})
     worst = max((VERDICTS.index(w["outcome"]) for w in workers), default=2)
-    seconds = max((sum(w.get("seconds", {}).values()) for w in workers), default=0.0)
+    # the verification's own time: its top-level steps (the shadow's sub-steps and the
+    # probes are parts of `shadow` and `compare`), the host copies and digests of the apply
+    seconds = max((sum(v for k, v in (w.get("seconds") or {}).items() if k in TOTAL_STEPS)
+                   for w in workers), default=0.0)
     return {"outcome": VERDICTS[worst], "how": sorted({str(w["how"]) for w in workers}),
             "seconds": round(seconds, 4), "workers": workers}
 
