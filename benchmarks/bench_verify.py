@@ -361,9 +361,19 @@ def summary(rows: list[dict[str, Any]]) -> dict[str, Any]:
         vals = [r[key] for r in rows if r["phase"] == phase and r.get(key) is not None]
         return statistics.median(vals) if vals else None
 
+    # where a verified push's verification time goes, step by step (the verdict's
+    # `seconds`: digests, the shadow's lands/construct/load/process/drop, compare and its
+    # probes, and during apply the host copies kept and the digests of what arrived)
+    steps: dict[str, list[float]] = {}
+    for r in rows:
+        if r["phase"] == "always":
+            for k, v in ((r["verification"] or {}).get("seconds") or {}).items():
+                steps.setdefault(k, []).append(v)
     return {"shadow_kind": last.get("shadow_kind"), "shadow_units": last.get("shadow_units"),
             "shadow_tensor_bytes": last.get("shadow_tensor_bytes"),
             "verification_seconds": last.get("seconds"),
+            "verification_seconds_median": {k: round(statistics.median(v), 4)
+                                            for k, v in steps.items()},
             "never_rss_peak_added_median_bytes": median_of("never", "rss_peak_added_bytes"),
             "always_rss_peak_added_median_bytes": median_of("always", "rss_peak_added_bytes"),
             "always_cuda_peak_added_median_bytes": median_of("always", "cuda_peak_added_bytes"),

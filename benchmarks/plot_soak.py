@@ -1,5 +1,6 @@
 """Plot `soak.py` results: resident memory of engine and trainer after every push, with
-the faults marked, one panel per engine.
+the faults marked, one panel per engine; the title counts the pushes whose verification
+passed (verified, or repaired), and a push that was not verified is marked in black.
 
     python benchmarks/plot_soak.py benchmarks/results/soak-vllm.json \
         benchmarks/results/soak-sglang.json docs/img/soak.png
@@ -29,10 +30,17 @@ def main() -> int:
         for i, kind in enumerate(s["kind"], start=1):
             if kind != "push":
                 ax.axvline(i, color="#d62728", alpha=0.3, lw=1)
+        for i, verdict in enumerate(s.get("verdict") or [], start=1):
+            if verdict not in (None, "verified", "repaired"):
+                ax.axvline(i, color="black", alpha=0.6, lw=1)
         r, m = res["requests"], res["memory"]
+        v = res.get("verification")
+        verified = (f"{v['passed']}/{v['of']} verified ({v['repaired']} by repair), "
+                    if v else "")
         ax.set_title(
             f"{res['machine']['engine_version']}: {res['pushes']['ok']}/"
-            f"{res['pushes']['attempted']} pushes ok, {sum(f['injected'] for f in res['faults'].values())}"
+            f"{res['pushes']['attempted']} pushes ok, {verified}"
+            f"{sum(f['injected'] for f in res['faults'].values())}"
             f" faults (red), {r['served']} answers served, {r['refused']} refused, "
             f"{r['wrong_version']} wrong-version; engine RSS x{m['engine']['ratio']}",
             fontsize=8)

@@ -26,6 +26,13 @@ ok, faults recovered (the next push succeeds and is served), requests served / r
 (and whether any refusal fell outside a torn window), wrong-version answers (must be 0),
 and the resident memory of the engine's processes and of the trainer after every push
 (flat: the mean of the last 50 within 2% of the mean of the 50 after warm-up).
+
+Every push also records its verification verdict from the push report (each engine
+worker's `verification`, `engine/verify.py`): outcome (verified / repaired / unverified /
+failed), how (digest, shadow), what was repaired and what could not be compared. Under
+the default policy (`ENGINEHOOKS_VERIFY` unset or `always`) a push on a CPU engine that is
+not verified, or whose verification failed, fails the soak: issue 38's "100% of pushes
+report a verification that passed (or a repair that passed)".
 """
 
 from __future__ import annotations
@@ -58,6 +65,7 @@ from enginehooks import EngineHooksError, WeightSync
 from enginehooks.core.auth import SECRET_ENV
 from enginehooks.core.errors import ManifestError
 from enginehooks.core.manifest import TensorSpec
+from enginehooks.engine.verify import DEFAULT_POLICY, VERIFY_ENV
 from enginehooks.trainer_side import ModuleAdapter
 from enginehooks_testkit.generation import NEW_TOKENS, PROMPTS
 from enginehooks_testkit.servers import HANDLES, SERVERS
@@ -212,6 +220,43 @@ class Event:
     engine_rss_mb: float = 0.0
     trainer_rss_mb: float = 0.0
     served_right: bool | None = None
+    #: the push report's verification verdict (`push_verdict`); pushes only
+    verdict: dict[str, Any] | None = None
+
+
+#: the verdict counts the report sums, best first (a push's verdict is its worst worker's)
+VERDICTS = ("verified", "repaired", "unverified", "failed")
+#: the verdict's `seconds` keys that add up to the verification's own time
+TOTAL_STEPS = ("digest", "shadow", "compare", "keep", "digest_received")
+
+
+def push_verdict(report: Any) -> dict[str, Any]:
+    """One push's verification verdict from its report: per engine worker, what its
+    verification said (`Verifier.last`: outcome, how, repaired, unverified), and the
+    worst outcome over them (`outcome`). A worker whose reply carries no verification
+    counts as not verified (nothing said it was)."""
+    workers: list[dict[str, Any]] = []
+    for r in report.replicas:
+        ws = r.stats.get("workers")
+        for w in ws if isinstance(ws, list) and ws else [r.stats]:
+            v = w.get("verification") if isinstance(w, dict) else None
+            if not isinstance(v, dict):
+                workers.append({"outcome": "unverified", "how": "no verification reported"})
+                continue
+            ok = v.get("ok")
+            outcome = (v.get("outcome") or "verified") if ok else (
+                "failed" if ok is False else "unverified")
+            workers.append({"outcome": outcome, "how": v.get("how", v.get("error", "")),
+                            "repaired": list(v.get("repaired") or [])[:8],
+                            "unverified": list(v.get("unverified") or [])[:8],
+                            "seconds": v.get("seconds") or {}})
+    worst = max((VERDICTS.index(w["outcome"]) for w in workers), default=2)
+    # the verification's own time: its top-level steps (the shadow's sub-steps and the
+    # probes are parts of `shadow` and `compare`), the host copies and digests of the apply
+    seconds = max((sum(v for k, v in (w.get("seconds") or {}).items() if k in TOTAL_STEPS)
+                   for w in workers), default=0.0)
+    return {"outcome": VERDICTS[worst], "how": sorted({str(w["how"]) for w in workers}),
+            "seconds": round(seconds, 4), "workers": workers}
 
 
 def soak(args: argparse.Namespace, work: Path) -> dict[str, Any]:
@@ -268,16 +313,21 @@ def soak(args: argparse.Namespace, work: Path) -> dict[str, Any]:
                 ev.engine_rss_mb = group_rss_mb(pgid)
                 ev.trainer_rss_mb = rss_mb(os.getpid())
                 events.append(ev)
-                print(f"{k:4d} {kind:18s} ok={ev.ok!s:5s} {ev.seconds:6.2f}s "
+                verdict = (f" {ev.verdict['outcome']}({'+'.join(ev.verdict['how'])})"
+                           if ev.verdict else "")
+                print(f"{k:4d} {kind:18s} ok={ev.ok!s:5s} {ev.seconds:6.2f}s{verdict} "
                       f"engine {ev.engine_rss_mb:7.1f} MB trainer {ev.trainer_rss_mb:7.1f} MB "
                       f"answers {len(traffic.answers)} {ev.error[:400]}", flush=True)
+            # the engine's own account (its policy and counts), beside the reports'
+            engine_verification = handle.info(args.timeout_s)[0].get("verification") or {}
         finally:
             traffic.stop.set()
             standby.close()
             thread.join(timeout=120)
             sync.close()
         wall = time.monotonic() - t_start
-    return summarise(args, events, traffic.answers, expected, initial, wall)
+    return summarise(args, events, traffic.answers, expected, initial, wall,
+                     engine_verification)
 
 
 class Standby:
@@ -316,8 +366,9 @@ class Standby:
 def run_one(kind: str, ev: Event, sync: WeightSync, handle: Any, server: Any, model: Any,
             model_dir: Path, args: argparse.Namespace, standby: Standby) -> None:
     if kind == "push":
-        sync.push(model, version=ev.version)
+        report = sync.push(model, version=ev.version)
         ev.ok = True
+        ev.verdict = push_verdict(report)
     elif kind == "bad-manifest":
         version_before = handle.version()
         try:
@@ -389,7 +440,8 @@ def wait_torn_or_unchanged(handle: Any, args: argparse.Namespace, want_torn: boo
 
 # -- the report --------------------------------------------------------------------------
 def summarise(args: argparse.Namespace, events: list[Event], answers: list[Answer],
-              expected: dict[str, tuple[int, ...]], initial: str, wall: float) -> dict[str, Any]:
+              expected: dict[str, tuple[int, ...]], initial: str, wall: float,
+              engine_verification: dict[str, Any]) -> dict[str, Any]:
     # Which version may answer when: a version holds from the start of the push that set
     # it until the end of the next push that changed the weights (ok or torn).
     allowed: dict[str, list[tuple[float, float]]] = {}
@@ -456,6 +508,25 @@ def summarise(args: argparse.Namespace, events: list[Event], answers: list[Answe
 
     engine_rss = [ev.engine_rss_mb for ev in events]
     trainer_rss = [ev.trainer_rss_mb for ev in events]
+    # pushes that raised are "failed" (the push reported no verdict: verification may be
+    # what failed it)
+    outcomes = [ev.verdict["outcome"] if ev.verdict else "failed" for ev in pushes]
+    hows: dict[str, int] = {}
+    for ev in pushes:
+        for h in (ev.verdict or {}).get("how", []):
+            hows[h] = hows.get(h, 0) + 1
+    verification = {
+        "policy": engine_verification.get("policy",
+                                          os.environ.get(VERIFY_ENV, DEFAULT_POLICY)),
+        "engine_counts": engine_verification.get("updates"),
+        **{o: outcomes.count(o) for o in VERDICTS},
+        "how": dict(sorted(hows.items())),
+        "passed": sum(o in ("verified", "repaired") for o in outcomes),
+        "of": len(pushes),
+        "not_passed": [{"k": ev.k, "verdict": ev.verdict} for ev, o in zip(pushes, outcomes)
+                       if o not in ("verified", "repaired")][:20],
+        "repaired_at": [ev.k for ev, o in zip(pushes, outcomes) if o == "repaired"],
+    }
     return {
         "engine": args.engine,
         "params": {k: v for k, v in vars(args).items() if k != "out"},
@@ -468,6 +539,7 @@ def summarise(args: argparse.Namespace, events: list[Event], answers: list[Answe
                    "failed": [{"k": ev.k, "error": ev.error} for ev in pushes if not ev.ok],
                    "median_s": round(statistics.median(secs), 3) if secs else None,
                    "p95_s": round(secs[int(0.95 * (len(secs) - 1))], 3) if secs else None},
+        "verification": verification,
         "faults": faults,
         "fault_details": [{"k": ev.k, "kind": ev.kind, "handled": ev.ok, "error": ev.error}
                           for ev in events if ev.kind != "push"],
@@ -483,7 +555,11 @@ def summarise(args: argparse.Namespace, events: list[Event], answers: list[Answe
         "series": {"kind": [ev.kind for ev in events],
                    "seconds": [round(ev.seconds, 3) for ev in events],
                    "engine_rss_mb": [round(x, 1) for x in engine_rss],
-                   "trainer_rss_mb": [round(x, 1) for x in trainer_rss]},
+                   "trainer_rss_mb": [round(x, 1) for x in trainer_rss],
+                   "verdict": [ev.verdict["outcome"] if ev.verdict else
+                               ("failed" if ev.kind == "push" else None) for ev in events],
+                   "verify_s": [ev.verdict["seconds"] if ev.verdict else None
+                                for ev in events]},
     }
 
 
@@ -499,10 +575,14 @@ def engine_version(engine: str) -> str | None:
 
 
 def print_table(res: dict[str, Any]) -> None:
-    p, r, m = res["pushes"], res["requests"], res["memory"]
+    p, r, m, v = res["pushes"], res["requests"], res["memory"], res["verification"]
     rows = [
         ("pushes ok", f"{p['ok']}/{p['attempted']} (median {p['median_s']} s, p95 {p['p95_s']} s)"),
         ("served right after push", f"{p['served_right_after']}/{p['attempted']}"),
+        (f"verification ({v['policy']})", f"{v['passed']}/{v['of']} passed: {v['verified']} "
+         f"verified, {v['repaired']} repaired, {v['unverified']} not verified, "
+         f"{v['failed']} failed"),
+        ("verified how", ", ".join(f"{k} {n}" for k, n in v["how"].items())),
         *[(f"fault {k}", f"{v['handled']}/{v['injected']} handled, {v['recovered']} recovered")
           for k, v in res["faults"].items()],
         ("requests served", r["served"]),
@@ -552,8 +632,18 @@ def main(argv: list[str] | None = None) -> int:
                     for f in res["faults"].values())
             and r["wrong_version"] == 0 and r["wrong_tokens"] == 0
             and r["refused_outside_torn"] == 0
-            and all(m["flat"] is not False for m in res["memory"].values()))
+            and all(m["flat"] is not False for m in res["memory"].values())
+            and verification_good(res["verification"]))
     return 0 if good else 1
+
+
+def verification_good(v: dict[str, Any]) -> bool:
+    """Under the default policy (every update verified) on these CPU engines, every push
+    must report a verification that passed, or a repair that passed: none unverified,
+    none failed. Another policy (an opt-out) is reported, not judged."""
+    if v["policy"] != "always":
+        return True
+    return v["passed"] == v["of"] and v["unverified"] == 0 and v["failed"] == 0
 
 
 if __name__ == "__main__":

@@ -35,9 +35,10 @@ from __future__ import annotations
 import gc
 import logging
 import os
+import time
 from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from contextlib import contextmanager, suppress
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -246,6 +247,19 @@ def _drop(root: torch.nn.Module, live_ids: Collection[int]) -> None:
                     delattr(m, k)
 
 
+class Timers(dict[str, float]):
+    """Seconds per step, summed over units: where a streamed shadow's time goes
+    (`construct`, `load`, `process`, `drop`), reported in the verdict's `seconds`."""
+
+    @contextmanager
+    def time(self, key: str) -> Iterator[None]:
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            self[key] = self.get(key, 0.0) + time.perf_counter() - t0
+
+
 @dataclass
 class Pass:
     """One unit of the streamed shadow, loaded and processed: compare the modules named
@@ -255,20 +269,26 @@ class Pass:
     modules: set[str]
     model: torch.nn.Module
     loaded_bytes: int
+    #: the stream's timers so far (the same object in every pass: its totals at the end)
+    timers: Timers = field(default_factory=lambda: Timers())
 
 
 def stream(parts: ShadowParts, weights: list[tuple[str, torch.Tensor]], live: torch.nn.Module,
            needed: Collection[str], readable: Callable[[torch.nn.Module], Mapping[str, Any]],
            before_processing: Callable[[torch.nn.Module, list[tuple[str, torch.Tensor]]], None]
-           | None = None) -> Iterator[Pass]:
+           | None = None, timers: Timers | None = None) -> Iterator[Pass]:
     """The shadow, one unit at a time, for the units holding a module of `needed` (the
     touched modules left to the shadow). Raises `Unstreamable` before loading anything
     where streaming would not be exactly a fresh load. `readable(module)`: the tensors
     a module itself holds that a forward can read (`verify.readable_tensors`).
     `before_processing(model, unit_weights)`: called after each unit's load, before its
-    processing (the copy plan's check of what the loader alone wrote)."""
-    lands = parts.lands(weights)
-    model = construct(parts.build)
+    processing (the copy plan's check of what the loader alone wrote). `timers`: where
+    the time goes, step by step."""
+    timers = timers if timers is not None else Timers()
+    with timers.time("lands"):
+        lands = parts.lands(weights)
+    with timers.time("construct"):
+        model = construct(parts.build)
     found = units(model)
     if not found:
         raise Unstreamable("the model has no list of layers")
@@ -301,17 +321,21 @@ def stream(parts: ShadowParts, weights: list[tuple[str, torch.Tensor]], live: to
     try:
         for u in todo:
             with _only(slots, [u] if u != REST else rest):
-                _materialize(model, parts.device)
-                parts.load(model, by_unit.get(u, []))
-                loaded = held_bytes(model)
+                with timers.time("load"):
+                    _materialize(model, parts.device)
+                    parts.load(model, by_unit.get(u, []))
+                    loaded = held_bytes(model)
                 if before_processing is not None:
                     before_processing(model, by_unit.get(u, []))
-                parts.process(model)
+                with timers.time("process"):
+                    parts.process(model)
                 mods = {n for n in all_modules if unit_of(n, names) == u}
-                yield Pass(u, mods, model, loaded)
-                for s in ([u] if u != REST else rest):
-                    _drop(slots[s][2], live_ids)
+                yield Pass(u, mods, model, loaded, timers)
+                with timers.time("drop"):
+                    for s in ([u] if u != REST else rest):
+                        _drop(slots[s][2], live_ids)
     finally:
-        _drop(model, live_ids)
-        del model, all_modules, slots
-        gc.collect()
+        with timers.time("drop"):
+            _drop(model, live_ids)
+            del model, all_modules, slots
+            gc.collect()

@@ -555,9 +555,38 @@ def _with_aliases(model: torch.nn.Module, landed: Collection[str]) -> set[str]:
     return out
 
 
+def _view_pair(t: torch.Tensor, f: torch.Tensor) -> tuple[Any, ...] | None:
+    """What identifies a (live, fresh) pair of views: their storages, offsets, shapes,
+    strides and dtype; None where a tensor has no plain storage."""
+    try:
+        return (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.stride()),
+                f.untyped_storage().data_ptr(), f.storage_offset(), tuple(f.stride()),
+                tuple(t.shape), t.dtype, t.device, f.device)
+    except Exception:
+        return None
+
+
+@dataclass
+class Prepared:
+    """What every compare of one verification shares, computed once (a streamed shadow
+    compares unit by unit, and each compare would otherwise walk the whole live model
+    again): the landed names with their aliases, the touched modules, the live modules
+    by name."""
+
+    landed: set[str]
+    touched: set[str]
+    modules: dict[str, torch.nn.Module]
+
+    @staticmethod
+    def of(live: torch.nn.Module, landed: Collection[str]) -> Prepared:
+        aliased = _with_aliases(live, landed)
+        return Prepared(aliased, touched_modules(live, aliased), dict(live.named_modules()))
+
+
 def compare(live: torch.nn.Module, fresh: torch.nn.Module, landed: Collection[str],
             verdict: Verdict, skip: Collection[str] = (),
-            only: Collection[str] | None = None) -> list[Mismatch]:
+            only: Collection[str] | None = None,
+            prepared: Prepared | None = None) -> list[Mismatch]:
     """Every readable tensor of the touched modules of `live` that differs from
     `fresh`. Parameters are compared where this update landed something in them (others
     hold whatever they were initialised with, in both models); buffers, attributes and
@@ -565,15 +594,21 @@ def compare(live: torch.nn.Module, fresh: torch.nn.Module, landed: Collection[st
     Modules in `skip` were proved otherwise (digests); with `only`, modules outside it
     are left for another unit of a streamed shadow. Bits that cannot be read are
     compared through the modules' forwards on a probe input (`probe`), once per module;
-    what that cannot compare either is listed in `verdict.unverified`."""
-    landed = _with_aliases(live, landed)
-    touched = touched_modules(live, landed) - set(skip)
+    what that cannot compare either is listed in `verdict.unverified`. `prepared`: the
+    walks of the live model every compare of one verification shares (`Prepared`)."""
+    prepared = prepared if prepared is not None else Prepared.of(live, landed)
+    landed = prepared.landed
+    touched = prepared.touched - set(skip)
     if only is not None:
         touched &= set(only)
     fresh_modules = dict(fresh.named_modules())
     out: list[Mismatch] = []
     device = next((t.device for _, t in live.named_parameters()), torch.device("cpu"))
-    for mname, module in live.named_modules():
+    # views of the live model and the shadow already compared equal in this call (a tied
+    # output head is the embedding under a second name in both: its bytes are read once;
+    # within one call every shadow tensor is alive, so an address names one tensor)
+    equal: set[tuple[Any, ...]] = set()
+    for mname, module in prepared.modules.items():
         if mname not in touched or mname not in fresh_modules:
             continue
         opaque: list[str] = []
@@ -595,6 +630,9 @@ def compare(live: torch.nn.Module, fresh: torch.nn.Module, landed: Collection[st
             if f.shape != t.shape:
                 out.append(Mismatch(full, kind, "shape", t, f))
                 continue
+            pair = _view_pair(t, f)
+            if pair is not None and pair in equal:
+                continue  # this very pair of views compared equal under another name
             a, b = _bits(t), _bits(f.to(t.device))
             if a is None or b is None:
                 verdict.unreadable.append(full)
@@ -603,8 +641,12 @@ def compare(live: torch.nn.Module, fresh: torch.nn.Module, landed: Collection[st
             verdict.shadow_bytes += a.numel()
             if not torch.equal(a, b):
                 out.append(Mismatch(full, kind, "values", t, f))
+            elif pair is not None:
+                equal.add(pair)
         if opaque:
+            tp = time.perf_counter()
             same = probe(module, fresh_modules[mname], device)
+            verdict.seconds["probe"] = verdict.seconds.get("probe", 0.0) + time.perf_counter() - tp
             if same is None:
                 verdict.unverified.extend(opaque)
             elif same:
@@ -614,7 +656,9 @@ def compare(live: torch.nn.Module, fresh: torch.nn.Module, landed: Collection[st
         for attr, captured in opaque_captures(module).items():
             full = f"{mname}.{attr}<{captured}>".lstrip(".")
             verdict.compared += 1
+            tp = time.perf_counter()
             same = probe_callable(module, fresh_modules[mname], attr, device)
+            verdict.seconds["probe"] = verdict.seconds.get("probe", 0.0) + time.perf_counter() - tp
             if same is None:
                 verdict.unverified.append(full)
             elif same:
@@ -664,7 +708,8 @@ def verify_and_repair(live: torch.nn.Module, build_fresh: Callable[[], torch.nn.
             proved = [d for d in good if d.rpartition(".")[0] in skip]
             verdict.digest = len(proved)
             verdict.digest_bytes = sum(tensors[d].nbytes for d in proved)
-    touched = touched_modules(live, _with_aliases(live, landed))
+    prepared = Prepared.of(live, landed)
+    touched = prepared.touched
     t1 = time.perf_counter()
     verdict.seconds["digest"] = round(t1 - t0, 4)
     if touched <= skip:
@@ -685,6 +730,7 @@ def verify_and_repair(live: torch.nn.Module, build_fresh: Callable[[], torch.nn.
             peak = PeakMemory(device)
             passes = stream_fresh(touched - skip)
             why = ""
+            timers: dict[str, float] = {}
             try:
                 while True:
                     tb = time.perf_counter()
@@ -694,12 +740,16 @@ def verify_and_repair(live: torch.nn.Module, build_fresh: Callable[[], torch.nn.
                     if p is None:
                         break
                     verdict.shadow_units += 1
+                    timers = p.timers
                     verdict.shadow_tensor_bytes = max(verdict.shadow_tensor_bytes,
                                                       p.loaded_bytes, held_bytes(p.model))
-                    _compare_and_repair(live, p.model, landed, verdict, skip, engine, p.modules)
+                    _compare_and_repair(live, p.model, landed, verdict, skip, engine, p.modules,
+                                        prepared)
                     compared += time.perf_counter() - tc
                 verdict.shadow_kind = "streamed"
                 verdict.shadow_peak_bytes = peak.peak()
+                # where the shadow's time went, step by step (`shadow.Timers`)
+                verdict.seconds.update({f"shadow_{k}": round(v, 4) for k, v in timers.items()})
             except Unstreamable as e:
                 log.info("%s: the shadow is built whole: %s", engine, e)
                 why = str(e)
@@ -731,20 +781,24 @@ def verify_and_repair(live: torch.nn.Module, build_fresh: Callable[[], torch.nn.
             verdict.shadow_kind = "whole"
             verdict.shadow_tensor_bytes = max(held_bytes(fresh), getattr(fresh, LOADED_ATTR, 0))
             verdict.shadow_peak_bytes = peak.peak()
-            _compare_and_repair(live, fresh, landed, verdict, skip, engine)
+            _compare_and_repair(live, fresh, landed, verdict, skip, engine,
+                                prepared=prepared)
             del fresh
             compared += time.perf_counter() - tc
     verdict.seconds["shadow"] = round(built, 4)
     verdict.seconds["compare"] = round(compared, 4)
+    if "probe" in verdict.seconds:  # (part of compare)
+        verdict.seconds["probe"] = round(verdict.seconds["probe"], 4)
     return verdict
 
 
 def _compare_and_repair(live: torch.nn.Module, fresh: torch.nn.Module, landed: Collection[str],
                         verdict: Verdict, skip: Collection[str], engine: str,
-                        only: Collection[str] | None = None) -> None:
+                        only: Collection[str] | None = None,
+                        prepared: Prepared | None = None) -> None:
     """Compare `fresh` (the shadow, or one unit of it) with `live`, repair in place what
     differs, compare again; raise `WeightsMismatch` naming what still differs."""
-    first = compare(live, fresh, landed, verdict, skip, only)
+    first = compare(live, fresh, landed, verdict, skip, only, prepared)
     for m in first:
         if m.why == "values" and m.live is not None and m.fresh is not None:
             m.live.copy_(m.fresh.to(m.live.device))
@@ -759,7 +813,7 @@ def _compare_and_repair(live: torch.nn.Module, fresh: torch.nn.Module, landed: C
                 "weights (%s); repaired in place from the fresh load: %s", engine,
                 len(first), ", ".join(f"{m.name} [{m.why}]" for m in first[:8]),
                 sum(1 for m in first if m.name in verdict.repaired))
-    again = compare(live, fresh, landed, Verdict(), skip, only)
+    again = compare(live, fresh, landed, Verdict(), skip, only, prepared)
     if again:
         raise WeightsMismatch(
             f"after the update, {len(again)} tensors the {engine} engine's forward reads "
