@@ -419,10 +419,11 @@ def _sglang_vlms() -> list[str]:
     or an embedding model), and whose transformers config has a vision part (audio-only
     models have a processor too)."""
     import transformers
+
+    processors = _sglang_processors()  # first: it puts the stand-in on the path
     from sglang.srt.configs.model_config import is_generation_model
     from sglang.srt.models.registry import ModelRegistry
 
-    processors = _sglang_processors()
     supported = set(ModelRegistry.get_supported_archs())
     out = []
     for arch in sorted(processors):
