@@ -3,6 +3,8 @@
     bash scripts/run.sh vllm python -m tests.engines.conformance.sweep --engine vllm \\
         --out benchmarks/results/conformance/generated-vllm.json [--only A,B] [--limit N]
     ... --vlm --out benchmarks/results/conformance/generated-vlm-vllm.json  (the VLMs)
+    bash scripts/run.sh sglang python -m tests.engines.conformance.sweep --engine sglang \
+        --vlm --out benchmarks/results/conformance/generated-vlm-sglang.json
 
 Every cell is a child process (`cell.py`) with a timeout; results already in `--out`
 are kept and skipped, so a sweep that takes hours runs in as many parts as it needs.

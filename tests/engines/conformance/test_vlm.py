@@ -31,13 +31,13 @@ def test_the_image_prompt_goes_through_the_small_vision_tower(tmp_path: Path) ->
     family = vlm_family("Qwen2VLForConditionalGeneration")
     from tests.engines.conformance.families import build
 
-    folder = build(family, "sglang", tmp_path / "d0")  # "sglang": no vLLM placeholder lookup
+    folder = build(family, "local", tmp_path / "d0")  # no engine: no placeholder lookup
     config = transformers.AutoConfig.from_pretrained(folder)
     processor = transformers.AutoProcessor.from_pretrained(folder)
     tokenizer = processor.tokenizer
     assert config.image_token_id == tokenizer.convert_tokens_to_ids(processor.image_token)
     assert config.image_token_id < config.text_config.vocab_size
-    image_prompt = prompts("sglang", folder)[2]
+    image_prompt = prompts("local", folder)[2]
     text = image_prompt["text"].replace("{image}", image_prompt["placeholder"])
     inputs = processor(text=[text], images=[synthetic_image(0, image_prompt["side"])],
                        return_tensors="pt")

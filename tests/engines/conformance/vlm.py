@@ -20,7 +20,9 @@ answers it from an encoder cache filled by the old vision tower fails the cell.
 from __future__ import annotations
 
 import inspect
+import os
 import re
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -61,7 +63,8 @@ def image_placeholder(engine: str, folder: Path) -> str | None:
     wanted = placeholder_tokens(engine, arch)
     vocab = transformers.AutoTokenizer.from_pretrained(folder).get_vocab()
     if wanted and all(t in vocab for t in wanted.values()):
-        return None
+        # vLLM's driver asks vLLM; SGLang's has no such question: its spelling here
+        return None if engine == "vllm" else engine_placeholder(engine, arch)
     processor = transformers.AutoProcessor.from_pretrained(folder)
     return getattr(processor, "image_token", None)
 
@@ -254,13 +257,77 @@ _SPECIAL = re.compile(r"<\|?[A-Za-z_]+\|?>|\[[A-Z_]+\]")
 def placeholder_tokens(engine: str, arch: str) -> dict[str, str]:
     """The special tokens of the engine's placeholder for one image, by bare name
     (`<|vision_start|>` -> `vision_start`), which the tokenizer must hold whole."""
-    if engine != "vllm":
-        return {}
-    from vllm.model_executor.models.registry import ModelRegistry
-
-    model_cls = ModelRegistry._try_load_model_cls(arch)
-    text = (model_cls.get_placeholder_str("image", 1) if model_cls is not None else None) or ""
+    text = engine_placeholder(engine, arch) or ""
     return {t.strip("<|>[]").lower(): t for t in _SPECIAL.findall(text)}
+
+
+def engine_placeholder(engine: str, arch: str) -> str | None:
+    """What the engine expects in a prompt's text for one image, by its own word: vLLM's
+    model class says it (`get_placeholder_str`); SGLang's multimodal processor for the
+    architecture declares it as the `image_token` of its `MultimodalSpecialTokens`
+    (`sglang_image_token`). None: the engine names none (it places the image itself,
+    or reads the token from the checkpoint's processor)."""
+    if engine == "vllm":
+        from vllm.model_executor.models.registry import ModelRegistry
+
+        model_cls = ModelRegistry._try_load_model_cls(arch)
+        return model_cls.get_placeholder_str("image", 1) if model_cls is not None else None
+    if engine == "sglang":
+        return sglang_image_token(arch)
+    return None
+
+
+_IMAGE_TOKEN_ARG = re.compile(  # the first `image_token=` argument, past comments
+    r'MultimodalSpecialTokens\((?:\s|#[^\n]*)*image_token\s*=\s*(?:"([^"]+)"|self\.(\w+))')
+
+
+def sglang_image_token(arch: str) -> str | None:
+    """The image token SGLang's processor for `arch` splits prompts on. SGLang states it
+    only in the processor's constructor (`MultimodalSpecialTokens(image_token=...)`),
+    which needs a running engine's context, so it is read from that constructor's source:
+    a string literal, or an attribute of the processor set to one (`self.IMAGE_TOKEN =
+    "<|image|>"`). None where it comes from the checkpoint (`_processor.image_token`,
+    the tokenizer): the checkpoint's own processor token is then the right spelling."""
+    import inspect
+
+    cls = _sglang_processors().get(arch)
+    if cls is None:
+        return None
+    for klass in type.mro(cls):
+        if not klass.__module__.startswith("sglang.srt.multimodal.processors"):
+            continue
+        try:
+            source = inspect.getsource(klass)
+        except (OSError, TypeError):
+            continue
+        m = _IMAGE_TOKEN_ARG.search(source)
+        if m is None:
+            continue
+        if m.group(1):
+            return m.group(1)
+        value = getattr(klass, m.group(2), None)
+        if isinstance(value, str):
+            return value
+        attr = re.search(rf'\b{m.group(2)}\s*=\s*"([^"]+)"', source)
+        return attr.group(1) if attr else None
+    return None
+
+
+def _sglang_processors() -> dict[str, type]:
+    """Architecture -> SGLang's multimodal processor class for it (as SGLang's tokenizer
+    manager imports them; the `sgl_kernel` stand-in must be importable)."""
+    from enginehooks.demo.servers import cpu_env
+
+    env = cpu_env()  # the stand-in for the kernels the processors' modules bind
+    os.environ.update({k: env[k] for k in ("SGLANG_USE_CPU_ENGINE", "PYTHONPATH") if k in env})
+    for p in reversed(env.get("PYTHONPATH", "").split(os.pathsep)):
+        if p and p not in sys.path:
+            sys.path.insert(0, p)
+    from sglang.srt.managers.multimodal_processor import PROCESSOR_MAPPING, import_processors
+
+    if not PROCESSOR_MAPPING:
+        import_processors("sglang.srt.multimodal.processors")
+    return {model_cls.__name__: proc for model_cls, proc in PROCESSOR_MAPPING.items()}
 
 
 def build_vlm(family: Family, engine: str, folder: Path, seed: int = 0) -> Path:
@@ -324,6 +391,8 @@ def registered_vlms(engine: str) -> list[str]:
     raises for a model without images)."""
     import transformers
 
+    if engine == "sglang":
+        return _sglang_vlms()
     if engine != "vllm":
         return []
     from vllm.model_executor.models.registry import _MULTIMODAL_MODELS, ModelRegistry
@@ -341,4 +410,25 @@ def registered_vlms(engine: str) -> list[str]:
                 out.append(arch)
         except Exception:  # no image modality (audio-only models raise here)
             continue
+    return out
+
+
+def _sglang_vlms() -> list[str]:
+    """SGLang's image-capable generative multimodal architectures: those it registers a
+    model and a multimodal processor for, that generate (`is_generation_model`: not CLIP
+    or an embedding model), and whose transformers config has a vision part (audio-only
+    models have a processor too)."""
+    import transformers
+
+    processors = _sglang_processors()  # first: it puts the stand-in on the path
+    from sglang.srt.configs.model_config import is_generation_model
+    from sglang.srt.models.registry import ModelRegistry
+
+    supported = set(ModelRegistry.get_supported_archs())
+    out = []
+    for arch in sorted(processors):
+        cls = getattr(transformers, arch, None)
+        if (arch in supported and cls is not None and is_generation_model([arch])
+                and is_vlm(cls.config_class)):
+            out.append(arch)
     return out

@@ -13,18 +13,32 @@ It is deliberately loud: every attribute is a function that raises ``RuntimeErro
 naming itself when called. A code path that really needs a kernel thus
 fails the test instead of passing silently. Never put this on a production path.
 
-It has no submodules on purpose: SGLang imports ``sgl_kernel.<submodule>`` (e.g.
+One exception, in ``torch.ops.sgl_kernel``: four CPU ops that SGLang binds when its
+Qwen3.5 model module is imported (which every Qwen-VL-style multimodal processor
+imports), implemented in plain torch after SGLang's own references (``_torch_ops.py``,
+registered on import): ``fused_sigmoid_mul_cpu``, ``fused_qk_gemma_rmsnorm_cpu``,
+``fused_qk_gemma_rmsnorm_with_gate_cpu``,
+``fused_qkvzba_split_reshape_cat_contiguous_cpu``. All four compute; none is a
+bind-only placeholder. Without them SGLang hides the import error and reports "No
+processor registered" for those VLMs.
+
+It has no public submodules on purpose: SGLang imports ``sgl_kernel.<submodule>`` (e.g.
 ``sgl_kernel.scalar_type``) inside ``try/except ImportError`` with its own fallbacks,
-and a stub submodule would defeat those (``scalar_types.uint4b8`` at import time).
-Its AMX CPU path is also off, since ``torch.ops.sgl_kernel`` has no ops here.
+and a stub submodule would defeat those (``scalar_types.uint4b8`` at import time);
+``_torch_ops`` is private, a name SGLang never imports. Its AMX CPU path is also off:
+``torch.ops.sgl_kernel`` has no ``convert_weight_packed``, the op SGLang probes for it.
 """
 
-#: Names looked up so far in this process (for diagnostics only).
 # Underscored: every public attribute of this module is a loud stand-in (below).
 from collections.abc import Callable as _Callable
 from typing import Any as _Any
 from typing import NoReturn as _NoReturn
 
+from . import _torch_ops
+
+_torch_ops.register()
+
+#: Names looked up so far in this process (for diagnostics only).
 touched: set[str] = set()
 
 
