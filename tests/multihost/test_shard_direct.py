@@ -21,46 +21,20 @@ with the `check` token, which each engine rank verifies
 
 from __future__ import annotations
 
-import json
-import socket
-import subprocess
-import sys
 from typing import Any
 
 from enginehooks_testkit import tp_module as tp
 from tests.multihost.conftest import ROOT
+from tests.support.ranks import free_port, run_modules
 
 TIMEOUT_S = 60
 
 
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def _run(**extra: Any) -> list[dict[str, Any]]:
-    port = _port()
-    procs = []
-    for rank in range(4):
-        spec = {"rank": rank, "trainers": 2, "engines": 2, "port": port, "seed": 5,
-                "timeout_s": TIMEOUT_S, **extra}
-        procs.append(subprocess.Popen(
-            [sys.executable, "-m", "tests.multihost.shard_rank", json.dumps(spec)],
-            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
-    out = []
-    try:
-        for p in procs:
-            stdout, stderr = p.communicate(timeout=TIMEOUT_S * 4)
-            lines = stdout.strip().splitlines()
-            assert lines, stderr[-3000:]
-            out.append(json.loads(lines[-1]))
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-    return out
+    port = free_port()
+    return run_modules("tests.multihost.shard_rank", [
+        {"rank": rank, "trainers": 2, "engines": 2, "port": port, "seed": 5,
+         "timeout_s": TIMEOUT_S, **extra} for rank in range(4)], ROOT, TIMEOUT_S * 4)
 
 
 def _model_bytes() -> int:

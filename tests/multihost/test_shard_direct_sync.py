@@ -16,46 +16,22 @@ loader (hosted by rank 0).
 
 from __future__ import annotations
 
-import json
-import socket
-import subprocess
-import sys
 from typing import Any
 
 from enginehooks_testkit import tp_module as tp
 from tests.multihost.conftest import ROOT
+from tests.support.ranks import free_port, run_modules
 
 TIMEOUT_S = 60
 SECRET = "cd" * 16
 
 
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def run(**extra: Any) -> list[dict[str, Any]]:
     """Both trainer ranks' answers (`shard_sync_rank.py`)."""
-    master = f"127.0.0.1:{_port()}"
-    procs = [subprocess.Popen(
-        [sys.executable, "-m", "tests.multihost.shard_sync_rank", json.dumps(
-            {"rank": r, "world": 2, "master": master, "seed": 7, "timeout_s": TIMEOUT_S,
-             **extra})],
-        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for r in range(2)]
-    out = []
-    try:
-        for p in procs:
-            stdout, stderr = p.communicate(timeout=TIMEOUT_S * 4)
-            lines = stdout.strip().splitlines()
-            assert lines, stderr[-3000:]
-            out.append(json.loads(lines[-1]))
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-    return out
+    master = f"127.0.0.1:{free_port()}"
+    return run_modules("tests.multihost.shard_sync_rank", [
+        {"rank": r, "world": 2, "master": master, "seed": 7, "timeout_s": TIMEOUT_S, **extra}
+        for r in range(2)], ROOT, TIMEOUT_S * 4)
 
 
 def test_two_fsdp2_ranks_push_shard_direct_through_weightsync_then_a_bad_byte_tears() -> None:

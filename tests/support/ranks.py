@@ -75,3 +75,35 @@ def rank_main(scenarios: dict[str, Any]) -> None:
     (out / f"rank{rank}.json").write_text(json.dumps(res))
     sys.stdout.flush()
     os._exit(0)
+
+
+def free_port() -> int:
+    """A loopback TCP port nobody listens on right now."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def run_modules(module: str, specs: list[dict[str, Any]], cwd: Path,
+                timeout_s: float) -> list[dict[str, Any]]:
+    """Start `python -m module SPEC_JSON` once per spec, all at once, and return the JSON
+    each printed as its last line of output (failing with the tail of the stderr of the
+    first that printed nothing); any still running past `timeout_s` is killed."""
+    procs = [subprocess.Popen([sys.executable, "-m", module, json.dumps(spec)], cwd=cwd,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for spec in specs]
+    out = []
+    try:
+        for p in procs:
+            stdout, stderr = p.communicate(timeout=timeout_s)
+            lines = stdout.strip().splitlines()
+            assert lines, stderr[-3000:]
+            out.append(json.loads(lines[-1]))
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    return out
