@@ -30,9 +30,7 @@ from __future__ import annotations
 import datetime as _dt
 import json
 import os
-import sys
 import time
-import traceback
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -236,10 +234,6 @@ def main(spec: dict[str, Any]) -> dict[str, Any]:
     return out
 
 if __name__ == "__main__":
-    spec = json.loads(sys.argv[1])
-    try:
-        result = main(spec)
-    except Exception as err:
-        traceback.print_exc()
-        result = {"error": str(err), "type": type(err).__name__}
-    print(json.dumps(result), flush=True)
+    from tests.support.ranks import spec_main
+
+    spec_main(main)

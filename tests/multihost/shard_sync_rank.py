@@ -24,9 +24,7 @@ equality of each worker to a fresh load after each push]}`; every rank `{"collec
 from __future__ import annotations
 
 import datetime as _dt
-import json
 import os
-import sys
 import traceback
 from collections.abc import Iterator
 from typing import Any
@@ -188,10 +186,6 @@ def main(spec: dict[str, Any]) -> dict[str, Any]:
 
 
 if __name__ == "__main__":
-    spec = json.loads(sys.argv[1])
-    try:
-        result = main(spec)
-    except Exception as err:
-        traceback.print_exc()
-        result = {"error": str(err), "type": type(err).__name__}
-    print(json.dumps(result), flush=True)
+    from tests.support.ranks import spec_main
+
+    spec_main(main)

@@ -107,3 +107,17 @@ def run_modules(module: str, specs: list[dict[str, Any]], cwd: Path,
                 p.kill()
                 p.wait()
     return out
+
+
+def spec_main(main: Any) -> None:
+    """The `__main__` of a `run_modules` rank: `main(spec)` on the JSON spec in argv[1],
+    its result (or the error, with the traceback on stderr) printed as the last line."""
+    import traceback
+
+    spec = json.loads(sys.argv[1])
+    try:
+        result = main(spec)
+    except Exception as err:
+        traceback.print_exc()
+        result = {"error": str(err), "type": type(err).__name__}
+    print(json.dumps(result), flush=True)
