@@ -338,7 +338,8 @@ def push_rows(handle: Any, trainer: Callable[[int], Any], rounds: int, transport
                          "report_seconds": round(report.seconds, 3), "bytes": report.bytes,
                          "apply_seconds": plan.get("seconds"),
                          "verification": {k: last.get(k) for k in (
-                             "ok", "outcome", "how", "digest", "digest_bytes", "shadow_bytes",
+                             "ok", "outcome", "how", "digest", "digest_bytes", "landed_bytes",
+                             "shadow_bytes",
                              "compared", "probed", "unverified", "repaired", "error", "seconds",
                              "shadow_kind", "shadow_units", "shadow_why",
                              "shadow_tensor_bytes", "shadow_peak_bytes")},
@@ -382,6 +383,7 @@ def summary(rows: list[dict[str, Any]]) -> dict[str, Any]:
             "added_fraction_median": (statistics.median([(b - a) / a for a, b in pairs])
                                       if pairs else None),
             "how": last.get("how"), "digest_bytes": last.get("digest_bytes"),
+            "landed_bytes": last.get("landed_bytes"),
             "shadow_bytes": last.get("shadow_bytes")}
 
 

@@ -21,6 +21,7 @@ import hashlib
 import json
 import os
 from collections.abc import Callable, Iterable, Iterator
+from typing import Any
 
 import torch
 
@@ -473,8 +474,11 @@ class Unpacker:
         device: torch.device | str = "cpu",
         into: Callable[[str], torch.Tensor | None] | None = None,
         secret: bytes | None = None,
+        target: Any = None,
     ) -> None:
         self.manifest = manifest
+        #: the receiving `Target` (its `landing_wanted` / `wire_landed`), where known
+        self.target = target
         self.secret = secret
         self.mid = manifest_id(manifest)
         self.device = torch.device(device)
@@ -483,7 +487,8 @@ class Unpacker:
         self._partial: dict[str, torch.Tensor] = {}
         self._empty = [t for t in manifest.tensors if not t.pieces]
         # deferred digests (`defer`): each bucket's weighted sum as the device computed
-        # it, and the value its trailer announced; compared by `finish`, once per push
+        # it, and the value its trailer announced; compared by `finish`, once per push.
+        # [:n] what landed in the target's own tensors (`WireLanding`), [n:] the rest
         self._sums: torch.Tensor | None = None
         self._want: dict[int, int] = {}
 
@@ -494,10 +499,11 @@ class Unpacker:
 
     def _sum_slot(self, index: int) -> torch.Tensor:
         """Bucket `index`'s slot (int64 [1], zero) in the device vector of sums."""
+        n = len(self.manifest.buckets)
         if self._sums is None:
-            self._sums = torch.zeros(len(self.manifest.buckets), dtype=torch.int64,
-                                     device=self.device)
-        return self._sums[index : index + 1]
+            self._sums = torch.zeros(2 * n, dtype=torch.int64, device=self.device)
+            self._landed = self._sums[:n]
+        return self._sums[n + index : n + index + 1]
 
     def defer_digest(self, index: int, payload: torch.Tensor, dig: int) -> None:
         """Digest bucket `index`'s payload on the device; `dig` (its trailer's) is
@@ -520,7 +526,8 @@ class Unpacker:
         n = self.manifest.buckets
         want = torch.tensor([_to_i64(wanted[k] ^ (n[k].nbytes << 40)) for k in idx],
                             dtype=torch.int64)
-        got = self._sums[torch.tensor(idx, device=self.device)].cpu()
+        both = self._sums[: len(n)] + self._sums[len(n) :]
+        got = both[torch.tensor(idx, device=self.device)].cpu()
         bad = (got != want).nonzero().flatten().tolist()
         if bad:
             k = idx[bad[0]]
@@ -666,6 +673,12 @@ class Unpacker:
         the caller then verifies and unpacks as before."""
         m = self.manifest
         mode = os.environ.get("ENGINEHOOKS_FUSED_UNPACK", "auto")
+        # verification re-reads what lands here instead of digesting each tensor again
+        # (`WireLanding`): then landing pays wherever it applies
+        witness = (self.target is not None and dig is not None and mode != "0"
+                   and self.target.landing_wanted())
+        if witness:
+            mode = "1"
         if (self.into is None or m.checksum not in ("sum64", None) or buf.device.type != "cuda"
                 or m.buckets[index].direct or buf.data_ptr() % 4 or mode == "0"
                 or (mode != "1" and not fused_landing_pays(len(self._per_bucket[index]),
@@ -678,6 +691,7 @@ class Unpacker:
         base, nbytes = buf.data_ptr(), m.buckets[index].nbytes
         placed: dict[int, torch.Tensor] = {}
         copies: list[tuple[int, int, int, int]] = []  # src, dst, nbytes, word
+        own: list[bool] = []  # per copy: into the target's own tensor (a whole one)
         spans: list[tuple[int, int, bool]] = []  # every destination's bytes; placed or not
         for pos, (entry, piece) in enumerate(self._per_bucket[index]):
             dt = torch_dtype(entry.dtype)
@@ -706,6 +720,7 @@ class Unpacker:
                 continue
             placed[pos] = whole
             copies.append((base + piece.offset, dst, piece.nbytes, piece.offset // 4))
+            own.append(len(entry.pieces) == 1)
             spans.append((dst, dst + piece.nbytes, True))
         if not placed or _overlap(spans):
             return None
@@ -721,21 +736,29 @@ class Unpacker:
         import numpy as np
 
         deferred = dig is not None
-        digests = (self._sum_slot(index) if deferred
-                   else torch.zeros(1, dtype=torch.int64, device=buf.device))
+        nb = len(m.buckets)
+        if deferred:  # own pieces add into [index], the rest into [n + index] (`_sums`)
+            self._sum_slot(index)
+            assert self._sums is not None
+            digests, rest = self._sums, nb + index
+            slot = np.where(np.asarray(own), index, rest) if witness else np.full(len(own), rest)
+        else:
+            digests, rest = torch.zeros(1, dtype=torch.int64, device=buf.device), 0
+            slot = np.zeros(len(own), dtype=np.int64)
         with torch.cuda.device(buf.device):
             stager = fused_copy.stager_for(buf.device)
             a = np.asarray(copies, dtype=np.int64)
             fused_copy.launch(fused_copy.build(a[:, 0], a[:, 1], a[:, 2], a[:, 3],
-                                               np.zeros(len(a), dtype=np.int64), buf.device,
-                                               stager),
+                                               slot.astype(np.int64), buf.device, stager),
                               digests, copy=True)
             if reads:
                 r = np.asarray(reads, dtype=np.int64)
                 z = np.zeros(len(r), dtype=np.int64)
-                fused_copy.launch(fused_copy.build(r[:, 0], z, r[:, 1], r[:, 2], z, buf.device,
-                                                   stager),
+                fused_copy.launch(fused_copy.build(r[:, 0], z, r[:, 1], r[:, 2], z + rest,
+                                                   buf.device, stager),
                                   digests, copy=False)
+        if witness and any(own):
+            self._witness(index, a[np.asarray(own)], placed)
         for pos, whole in placed.items():
             entry, _piece = self._per_bucket[index][pos]
             if len(entry.pieces) > 1:
@@ -754,6 +777,23 @@ class Unpacker:
                 f"{[e.name for e, _ in self._per_bucket[index]][:4]}..."
             )
         return placed
+
+    def _witness(self, index: int, rows: Any, placed: dict[int, torch.Tensor]) -> None:
+        """Tell the target what bucket `index` landed in its own (whole) tensors: `rows`
+        of (src, dst, nbytes, word), added into `_sums[index]`; before `unpack` yields
+        them (`WireLanding`)."""
+        import numpy as np
+
+        from enginehooks.core.landing import WireLanding
+
+        names: dict[str, tuple[int, int]] = {}
+        for pos, whole in placed.items():
+            entry, piece = self._per_bucket[index][pos]
+            if len(entry.pieces) == 1:
+                names[entry.name] = (whole.data_ptr(), piece.nbytes)
+        self.target.wire_landed(WireLanding(
+            self._landed, names, {index: list(names)}, rows[:, 1], rows[:, 2], rows[:, 3],
+            np.full(len(rows), index, dtype=np.int64)))
 
     def _check_digest(self, index: int, buf: torch.Tensor, nbytes: int, dig: int) -> None:
         if self.manifest.checksum is None:

@@ -36,6 +36,7 @@ from typing import Any, ClassVar
 import torch
 
 from enginehooks.core.dtypes import dtype_name
+from enginehooks.core.landing import WireLanding
 from enginehooks.core.manifest import Manifest, TensorSpec
 from enginehooks.engine.beacon import Beacon
 from enginehooks.engine.contract import EngineBinding
@@ -114,6 +115,7 @@ class ApplyTarget(Target, ABC):
         self.routes: dict[str, Route] = {}  # this update's planned tensors
         self.live: dict[str, torch.Tensor] | None = None  # during `apply`: name -> tensor
         self.by_fresh_load: list[str] = []  # this update: parameters only a fresh load fills
+        self._digests: DigestCheck | None = None  # during `apply`: the update's digests
         self._expectations: LoaderExpectations | None = None
 
     # -- what an engine supplies ---------------------------------------------------------
@@ -230,6 +232,16 @@ class ApplyTarget(Target, ABC):
             return None
         return t.data
 
+    def landing_wanted(self) -> bool:
+        return self._digests is not None
+
+    def wire_landed(self, landing: WireLanding) -> None:
+        """A receiver landed these tensors in `destination`s itself and digested them as
+        it did: verification proves them by one re-read after apply (`DigestCheck.wire`)
+        instead of a digest per tensor as they stream."""
+        if self._digests is not None:
+            self._digests.wire(landing)
+
     def loader_copy(self, t: torch.Tensor) -> torch.Tensor:
         """What the loader is handed for `t`. Default: `t` itself (a loader that copies
         each tensor into its parameter as it goes)."""
@@ -300,13 +312,14 @@ class ApplyTarget(Target, ABC):
 
         t0, c0 = time.perf_counter(), time.thread_time()
         self.begin()
+        self._digests = digests
         try:
             if routes:
                 update.routes = self.routes = self.writable(routes)
             self.load(self._stream(tensors, update))
             other_cpu, extra = self.session_stats()
         finally:
-            self.live, self.routes = None, {}
+            self.live, self.routes, self._digests = None, {}, None
             self.end()
         if update.routes:
             self.plan.applied += 1
@@ -344,7 +357,7 @@ class ApplyTarget(Target, ABC):
                     if dests <= update.emptied:
                         update.digests.unproved.update(dests)
                     else:
-                        update.digests.add(route.steps, t, update.dtypes)
+                        update.digests.add(route.steps, t, update.dtypes, name)
                     update.seconds["digest_received"] += time.perf_counter() - t0
                 update.planned += 1
                 continue

@@ -297,6 +297,9 @@ class Verdict:
     unreadable: list[str] = field(default_factory=list)
     digest: int = 0
     digest_bytes: int = 0
+    #: of `digest_bytes`, those a receiver landed itself and proved by one re-read
+    #: (`DigestCheck.wire`): nothing was digested for them while the update streamed
+    landed_bytes: int = 0
     shadow_bytes: int = 0
     probed: list[str] = field(default_factory=list)
     unverified: list[str] = field(default_factory=list)
@@ -325,7 +328,8 @@ class Verdict:
         return {"compared": self.compared, "mismatched": self.mismatched[:50],
                 "repaired": self.repaired[:50], "unreadable": self.unreadable[:50],
                 "how": self.how, "digest": self.digest, "digest_bytes": self.digest_bytes,
-                "shadow_bytes": self.shadow_bytes, "probed": self.probed[:50],
+                "landed_bytes": self.landed_bytes, "shadow_bytes": self.shadow_bytes,
+                "probed": self.probed[:50],
                 "unverified": self.unverified[:50], "shadow_kind": self.shadow_kind,
                 "shadow_units": self.shadow_units, "shadow_why": self.shadow_why,
                 "shadow_tensor_bytes": self.shadow_tensor_bytes,
@@ -351,6 +355,24 @@ class DigestCheck:
     received_bytes: int = 0
     #: device vectors the received runs' digest terms are added into (`_device_term`)
     _slots: dict[torch.device, tuple[torch.Tensor, int]] = field(default_factory=dict)
+    #: what receivers landed in the destinations themselves, digesting it as they did
+    #: (`transports.base.WireLanding`): proved by one re-read after apply, no digest here
+    landings: list[Any] = field(default_factory=list)
+    #: received name -> (the address it landed at, bytes landed), over every landing
+    _wired: dict[str, tuple[int, int]] = field(default_factory=dict)
+    #: destination -> the received name a landing proves it by
+    _wired_dest: dict[str, str] = field(default_factory=dict)
+
+    def landed_dests(self) -> set[str]:
+        """Destinations a receiver's landing proves (`wire`)."""
+        return set(self._wired_dest)
+
+    def wire(self, landing: Any) -> None:
+        """A receiver's `WireLanding`, before it yields the tensors it names."""
+        self.landings.append(landing)
+        for name, (addr, nbytes) in landing.names.items():
+            a, b = self._wired.get(name, (addr, 0))
+            self._wired[name] = (addr if a == addr else -1, b + nbytes)
 
     def _device_term(self, b: torch.Tensor) -> torch.Tensor | None:
         """The `sum64` term of received bytes `b` (without the length term, which both
@@ -386,10 +408,15 @@ class DigestCheck:
         return True
 
     def add(self, steps: Iterable[Any], received: torch.Tensor,
-            dtypes: Mapping[str, torch.dtype]) -> None:
+            dtypes: Mapping[str, torch.dtype], name: str | None = None) -> None:
         """The steps (`copy_plan.Step`) of one planned tensor and the tensor received
-        (before or as it was written: the digest is of what arrived)."""
+        (before or as it was written: the digest is of what arrived). `name`: the
+        received name, where a receiver may have landed it itself (`wire`)."""
         flat = received.detach().reshape(-1) if received.is_contiguous() else None
+        wired = self._wired.get(name) if name is not None else None
+        if wired is not None and (flat is None or wired[0] != flat.data_ptr()
+                                  or wired[1] != flat.numel() * flat.element_size()):
+            wired = None  # not (all) where the receiver landed it: digested here
         for st in steps:
             if st.view.numel() == 0:
                 continue  # a write of no element
@@ -397,6 +424,13 @@ class DigestCheck:
             if (flat is None or d is None or s is None or st.pre
                     or dtypes.get(st.dest) != received.dtype):
                 self.unproved.add(st.dest)
+                continue
+            if wired is not None and name is not None and s == (0, flat.numel()):
+                # the receiver landed all of it in this destination (if the address
+                # `check` finds there is not the landing's, the destination is bad)
+                self.runs.setdefault(st.dest, []).append((d[0], d[1], _WIRE, wired[0]))
+                self._wired_dest[st.dest] = name
+                self.received_bytes += flat.numel() * flat.element_size()
                 continue
             b = _bits(flat[s[0]:s[1]])
             if b is None:
@@ -417,6 +451,7 @@ class DigestCheck:
         good: list[str] = []
         bad: list[str] = []
         batched: list[tuple[str, torch.Tensor, torch.Tensor]] = []  # (dest, live run, want)
+        wired: list[str] = []  # destinations proved by a receiver's landing
         for dest, runs in self.runs.items():
             t = live.get(dest)
             if dest in self.unproved or t is None or not t.is_contiguous():
@@ -430,6 +465,14 @@ class DigestCheck:
                 continue  # written in part: what else is there is the loader's
             same, later = True, False
             for start, end, algo, want in runs:
+                if algo == _WIRE:
+                    # the whole destination, at the address the receiver landed it in
+                    if (start, end) == (0, flat.numel()) and flat.data_ptr() == want:
+                        wired.append(dest)
+                        later = True
+                    else:
+                        same = False
+                    continue
                 b = _bits(flat[start:end])
                 if isinstance(want, torch.Tensor):
                     if b is None or b.device != want.device:
@@ -449,7 +492,37 @@ class DigestCheck:
             for dest in dict.fromkeys(dest for dest, _, _ in batched):
                 if dest not in bad:
                     (bad if dest in wrong else good).append(dest)
+        if wired:
+            changed = self._landed_changed()
+            for dest in wired:
+                if dest not in bad:
+                    (bad if self._wired_dest[dest] in changed else good).append(dest)
         return good, bad
+
+    def _landed_changed(self) -> set[str]:
+        """Received names in a bucket whose landed destinations, re-read now with the
+        landing's own weights, no longer sum to what the receiver read as it landed
+        them: one launch per landing window and one sync."""
+        import numpy as np
+
+        from enginehooks.core import fused_copy
+
+        groups: dict[int, tuple[torch.Tensor, list[Any]]] = {}
+        for ld in self.landings:
+            groups.setdefault(ld.sums.data_ptr(), (ld.sums, []))[1].append(ld)
+        changed: set[str] = set()
+        for sums, lds in groups.values():
+            now = torch.zeros_like(sums)
+            dst, nb, word, bk = (np.concatenate([getattr(ld, f) for ld in lds])
+                                 for f in ("dst", "nbytes", "word", "bucket"))
+            with torch.cuda.device(sums.device):
+                fused_copy.launch(fused_copy.build(dst, dst, nb, word, bk, sums.device,
+                                                   fused_copy.stager_for(sums.device)),
+                                  now, copy=False)
+            for k in (now != sums).nonzero().flatten().tolist():
+                for ld in lds:
+                    changed.update(ld.by_bucket.get(k, ()))
+        return changed
 
 
 def digest_algorithm(b: torch.Tensor) -> str:
@@ -466,6 +539,8 @@ def _digest(algo: str, b: torch.Tensor) -> int:
 
 #: digest terms per device vector of a `DigestCheck` (a vector per 1024 received runs)
 _SLOTS = 1024
+#: a run a receiver's landing proves (`DigestCheck.wire`): its "digest" is the address
+_WIRE = "landed"
 
 
 def _launch_terms(runs: list[torch.Tensor], out: torch.Tensor) -> None:
@@ -708,6 +783,8 @@ def verify_and_repair(live: torch.nn.Module, build_fresh: Callable[[], torch.nn.
             proved = [d for d in good if d.rpartition(".")[0] in skip]
             verdict.digest = len(proved)
             verdict.digest_bytes = sum(tensors[d].nbytes for d in proved)
+            verdict.landed_bytes = sum(tensors[d].nbytes for d in proved
+                                       if d in digests.landed_dests())
     prepared = Prepared.of(live, landed)
     touched = prepared.touched
     t1 = time.perf_counter()

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, Literal
 import torch
 
 from enginehooks.core.errors import EngineHooksError, PeerLost, TransferStalled, TransportError
+from enginehooks.core.landing import WireLanding
 from enginehooks.core.manifest import Manifest
 
 if TYPE_CHECKING:
@@ -51,6 +52,18 @@ class Target(ABC):
         layout: receivers then rejoin a tensor cut across buckets straight into it,
         with no full-size temporary. None (the default): a temporary is used."""
         return None
+
+    def landing_wanted(self) -> bool:
+        """Whether this update proves what receivers land in `destination`s from their
+        `WireLanding`s (verification runs): receivers then describe each landing, and
+        land wherever they can. Default: no."""
+        return False
+
+    def wire_landed(self, landing: WireLanding) -> None:  # noqa: B027 - optional
+        """Called by a receiver that copied pieces straight into `destination(name)`
+        tensors in a pass that also summed what it read, before it yields those tensors
+        (see `WireLanding`), where `landing_wanted()`. Default: ignored."""
+
 
 
 @dataclass

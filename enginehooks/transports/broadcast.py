@@ -501,7 +501,8 @@ class BroadcastReceiver(Receiver):
                 raise
 
     def stream(
-        self, manifest: Manifest, into: Callable[[str], torch.Tensor | None] | None = None
+        self, manifest: Manifest, into: Callable[[str], torch.Tensor | None] | None = None,
+        target: Target | None = None,
     ) -> Iterator[tuple[str, torch.Tensor]]:
         """Yield the update's tensors as buckets arrive; bucket k+1 is already in flight
         while the caller consumes bucket k, so views of bucket k stay valid until the
@@ -512,7 +513,7 @@ class BroadcastReceiver(Receiver):
         self.phases = {}  # filled as the buckets arrive (`deliver` reports it)
         order = [(0, k) for k in range(len(manifest.buckets))]
         yield from receive_in_order([self], [manifest], order, into, self.timeout_s,
-                                    phases=self.phases)
+                                    phases=self.phases, target=target)
 
     @property
     def broken(self) -> bool:
@@ -531,7 +532,7 @@ class BroadcastReceiver(Receiver):
     def deliver(self, manifest: Manifest, target: Target) -> dict[str, Any]:
         t0 = time.perf_counter()
         self.phases = {}
-        target.apply(self.stream(manifest, target.destination))
+        target.apply(self.stream(manifest, target.destination, target))
         return {"bytes": manifest.total_bytes, "seconds": time.perf_counter() - t0,
                 "phases_ms": dict(self.phases)}
 
@@ -551,6 +552,7 @@ def receive_in_order(
     order: Sequence[tuple[int, int]], into: Callable[[str], torch.Tensor | None] | None,
     timeout_s: float, *, phases: dict[str, float] | None = None,
     name: Callable[[int, Exception], Exception] | None = None,
+    target: Target | None = None,
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """The broadcast receive loop, for one group or several (one sender's, or each
     sender's part of one update, `transports/multisender.py`): the buckets of
@@ -566,12 +568,14 @@ def receive_in_order(
     `Deadline`). `phases` (ms) collects where the time goes: waiting for buckets,
     checking them (trailer, digest, or the fused landing), and the rest (the target's
     own work on the yielded tensors). A failure leaves every group (a torn update) and,
-    with `name`, is raised as `name(group, error)`."""
+    with `name`, is raised as `name(group, error)`. `target`: the receiving target, told
+    what lands in its own tensors where it asks (`Target.landing_wanted`)."""
     pgs = [r.pg for r in receivers]  # a concurrent leave() must not pull a group from under us
     if any(pg is None for pg in pgs):
         raise TransportError("receive before connect(): the group has not formed")
     device = receivers[0].device
-    unpackers = [Unpacker(m, device, into, r.secret) for m, r in zip(manifests, receivers)]
+    unpackers = [Unpacker(m, device, into, r.secret, target)
+                 for m, r in zip(manifests, receivers)]
     for m, u in zip(manifests, unpackers):
         if not m.buckets:
             yield from u.empties()

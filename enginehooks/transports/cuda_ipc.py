@@ -76,6 +76,7 @@ from enginehooks.transports.base import (
     Stream,
     Target,
     Transport,
+    WireLanding,
 )
 from enginehooks.transports.colocated import (
     EVERY_RECEIVER,
@@ -677,7 +678,8 @@ class CudaIpcReceiver(ColocatedReceiver):
         self.phases: dict[str, float] = {}
         self._stager: Any = None
         self._tables = _TableCache()
-        self._tables = _TableCache()
+        #: the target while `deliver` runs (its `wire_landed`)
+        self._witness: Target | None = None
         self._dest_ok: dict[str, int] = {}  # name -> address checked as a destination
 
     def connect(self) -> None:
@@ -835,8 +837,19 @@ class CudaIpcReceiver(ColocatedReceiver):
         if self._stager is None:
             self._stager = fused.Stager(dev)
         stager = self._stager
-        digests = torch.zeros(n, dtype=torch.int64, device=dev)
+        # [:n] each bucket's pieces landed in the target's own tensors (`WireLanding`),
+        # [n:] the rest of it: the sender's digest is compared with their sum
+        digests = torch.zeros(2 * n, dtype=torch.int64, device=dev)
+        target = self._witness
+        witness = (target.wire_landed if target is not None and target.landing_wanted()
+                   else None)
+        landed_sums = digests[:n]
         dests, dptr, has, lazy, took = pre if pre is not None else self._resolve(manifest, into)
+        if pre is not None and into is not None and not has.any():
+            # a target that offers destinations only while its apply runs (an engine's
+            # `ApplyTarget` once its copy plan is verified): asked again, now that it does
+            dests, dptr, has, lazy, again = self._resolve(manifest, into)
+            took += again
         w = 0  # the doorbell (window of buckets) being served; its ack is `ack/<w>`
         ph = self.phases = {"ready": 0.0, "dests": took, "launch": 0.0, "target": 0.0,
                             "sync": 0.0, "final": 0.0}
@@ -889,15 +902,21 @@ class CudaIpcReceiver(ColocatedReceiver):
                     m = has[t_idx]
                     # every piece of the window in one launch, each digest into its bucket
                     if m.any():
+                        own = m & ~lazy[t_idx]  # into the target's own tensor
+                        at = dptr[t_idx[m]] + lay.p_start[lo:hi][m]
+                        slot = np.where(own[m], bk[m], bk[m] + n)
                         fused.launch(self._tables.get(
-                            w, src[m], dptr[t_idx[m]] + lay.p_start[lo:hi][m], nb[m], wd[m],
-                            bk[m], dev, stager), digests, copy=True)
+                            w, src[m], at, nb[m], wd[m], slot, dev, stager), digests, copy=True)
+                        if witness is not None and own.any():
+                            witness(self._landing(landed_sums, lay, t_idx[own],
+                                                  dptr[t_idx[own]], at[own[m]], nb[own],
+                                                  wd[own], bk[own]))
                     views: dict[int, torch.Tensor] = {}
                     if not m.all():  # no destination: the target copies from views
                         r = ~m
                         if manifest.checksum is not None:
                             z = np.zeros(int(r.sum()), dtype=np.int64)
-                            fused.launch(fused.build(src[r], z, nb[r], wd[r], bk[r], dev,
+                            fused.launch(fused.build(src[r], z, nb[r], wd[r], bk[r] + n, dev,
                                                      stager), digests, copy=False)
                         for j in np.nonzero(r)[0].tolist():
                             i = int(t_idx[j])
@@ -930,7 +949,8 @@ class CudaIpcReceiver(ColocatedReceiver):
                 if manifest.checksum is not None:
                     if not isinstance(want, list) or len(want) != n:
                         raise TransportError(f"malformed digests message {final!r:.200}")
-                    for k, (v, wv) in enumerate(zip(digests.tolist(), want, strict=True)):
+                    total = (digests[:n] + digests[n:]).tolist()
+                    for k, (v, wv) in enumerate(zip(total, want, strict=True)):
                         mine = ((v & _MASK) ^ (manifest.buckets[k].nbytes << 40)) & _MASK
                         if mine != int(wv):
                             names = [lay.tensors[int(i)].name
@@ -948,8 +968,12 @@ class CudaIpcReceiver(ColocatedReceiver):
     def deliver(self, manifest: Manifest, target: Target) -> dict[str, Any]:
         t0 = time.perf_counter()
         self.phases = {}
-        it = self.stream(manifest, target.destination)
-        target.apply(it)
+        self._witness = target
+        try:
+            it = self.stream(manifest, target.destination)
+            target.apply(it)
+        finally:
+            self._witness = None
         # The last ack is sent when the iterator is exhausted: make sure it was.
         leftover = next(it, None)
         if leftover is not None:
@@ -961,6 +985,21 @@ class CudaIpcReceiver(ColocatedReceiver):
         if self.phases:  # single copy: where the receiver's time went
             out["phases_ms"] = {k: round(v * 1e3, 2) for k, v in self.phases.items()}
         return out
+
+    @staticmethod
+    def _landing(sums: torch.Tensor, lay: _Layout, t_idx: np.ndarray,
+                 base: np.ndarray, at: np.ndarray, nb: np.ndarray, wd: np.ndarray,
+                 bk: np.ndarray) -> WireLanding:
+        """A window's pieces landed in the target's own tensors, for verification (which
+        re-reads them after the load with the same weights and buckets)."""
+        names: dict[str, tuple[int, int]] = {}
+        by_bucket: dict[int, list[str]] = {}
+        for i, p, k, b in zip(t_idx.tolist(), base.tolist(), bk.tolist(), nb.tolist(),
+                              strict=True):
+            name = lay.tensors[i].name
+            names[name] = (p, names.get(name, (p, 0))[1] + b)
+            by_bucket.setdefault(k, []).append(name)
+        return WireLanding(sums, names, by_bucket, at, nb, wd, bk)
 
     def _ack(self, seq: int, index: int) -> None:
         self._store().set(self._key(f"u{seq}", "ack", index, self.rank),

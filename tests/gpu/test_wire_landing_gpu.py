@@ -1,0 +1,241 @@
+"""Verification of bytes a receiver landed itself (`core/landing.py` `WireLanding`,
+issue 38): where a receiver copies pieces straight into the engine's tensors in a pass
+that also digests them (a packed NCCL bucket's fused landing, `cuda_ipc`'s single copy),
+verification proves those tensors by one re-read after apply instead of a digest of each
+received tensor as it streams. The re-read must still name a destination whose bytes
+changed after landing (the engine's post-processing), and one that is no longer where
+the bytes landed."""
+
+from __future__ import annotations
+
+import tempfile
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from enginehooks.core.errors import EngineHooksError
+
+pytestmark = [pytest.mark.gpu,
+              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+DEV = torch.device("cuda", 0)
+
+
+def _fused_or_skip() -> None:
+    from enginehooks.core import fused_copy
+
+    if not fused_copy.available(DEV):
+        pytest.skip("the fused kernel does not run here (no Triton)")
+
+
+def test_a_landed_bucket_is_proved_by_one_reread_and_a_changed_byte_is_named() -> None:
+    """The receiver half of `nccl` (`Unpacker.land`, as `receive_in_order` calls it) with
+    a target that wants landings. The target is a stand-in for `ApplyTarget`'s two
+    methods (its plumbing is run end to end by the cuda_ipc test below and by
+    `benchmarks/bench_verify.py` on the device); the Unpacker and `DigestCheck` are real.
+    Protective lines: `DigestCheck._landed_changed` (without it the flipped byte is
+    proved) and the address check in `DigestCheck.check` (without it the moved
+    destination is proved by the landing's bytes elsewhere)."""
+    from enginehooks.core.buckets import Unpacker, buffer_bytes, pack, read_trailer
+    from enginehooks.core.manifest import TensorSpec, plan
+    from enginehooks.engine.copy_plan import Step, View
+    from enginehooks.engine.verify import DigestCheck
+
+    _fused_or_skip()
+    g = torch.Generator().manual_seed(5)
+    sent = {"a": torch.randn(256, 128, generator=g).to(torch.bfloat16),
+            "b": torch.randn(64, 33, generator=g),
+            "odd": torch.randn(7, 3, generator=g).to(torch.bfloat16),  # 42 bytes: not landed
+            "big": torch.randn(1024, 700, generator=g).to(torch.bfloat16),  # split: not landed
+            "c": torch.randn(300, 211, generator=g)}
+    specs = [TensorSpec(n, str(t.dtype).removeprefix("torch."), tuple(t.shape))
+             for n, t in sent.items()]
+    m = plan(specs, weight_version=1, bucket_bytes=1 << 19, checksum="sum64")
+    dests = {n: torch.zeros_like(t, device=DEV) for n, t in sent.items()}
+    dtypes = {n: t.dtype for n, t in sent.items()}
+    check = DigestCheck()
+
+    class Witness:
+        def landing_wanted(self) -> bool:
+            return True
+
+        def wire_landed(self, landing: Any) -> None:
+            check.wire(landing)
+
+    size = buffer_bytes(m)
+    u = Unpacker(m, DEV, dests.get, target=Witness())
+    bufs = pack(m, iter((n, t.to(DEV)) for n, t in sent.items()),
+                lambda _i: torch.empty(size, dtype=torch.uint8, device=DEV))
+    for i, buf in bufs:
+        buf = buf.clone()
+        dig = read_trailer(buf)[4]
+        u.verify(i, buf, check_digest=False)
+        placed = u.land(i, buf, dig)
+        for name, t in u.unpack(i, buf, verified=True, placed=placed):
+            d = dests[name]
+            if t.data_ptr() != d.data_ptr():
+                d.copy_(t)
+            full = View(0, tuple(t.shape), tuple(t.stride()))
+            check.add([Step(name, full, full)], t, dtypes, name)
+    u.finish()
+    torch.cuda.synchronize()
+    for n, t in sent.items():
+        assert torch.equal(dests[n].cpu(), t), n
+    landed = check.landed_dests()
+    assert landed == {"a", "b", "c"}, landed
+    assert all(r[2] == "landed" for n in landed for r in check.runs[n])
+    good, bad = check.check(dests)
+    assert sorted(good) == sorted(sent) and bad == []
+
+    same_bucket = {n for ld in check.landings for names in ld.by_bucket.values()
+                   if "a" in names for n in names}
+    dests["a"].view(-1).view(torch.uint8)[1001] ^= 1  # after landing, as processing might
+    good, bad = check.check(dests)
+    assert "a" in bad and set(bad) <= same_bucket, (bad, same_bucket)
+    assert {"odd", "big"} <= set(good)
+    dests["a"].view(-1).view(torch.uint8)[1001] ^= 1
+    good, bad = check.check(dests)
+    assert bad == []
+
+    moved = dict(dests, c=dests["c"].clone())  # the engine swapped the tensor object
+    good, bad = check.check(moved)
+    assert bad == ["c"], bad
+
+
+# -- cuda_ipc into a real ApplyTarget, in process ---------------------------------------------
+class Blocks(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = torch.nn.ModuleList(
+            torch.nn.Linear(256, 256, bias=True, dtype=torch.bfloat16) for _ in range(3))
+
+    def load_weights(self, weights: Iterator[tuple[str, torch.Tensor]]) -> None:
+        params = dict(self.named_parameters())
+        with torch.no_grad():
+            for name, t in weights:
+                params[name].copy_(t)
+
+
+def _replica() -> tuple[Any, torch.nn.Module, dict[str, bool]]:
+    """An in-process module replica behind the real `ApplyTarget` and `EngineSide`, whose
+    post-load step (`after_load`) flips one byte of a landed weight when `fault["on"]`:
+    the engine processing that changes what it was sent."""
+    from safetensors.torch import save_file
+
+    from enginehooks.control.handles import EngineHandle
+    from enginehooks.engine.apply import ApplyBinding, ApplyTarget
+    from enginehooks.engine.contract import verb_of
+    from enginehooks.engine.expectations import skeleton_on_meta
+    from enginehooks.engine.side import EngineSide
+
+    def build(dev: torch.device) -> torch.nn.Module:
+        with dev:
+            return Blocks()
+
+    model = build(DEV)
+    folder = Path(tempfile.mkdtemp(prefix="wire-landing-"))
+    save_file({n: torch.zeros(p.shape, dtype=p.dtype) for n, p in model.state_dict().items()},
+              str(folder / "model.safetensors"))
+    fault = {"on": False}
+
+    class Target(ApplyTarget):
+        engine = "module"
+
+        def model(self) -> torch.nn.Module:
+            return model
+
+        def load(self, weights: Iterator[tuple[str, torch.Tensor]]) -> None:
+            model.load_weights(weights)  # type: ignore[operator]
+
+        def skeleton(self) -> torch.nn.Module:
+            return skeleton_on_meta(build, engine=self.engine)
+
+        def checkpoint_dir(self) -> Path:
+            return folder
+
+        def fresh_load(self, weights: list[tuple[str, torch.Tensor]],
+                       before_processing: Callable[[torch.nn.Module], None] | None = None
+                       ) -> torch.nn.Module:
+            fresh = build(self.device)
+            fresh.load_weights(iter(weights))  # type: ignore[operator]
+            if before_processing is not None:
+                before_processing(fresh)
+            return fresh
+
+        def after_load(self, m: torch.nn.Module, landed: set[str]) -> None:
+            if fault["on"]:
+                with torch.no_grad():
+                    m.layers[1].weight.view(-1).view(torch.uint8)[77] ^= 4  # type: ignore[index]
+
+    class Binding(ApplyBinding):
+        engine = "module"
+
+        def dtype(self) -> str:
+            return "bfloat16"
+
+    class Handle(EngineHandle):
+        def __init__(self) -> None:
+            self.name = "module"
+            self.side = EngineSide(Binding(Target(DEV)))
+
+        def rpc(self, method: str, *args: Any, timeout_s: float) -> list[Any]:
+            return [self.side.call(verb_of(method), *args)]
+
+        def flush_cache(self, timeout_s: float, auth: str | None = None) -> None:
+            """No cache."""
+
+    return Handle(), model, fault
+
+
+def test_cuda_ipc_landings_prove_every_later_push_and_a_changed_byte_ends_it_torn(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Pushes over `cuda_ipc` (single copy) into a real `ApplyTarget` with verification on
+    every update: once the copy plan is verified, the receiver lands every tensor in the
+    engine's own and verification proves all of them by the re-read (`landed_bytes` is
+    every byte). An engine step that changes a landed byte after the load ends that
+    update torn (no host copy was kept for a shadow), never `current`, and the next
+    update keeps copies, verifies on a shadow and is `current` again. Protective line:
+    `DigestCheck._landed_changed` (without it the changed byte is reported verified)."""
+    from enginehooks import WeightSync
+
+    _fused_or_skip()
+    monkeypatch.setenv("ENGINEHOOKS_VERIFY", "always")
+    handle, model, fault = _replica()
+    trainer = Blocks().to(DEV)
+    sync = WeightSync(transport="cuda_ipc", checksum="sum64", bucket_bytes=1 << 18,
+                      timeout_s=120, device=DEV)
+    sync.add_replica(handle)
+
+    def last() -> dict[str, Any]:
+        return handle.side.info()["verification"]["last"]
+
+    def push(v: int) -> None:
+        with torch.no_grad():
+            for p in trainer.parameters():
+                p.copy_(torch.randn_like(p))
+        sync.push(trainer, version=v)
+        torch.cuda.synchronize()
+
+    def equal() -> None:
+        for (n, a), b in zip(trainer.state_dict().items(), model.state_dict().values(),
+                             strict=True):
+            assert torch.equal(a, b), n
+
+    try:
+        for v in range(1, 5):  # record the plan, check it on a shadow, then steady state
+            push(v)
+            equal()
+        total = sum(p.nbytes for p in model.parameters())
+        assert last()["how"] == "digest" and last()["landed_bytes"] == total, last()
+        fault["on"] = True
+        with pytest.raises(EngineHooksError, match="do not hold the bytes received"):
+            push(5)
+        assert handle.side.state == "torn"
+        fault["on"] = False
+        push(6)
+        equal()
+        assert handle.side.state == "current" and last()["ok"] is True
+    finally:
+        sync.close()
