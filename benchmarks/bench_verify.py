@@ -220,6 +220,9 @@ def replica_process_main(conn: Any, cfg_json: str) -> None:
     if device.type == "cuda":
         torch.cuda.set_device(device)
     handle, _ = module_replica(cfg["gb"], device)
+    profile_to = os.environ.get("ENGINEHOOKS_BENCH_PROFILE")
+    if profile_to:
+        _profile_steady_applies(Path(profile_to))
     conn.send_bytes(json.dumps({"raw_device_copy_s": handle.raw_copy()}).encode())
     memory: Memory | None = None
     while True:
@@ -241,6 +244,36 @@ def replica_process_main(conn: Any, cfg_json: str) -> None:
         except Exception as e:
             reply = {"error": f"{type(e).__name__}: {e}"}
         conn.send_bytes(json.dumps(reply).encode())
+
+
+def _profile_steady_applies(path: Path) -> None:
+    """Profile (cProfile, in this replica process) the apply of every steady-state
+    verified push (`push_rows`' phases: record, plan-first, then never, always-after-never,
+    always per round) and write the cumulative table to `path` after each: where the time
+    verification adds goes, function by function."""
+    import cProfile
+    import pstats
+
+    from enginehooks.engine.apply import ApplyTarget
+
+    real = ApplyTarget.apply
+    prof = cProfile.Profile()
+    calls = [0]
+
+    def apply(self: ApplyTarget, tensors: Iterator[tuple[str, torch.Tensor]]) -> None:
+        calls[0] += 1
+        if calls[0] < 3 or (calls[0] - 3) % 3 != 2:
+            real(self, tensors)
+            return
+        prof.enable()
+        try:
+            real(self, tensors)
+        finally:
+            prof.disable()
+            with path.open("w") as f:
+                pstats.Stats(prof, stream=f).sort_stats("cumulative").print_stats(45)
+
+    ApplyTarget.apply = apply  # type: ignore[method-assign]
 
 
 def process_replica(gb: float, device: torch.device) -> tuple[Any, float]:

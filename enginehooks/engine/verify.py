@@ -120,6 +120,12 @@ _PLAIN = (torch.Tensor, torch.nn.Module, int, float, bool, str, bytes, type(None
           functools.partial)
 
 
+#: what every `nn.Module` holds in its `__dict__` (its parameter, buffer and child dicts,
+#: hook tables, `training`): never a tensor or callable a forward reads, so the walks
+#: below skip them by name (per touched module of every update: most of what they read)
+_MODULE_STATE = frozenset(vars(torch.nn.Module()))
+
+
 def opaque_captures(module: torch.nn.Module) -> dict[str, str]:
     """Callables `module` holds (not its children) that captured an object of an
     engine's own type, attribute -> the captured name: storage that is no tensor, such
@@ -128,7 +134,8 @@ def opaque_captures(module: torch.nn.Module) -> dict[str, str]:
     compared through the callable itself on a probe input (`probe_callable`)."""
     out: dict[str, str] = {}
     for name, value in vars(module).items():
-        if name.startswith("_") or isinstance(value, torch.nn.Module) or not callable(value):
+        if (name in _MODULE_STATE or name.startswith("_") or isinstance(value, torch.nn.Module)
+                or not callable(value)):
             continue
         code = getattr(value, "__code__", None)
         cells = getattr(value, "__closure__", None) or ()
@@ -148,13 +155,16 @@ def readable_tensors(module: torch.nn.Module) -> dict[str, tuple[str, torch.Tens
     """Key -> (kind, tensor) of everything `module` itself (not its children) holds that a
     forward can read. Kinds: param, buffer, attr, closure."""
     out: dict[str, tuple[str, torch.Tensor]] = {}
-    for name, p in module.named_parameters(recurse=False, remove_duplicate=False):
-        out[name] = ("param", p)
-    for name, b in module.named_buffers(recurse=False, remove_duplicate=False):
+    # the module's own dicts, as `named_parameters(recurse=False)` reads them (without
+    # its generator machinery: this runs for every touched module of every update)
+    for name, p in module._parameters.items():
+        if p is not None:
+            out[name] = ("param", p)
+    for name, b in module._buffers.items():
         if b is not None:
             out[name] = ("buffer", b)
     for name, value in vars(module).items():
-        if name.startswith("_") and name in ("_parameters", "_buffers", "_modules"):
+        if name in _MODULE_STATE:
             continue
         if isinstance(value, torch.Tensor) and name not in out:
             out[name] = ("attr", value)
@@ -577,7 +587,8 @@ def _device_terms_differ(runs: list[torch.Tensor], wants: list[torch.Tensor]) ->
 
 
 def digest_only_modules(model: torch.nn.Module, landed: Collection[str],
-                        proved: Collection[str], suspect: Collection[str]) -> set[str]:
+                        proved: Collection[str], suspect: Collection[str],
+                        prepared: Prepared | None = None) -> set[str]:
     """Touched modules every readable tensor of which is a destination `proved` by its
     digest (or that hold none), and no opaque storage (`opaque_captures`): nothing the
     loader or post-load processing computed lives there, so the shadow need not look
@@ -585,8 +596,9 @@ def digest_only_modules(model: torch.nn.Module, landed: Collection[str],
     always go to the shadow."""
     proved = set(proved)
     out: set[str] = set()
-    modules = dict(model.named_modules())
-    for mname in touched_modules(model, _with_aliases(model, landed)):
+    walk = prepared if prepared is not None else Prepared.of(model, landed)
+    modules = walk.modules
+    for mname in walk.touched:
         if mname in suspect:
             continue
         keys = readable_tensors(modules[mname])
@@ -596,10 +608,12 @@ def digest_only_modules(model: torch.nn.Module, landed: Collection[str],
     return out
 
 
-def touched_modules(model: torch.nn.Module, landed: Collection[str]) -> set[str]:
+def touched_modules(model: torch.nn.Module, landed: Collection[str],
+                    modules: Mapping[str, torch.nn.Module] | None = None) -> set[str]:
     """Names of the modules that own a landed tensor, and their ancestors (a parent may
-    hold a buffer or a packed copy derived from a child's parameter)."""
-    names = {n for n, _ in model.named_modules()}
+    hold a buffer or a packed copy derived from a child's parameter). `modules`: the
+    model's `named_modules()`, where the caller has them."""
+    names = modules.keys() if modules is not None else {n for n, _ in model.named_modules()}
     out: set[str] = set()
     for tensor_name in landed:
         prefix = tensor_name.rsplit(".", 1)[0] if "." in tensor_name else ""
@@ -655,7 +669,8 @@ class Prepared:
     @staticmethod
     def of(live: torch.nn.Module, landed: Collection[str]) -> Prepared:
         aliased = _with_aliases(live, landed)
-        return Prepared(aliased, touched_modules(live, aliased), dict(live.named_modules()))
+        modules = dict(live.named_modules())
+        return Prepared(aliased, touched_modules(live, aliased, modules), modules)
 
 
 def compare(live: torch.nn.Module, fresh: torch.nn.Module, landed: Collection[str],
@@ -760,9 +775,14 @@ def verify_and_repair(live: torch.nn.Module, build_fresh: Callable[[], torch.nn.
     verdict = Verdict()
     skip: set[str] = set()
     t0 = time.perf_counter()
+    # the walk of the live model every step below shares (once per verification)
+    prepared = Prepared.of(live, landed)
+    touched = prepared.touched
     if digests is not None and (digests.runs or digests.unproved):
         tensors = dict(named_live(live))
+        tc = time.perf_counter()
         good, bad = digests.check(tensors)
+        verdict.seconds["digest_check"] = round(time.perf_counter() - tc, 4)
         if bad and isinstance(suspect, set):
             suspect.update(d.rpartition(".")[0] for d in bad)
         if bad and digests.uncopied:  # (no shadow can be complete without them)
@@ -779,14 +799,12 @@ def verify_and_repair(live: torch.nn.Module, build_fresh: Callable[[], torch.nn.
             log.warning("%s: %d planned copies do not hold the bytes received (%s): "
                         "comparing everything with a fresh load", engine, len(bad), bad[:8])
         else:
-            skip = digest_only_modules(live, landed, good, suspect)
+            skip = digest_only_modules(live, landed, good, suspect, prepared)
             proved = [d for d in good if d.rpartition(".")[0] in skip]
             verdict.digest = len(proved)
             verdict.digest_bytes = sum(tensors[d].nbytes for d in proved)
             verdict.landed_bytes = sum(tensors[d].nbytes for d in proved
                                        if d in digests.landed_dests())
-    prepared = Prepared.of(live, landed)
-    touched = prepared.touched
     t1 = time.perf_counter()
     verdict.seconds["digest"] = round(t1 - t0, 4)
     if touched <= skip:
