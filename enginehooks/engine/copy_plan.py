@@ -30,6 +30,7 @@ verification judges. `ENGINEHOOKS_COPY_PLAN=on|off` (default on).
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 from collections.abc import Callable, Collection, Iterable, Iterator, Mapping, Sequence
@@ -88,14 +89,19 @@ class View:
         return n
 
     def flat_range(self) -> tuple[int, int] | None:
-        """[start, end) in elements when the view is one contiguous run, else None."""
-        expected, contiguous = 1, True
-        for size, stride in reversed(list(zip(self.sizes, self.strides))):
-            if size != 1 and stride != expected:
-                contiguous = False
-                break
-            expected *= size
-        return (self.offset, self.offset + self.numel()) if contiguous else None
+        """[start, end) in elements when the view is one contiguous run, else None
+        (memoised: verification asks it of every step of every update)."""
+        return _flat_range(self)
+
+
+@functools.lru_cache(maxsize=1 << 16)
+def _flat_range(v: View) -> tuple[int, int] | None:
+    expected = 1
+    for size, stride in reversed(list(zip(v.sizes, v.strides))):
+        if size != 1 and stride != expected:
+            return None
+        expected *= size
+    return (v.offset, v.offset + v.numel())
 
 
 @dataclass(frozen=True)
