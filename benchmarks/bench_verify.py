@@ -2,9 +2,11 @@
 
 One engine per run, started with `ENGINEHOOKS_VERIFY=never`; after the two set-up pushes
 (the first records the copy plan through the engine's loader, the second is the plan's
-first use, verified in full whatever the policy), pushes alternate between unverified
-(policy "never") and verified (the trainer asks, `WeightSync(verify=True)`, which runs
-exactly what policy "always" runs), so both see the same load on a shared machine. Per
+first use, verified in full whatever the policy), each round makes unverified pushes
+(policy "never") then verified ones (the trainer asks, `WeightSync(verify=True)`, which
+runs exactly what policy "always" runs), so both see the same load on a shared machine;
+the first push of each kind in a round is not counted (`phases`: it takes the full path,
+the steady ones the prepared layout). Per
 verified push: how it was verified (`how`), the bytes proved by digests of what the
 plan wrote against what was received, and the bytes compared on the fresh-load shadow.
 
@@ -247,22 +249,24 @@ def replica_process_main(conn: Any, cfg_json: str) -> None:
 
 
 def _profile_steady_applies(path: Path) -> None:
-    """Profile (cProfile, in this replica process) the apply of every steady-state
-    verified push (`push_rows`' phases: record, plan-first, then never, always-after-never,
-    always per round) and write the cumulative table to `path` after each: where the time
-    verification adds goes, function by function."""
+    """Profile (cProfile, in this replica process) the apply of every steady push,
+    verified and not (`phases`), and write each kind's cumulative table beside `path`
+    (`<stem>-always`, `<stem>-never`) after each: where the time verification adds
+    goes, function by function."""
     import cProfile
     import pstats
 
     from enginehooks.engine.apply import ApplyTarget
 
     real = ApplyTarget.apply
-    prof = cProfile.Profile()
+    profs = {"always": cProfile.Profile(), "never": cProfile.Profile()}
     calls = [0]
+    kinds = phases(1000)
 
     def apply(self: ApplyTarget, tensors: Iterator[tuple[str, torch.Tensor]]) -> None:
         calls[0] += 1
-        if calls[0] < 3 or (calls[0] - 3) % 3 != 2:
+        prof = profs.get(kinds[calls[0] - 1])
+        if prof is None:
             real(self, tensors)
             return
         prof.enable()
@@ -270,8 +274,9 @@ def _profile_steady_applies(path: Path) -> None:
             real(self, tensors)
         finally:
             prof.disable()
-            with path.open("w") as f:
-                pstats.Stats(prof, stream=f).sort_stats("cumulative").print_stats(45)
+            for kind, p in profs.items():  # the unverified ones beside, for the difference
+                with path.with_name(f"{path.stem}-{kind}{path.suffix}").open("w") as f:
+                    pstats.Stats(p, stream=f).sort_stats("cumulative").print_stats(45)
 
     ApplyTarget.apply = apply  # type: ignore[method-assign]
 
@@ -337,6 +342,23 @@ class Memory:
         return rss, cuda
 
 
+#: steady pushes of each kind per round (`phases`)
+STEADY = 2
+
+
+def phases(rounds: int) -> list[str]:
+    """The pushes `push_rows` makes. Each round: unverified pushes, then verified ones.
+    The first of each kind is not counted: the trainer's `verify` is part of the layout
+    key, so a push after a switch takes the full path (plan, check, two calls per
+    replica) where the next takes the prepared layout (one call); and the first verified
+    push after an unverified one keeps host copies (the update before it was not
+    verified). What is compared is the steady state of each: `STEADY` prepared pushes
+    of each kind per round, the k-th against the k-th (`layout` is in every row)."""
+    return (["record", "plan-first"]
+            + (["never-first"] + ["never"] * STEADY + ["always-after-never"]
+               + ["always"] * STEADY) * rounds)
+
+
 def push_rows(handle: Any, trainer: Callable[[int], Any], rounds: int, transport: str = "gloo",
               sender: str | None = None, measure_rss: bool = False,
               cuda_device: torch.device | None = None) -> list[dict[str, Any]]:
@@ -349,8 +371,7 @@ def push_rows(handle: Any, trainer: Callable[[int], Any], rounds: int, transport
         # what its digests prove: the update before it was not verified), then the
         # verified one the summary counts: a verified push after a verified one, the
         # steady state of the default policy (no copies where digests proved all).
-        for i, phase in enumerate(["record", "plan-first"]
-                                  + ["never", "always-after-never", "always"] * rounds):
+        for i, phase in enumerate(phases(rounds)):
             weights = trainer(1000 + i)
             sync.verify = phase.startswith("always")
             remote = hasattr(handle, "_call")  # a replica process: its allocator's peak
@@ -369,6 +390,7 @@ def push_rows(handle: Any, trainer: Callable[[int], Any], rounds: int, transport
             plan = info.get("copy_plan") or {}
             rows.append({"phase": phase, "seconds": round(wall, 3),
                          "report_seconds": round(report.seconds, 3), "bytes": report.bytes,
+                         "layout": report.layout,
                          "apply_seconds": plan.get("seconds"),
                          "verification": {k: last.get(k) for k in (
                              "ok", "outcome", "how", "digest", "digest_bytes", "landed_bytes",
@@ -387,8 +409,9 @@ def summary(rows: list[dict[str, Any]]) -> dict[str, Any]:
     never = [r["seconds"] for r in rows if r["phase"] == "never"]
     always = [r["seconds"] for r in rows if r["phase"] == "always"]
     # neighbours: each verified push against the unverified one just before it
-    pairs = [(a["seconds"], c["seconds"]) for a, _, c in zip(rows, rows[1:], rows[2:])
-             if a["phase"] == "never" and c["phase"] == "always"]
+    # the k-th steady unverified push of a round against the k-th steady verified one
+    pairs = list(zip([r["seconds"] for r in rows if r["phase"] == "never"],
+                     [r["seconds"] for r in rows if r["phase"] == "always"], strict=True))
     last = next((r["verification"] for r in reversed(rows) if r["phase"] == "always"), {})
 
     def median_of(phase: str, key: str) -> float | None:
