@@ -530,12 +530,20 @@ class DigestCheck:
         changed: set[str] = set()
         for sums, lds in groups.values():
             now = torch.zeros_like(sums)
-            dst, nb, word, bk = (np.concatenate([getattr(ld, f) for ld in lds])
-                                 for f in ("dst", "nbytes", "word", "bucket"))
+            arrays = tuple(np.concatenate([getattr(ld, f) for ld in lds])
+                           for f in ("dst", "nbytes", "word", "bucket"))
+            dst, nb, word, bk = arrays
             with torch.cuda.device(sums.device):
-                fused_copy.launch(fused_copy.build(dst, dst, nb, word, bk, sums.device,
-                                                   fused_copy.stager_for(sums.device)),
-                                  now, copy=False)
+                # in a training loop the landings repeat push after push: the device
+                # table of the last one is launched again where its rows are the same
+                hit = _RECHECKS.get(sums.device)
+                if hit is not None and all(a.shape == b.shape and np.array_equal(a, b)
+                                           for a, b in zip(hit[0], arrays, strict=True)):
+                    batch = hit[1]
+                else:  # a table of its own (not a ring slot: it is kept)
+                    batch = fused_copy.build(dst, dst, nb, word, bk, sums.device)
+                    _RECHECKS[sums.device] = (arrays, batch)
+                fused_copy.launch(batch, now, copy=False)
             for k in (now != sums).nonzero().flatten().tolist():
                 for ld in lds:
                     changed.update(ld.by_bucket.get(k, ()))
@@ -558,6 +566,8 @@ def _digest(algo: str, b: torch.Tensor) -> int:
 _SLOTS = 1024
 #: a run a receiver's landing proves (`DigestCheck.wire`): its "digest" is the address
 _WIRE = "landed"
+#: per device, the last re-read's rows and device table (`DigestCheck._landed_changed`)
+_RECHECKS: dict[torch.device, tuple[tuple[Any, ...], Any]] = {}
 
 
 def _launch_terms(runs: list[torch.Tensor], out: torch.Tensor) -> None:
