@@ -24,7 +24,10 @@ the last successful one's (the same layout key, the same replicas, the group int
 skips plan, info, group and check, and sends each replica one signed `receive` naming
 the layout; a replica that no longer holds it answers `LayoutUnknown` and the push falls
 back to the full path. `PushReport.layout` says which path ran, each replica's `rpcs`
-how many calls it got.
+how many calls it got. With several senders every trainer rank keeps its own part of
+the plan under the same id, and a later push first asks each rank whether its part
+still holds (`control/senders.ask_reuse`: one short command, no plan); a rank whose
+model changed or whose sender's group broke says no, and the push plans in full.
 """
 
 from __future__ import annotations
@@ -48,6 +51,7 @@ from enginehooks.control.senders import (
     Follower,
     SenderSet,
     ask_plans,
+    ask_reuse,
     owners_of,
     with_send_order,
 )
@@ -160,6 +164,8 @@ class PreparedLayout:
     replicas: list[EngineHandle]
     #: the wire dtypes the replicas asked for then (`wire_dtypes`)
     wire: tuple[torch.dtype | None, dict[str, torch.dtype | None]]
+    #: several senders: who sends each tensor (`owners_of`); each rank keeps its own part
+    owners: dict[str, int] | None = None
 
 
 class WeightSync:
@@ -394,20 +400,48 @@ class WeightSync:
     def _options_key(self, adapter_key: str) -> str:
         """The layout key: the adapter's, and every push option the plan depends on."""
         return layout_key([adapter_key, self.transport_name, self.bucket_bytes, self.checksum,
-                           self.transport.split, self.transport.direct_min, self.verify])
+                           self.transport.split, self.transport.direct_min, self.verify,
+                           self.senders.size if self.senders is not None else None])
 
-    def _prepared(self, adapter: TrainerAdapter) -> PreparedLayout | None:
+    def _prepared(self, adapter: TrainerAdapter, report: PushReport) -> PreparedLayout | None:
         """The kept layout if this push may use it: same replicas, group intact, same
-        key (`core/layout.py`); else None (the full path)."""
+        key (`core/layout.py`), and with several senders every other rank's part the
+        same too (`ask_reuse`); else None (the full path)."""
         lay = self._layout
-        if (lay is None or self.senders is not None or lay.replicas != self._replicas
+        if (lay is None or lay.replicas != self._replicas
                 or self._sender is None or self._sender.broken
                 or self._members != self._replicas):
             return None
         key = adapter.layout_key()
         if key is None or self._options_key(key) != lay.key:
             return None
-        return lay if adapter.reuse_plan(lay.adapter, lay.specs) else None
+        if not adapter.reuse_plan(lay.adapter, lay.specs):
+            return None
+        if self.senders is None:
+            return lay
+        if not isinstance(self._sender, SenderSet) or lay.owners is None:
+            return None
+        # Several senders learn of a replica that restarted here, before anything
+        # streams, from one `info` each (its workers' instances and group): found in
+        # the middle of the transfer instead, the other ranks would be left in their
+        # lockstep gathers and sends until their timeouts, and could not fall back
+        # within the push.
+        infos = self._all(report, "info", lambda r: r.info(self.timeout_s))
+        group = self._group_id()
+        for r, per in zip(self._replicas, infos):
+            ids = [str(i["instance"]) for i in per if i.get("instance")]
+            if ids != self._audience.get(id(r)) or any(i.get("group") != group for i in per):
+                report.layout = (f"fallback: replica {r.name!r} restarted or left the "
+                                 "group")
+                return None
+        refused, broken = ask_reuse(self._sender, lay.id)
+        if refused:
+            report.layout = "fallback: " + "; ".join(refused)[:1000]
+            if broken:  # that rank's group is gone: form the whole group anew
+                self._close_group()
+            return None
+        adapter.owners = dict(lay.owners)  # this rank produces only its part
+        return lay
 
     def _push(self, model: Any, version: int | str, report: PushReport,
               keep: tuple[str, ...] = ()) -> None:
@@ -418,7 +452,7 @@ class WeightSync:
             self._layout = None
         if self._layout is not None:
             adapter = self._adapter(model)
-            lay = self._phase("plan", report, lambda: self._prepared(adapter))
+            lay = self._phase("plan", report, lambda: self._prepared(adapter, report))
             if lay is not None:
                 manifest = with_version(lay.manifest, version)
                 report.layout = "prepared"
@@ -429,10 +463,12 @@ class WeightSync:
                 except BaseException as e:
                     self._layout, self._wire = None, None
                     gone = self._layout_gone()
-                    if gone is None or _has_followers(adapter):
+                    if gone is None or _has_followers(adapter) or self.senders is not None:
                         # Other trainer ranks stream in lockstep with this one and are
-                        # released now (STOP): they cannot follow a second stream in the
-                        # same push, so the push fails; the next one plans in full.
+                        # released now (STOP), or send parts of their own (several
+                        # senders): they cannot follow a second stream in the same push,
+                        # so the push fails; the next one plans in full (every rank
+                        # dropped its part of the layout with the push's failed `end`).
                         adapter.cancel(f"{type(e).__name__}: {e}")
                         raise
                     # a replica lost the layout (restarted): nothing changed there; the
@@ -484,21 +520,31 @@ class WeightSync:
                 scheduled = self._scheduled(report, adapter, [specs], layout)
                 return adapter, scheduled or plan(specs, **layout)
             # several senders: every rank says what it can stream; one manifest lists
-            # each sender's part (and, for lockstep ranks, the order they send in)
+            # each sender's part (and, for lockstep ranks, the order they send in). The
+            # shard-direct schedule (`_scheduled`) keeps no prepared layout.
+            key = (adapter.layout_key()
+                   if not self.transport.schedules
+                   and all(r.prepared_layouts for r in self._replicas) else None)
             per_rank = ask_plans(self.senders, adapter)
             scheduled = self._scheduled(report, adapter, per_rank, layout)
             if scheduled is not None:  # each rank sends its own shards (no parts)
                 return adapter, scheduled
+            if key is not None:  # every rank keeps its part under this id (`Follower`)
+                meta[LAYOUT_KEY] = layout_id
             manifest = with_send_order(plan(parts=decide_parts(per_rank), **layout), per_rank)
             # this rank gathers, converts and casts only its own part (the others theirs)
             adapter.owners = owners_of(manifest, self.senders)
+            if key is not None:
+                kept.update(key=self._options_key(key), specs=per_rank[0],
+                            owners=dict(adapter.owners))
             return adapter, manifest
 
         adapter, manifest = self._phase("plan", report, make_plan)
         self._transact(adapter, manifest, report, None)
         if kept and self._wire is not None:
             self._layout = PreparedLayout(layout_id, kept["key"], manifest, adapter,
-                                          kept["specs"], list(self._replicas), self._wire)
+                                          kept["specs"], list(self._replicas), self._wire,
+                                          kept.get("owners"))
 
     def _scheduled(self, report: PushReport, adapter: TrainerAdapter,
                    per_rank: list[list[TensorSpec]], layout: dict[str, Any]) -> Manifest | None:
