@@ -73,12 +73,15 @@ CLOSE_WAIT_S = 5.0
 
 
 # -- the coordinator ------------------------------------------------------------------------
-def ask_plans(ranks: TrainerRanks, adapter: TrainerAdapter) -> list[list[TensorSpec]]:
+def ask_plans(ranks: TrainerRanks, adapter: TrainerAdapter,
+              timeout_s: float | None = None) -> list[list[TensorSpec]]:
     """Coordinator: every rank's tensors (its `adapter.specs()`), in rank order, each
-    rank's adapter told the coordinator's wire dtypes."""
+    rank's adapter told the coordinator's wire dtypes. `timeout_s` bounds the wait for
+    the ranks to take the command (None: the channel's): after a failed push a rank may
+    still be winding its own send down, within its own timeout."""
     ranks.broadcast(Plan(dtype_name(adapter.dtype) if adapter.dtype else None,
                          {n: dtype_name(d) if d is not None else None
-                          for n, d in adapter.dtypes.items()}))
+                          for n, d in adapter.dtypes.items()}), timeout_s)
     mine = adapter.specs()
     answers = ranks.gather(Answer.of_specs(mine))
     bad = [f"trainer rank {j}: {a.error}" for j, a in enumerate(answers) if not a.ok]
@@ -133,6 +136,8 @@ class SenderSet(Sender):
         #: the prepared layout every other rank armed (`ask_reuse`): the next `send` of a
         #: manifest planned under it sends the reference, once
         self.held: str | None = None
+        #: whether the last `send` told the other ranks to send (their streams started)
+        self.started = False
         try:
             answers = self.command(Open()).result()
             self.endpoints = [own.endpoint()] + [a.endpoint or {} for a in self._ok(
@@ -191,8 +196,10 @@ class SenderSet(Sender):
         held, self.held = self.held, None
         text = (reference(held, manifest.weight_version)
                 if held is not None and layout_of(manifest) == held else manifest.to_json())
+        self.started = False
         with self._lock:
             g = self.command(Send(text))
+            self.started = True
         names = {t.name for t in mine[0].tensors}
         stats = self.own.send(mine[0], stream if scheduled else only(stream, names), abort)
         g.future.add_done_callback(lambda _f: abort.poke())

@@ -272,6 +272,8 @@ class WeightSync:
         #: calls made to each replica (by id) in the push under way (`PushReport.rpcs`)
         self._rpcs: dict[int, int] = {}
         self._rpcs_lock = threading.Lock()
+        #: several senders: whether this push's transfer told the other ranks to send
+        self._ranks_sent = False
         #: the receive calls of the last transfer (a fallback waits for them to end)
         self._receives: list[Future[Any]] = []
         #: the shard-direct schedule, kept per layout (`Transport.schedules` only)
@@ -369,6 +371,7 @@ class WeightSync:
             report = PushReport(version=version, transport=self.transport_name)
             report.replicas = [ReplicaResult(r.name) for r in self._replicas]
             self._rpcs = {}
+            self._ranks_sent = False
             try:
                 self._push(model, version, report, keep)
             except BaseException as e:
@@ -469,7 +472,7 @@ class WeightSync:
                         # senders): they cannot follow a second stream in the same push,
                         # so the push fails; the next one plans in full (every rank
                         # dropped its part of the layout with the push's failed `end`).
-                        adapter.cancel(f"{type(e).__name__}: {e}")
+                        self._cancel(adapter, f"{type(e).__name__}: {e}")
                         raise
                     # a replica lost the layout (restarted): nothing changed there; the
                     # others may have begun and failed with the broken group (torn):
@@ -525,7 +528,9 @@ class WeightSync:
             key = (adapter.layout_key()
                    if not self.transport.schedules
                    and all(r.prepared_layouts for r in self._replicas) else None)
-            per_rank = ask_plans(self.senders, adapter)
+            # the first command of a push: a rank whose send failed in the last push may
+            # still be ending it (its transport's timeout), so wait for it that long too
+            per_rank = ask_plans(self.senders, adapter, 2 * self.timeout_s + GRACE_S)
             scheduled = self._scheduled(report, adapter, per_rank, layout)
             if scheduled is not None:  # each rank sends its own shards (no parts)
                 return adapter, scheduled
@@ -620,8 +625,17 @@ class WeightSync:
             # they return instead of blocking in a collective (trainer_side.lockstep).
             # (A scheduled push never started the stream: no rank waits on it.)
             if prepared is None and SCHEDULE_KEY not in manifest.meta:
-                adapter.cancel(f"{type(e).__name__}: {e}")
+                self._cancel(adapter, f"{type(e).__name__}: {e}")
             raise
+
+    def _cancel(self, adapter: TrainerAdapter, reason: str) -> None:
+        """Release the ranks that stream in lockstep with this one (`adapter.cancel`).
+        With several senders only where they were told to send (their streams started):
+        before that they wait for a command, not a flag, and hear of the failure from
+        the push's `end` (a flag nobody reads would block this rank in its collective)."""
+        if self.senders is not None and not self._ranks_sent:
+            return
+        adapter.cancel(reason)
 
     def _count(self, r: EngineHandle, n: int = 1) -> None:
         with self._rpcs_lock:
@@ -961,6 +975,7 @@ class WeightSync:
                 stream=self._stream(adapter, manifest), abort=abort,
             )
         except BaseException as e:
+            self._ranks_sent = bool(getattr(sender, "started", False))
             # A replica's own error says more than the sender's "aborted": prefer it. The
             # receivers learn of a sender-side failure through the abort notice, so give
             # them a moment to report before the group is torn down under them; then

@@ -10,16 +10,16 @@ into two module replicas (hosted by rank 0), on loopback.
 - Each fallback plans in full within the push and lands exactly: rank 1's sender group
   broken (rank 1 says so when asked, and the group is formed anew); a replica restarted
   (its `info` names another instance); the prepared layout is taken again after each.
+- A byte flipped by rank 1 after sealing its bucket, on a prepared push, ends the update
+  `torn` on the replicas with a `ChecksumError` (the receivers' digest check: without it
+  the replicas would end `current` on wrong bytes); no rank is left in a lockstep
+  collective, and the next push plans in full and lands.
 - Ranks that each own their part (plain modules, rank 0 layer 0, rank 1 the rest): a
   change on rank 1 alone (its model in float64; a new tensor) is caught by rank 1's own
   check (`fallback: trainer rank 1: ...`), not by the coordinator's: the push plans in
   full (float64 lands exactly, in the replicas' float32; the new tensor is refused by
   the replicas' check before any byte moves, and they stay current).
-- A byte flipped by rank 1 after sealing its bucket, on a prepared push, ends the update
-  `torn` on the replicas with a `ChecksumError` (the receivers' digest check: without it
-  the replicas would end `current` on wrong bytes); the next push plans in full.
-  (On the owned ranks: a failure in the middle of an FSDP2 several-senders stream leaves
-  the lockstep's STOP unread, planned or prepared alike: docs/scale.md.)
+- The same flipped byte on the owned ranks.
 """
 
 from __future__ import annotations
@@ -40,6 +40,9 @@ STEPS: list[dict[str, Any]] = [
     {"version": "f6", "model": "fsdp2", "do": "restart"},
     {"version": "f7", "model": "fsdp2"},
     {"version": "f8", "model": "fsdp2"},
+    {"version": "f9", "model": "fsdp2", "do": "corrupt"},
+    {"version": "f10", "model": "fsdp2"},
+    {"version": "f11", "model": "fsdp2"},
     {"version": "o1", "model": "owned"},
     {"version": "o2", "model": "owned"},
     {"version": "o3", "model": "owned", "do": "double"},
@@ -68,6 +71,14 @@ def test_several_senders_push_on_a_prepared_layout_and_fall_back_on_each_change(
         assert rep["equal"] == [True, True], (version, rep)
         return rep
 
+    def torn(version: str) -> None:
+        """A flipped byte on a prepared push: the replicas' digest check ends it torn."""
+        rep, other = p[version]
+        assert not rep["ok"] and rep["type"] == "ChecksumError", rep
+        assert rep["layout"] == "prepared", rep
+        assert not other["ok"] and "ChecksumError" in other["error"], other
+        assert ["torn", None] in rep["states"], rep
+
     first = landed("f1")
     assert first["layout"] == "planned" and min(first["rpcs"]) >= 4  # info, join, check, receive
     for v in ("f2", "f3"):
@@ -85,6 +96,9 @@ def test_several_senders_push_on_a_prepared_layout_and_fall_back_on_each_change(
     assert min(rep["rpcs"]) >= 4, rep
     assert landed("f7")["layout"] == "prepared"
     assert landed("f8")["layout"] == "prepared"
+    torn("f9")
+    assert landed("f10")["layout"] == "planned"
+    assert landed("f11")["layout"] == "prepared"
     # ranks that each own their part: another model, planned; then prepared
     assert landed("o1")["layout"] == "planned"
     assert landed("o2")["layout"] == "prepared"
@@ -93,16 +107,12 @@ def test_several_senders_push_on_a_prepared_layout_and_fall_back_on_each_change(
     assert rep["layout"].startswith("fallback: trainer rank 1: its model's layout changed"), rep
     assert landed("o4")["layout"] == "prepared"
     # rank 1's part gained a tensor: planned in full, refused by the replicas' check
-    rep, other = p["o5"]
+    rep, _ = p["o5"]
     assert not rep["ok"] and rep["type"] == "ManifestError", rep
     assert rep["layout"].startswith("fallback: trainer rank 1: its model's layout changed"), rep
     assert rep["states"] == [["current", "o4"]] * 2, rep
     assert landed("o6")["layout"] == "planned"  # the failed push dropped the layout
     assert landed("o7")["layout"] == "prepared"
-    # a flipped byte on a prepared push: the replicas' digest check ends it torn
-    rep, other = p["o8"]
-    assert not rep["ok"] and rep["type"] == "ChecksumError" and rep["layout"] == "prepared", rep
-    assert not other["ok"] and "ChecksumError" in other["error"], other
-    assert ["torn", None] in rep["states"], rep
+    torn("o8")
     assert landed("o9")["layout"] == "planned"
     assert landed("o10")["layout"] == "prepared"
