@@ -4,7 +4,9 @@
 SPEC: `{"rank", "world", "master" ("addr:port" of the trainer's own gloo group),
 "timeout_s", "steps"}`; each step `{"version", "model" ("fsdp2" | "owned"), "do"}` with
 `do` one of: "" (train, push), "break" (this rank's sender group is closed first: rank 1
-only), "restart" (replica r1 restarts first: rank 0 hosts it), "corrupt" (rank 1 flips a
+only), "restart" (replica r1 restarts first: rank 0 hosts it), "refuse" (r1 restarts
+serving a model of other shapes, which refuses the update), "restore" (r1 restarts
+serving the right shapes again), "corrupt" (rank 1 flips a
 byte of its first bucket after sealing it), "double" (rank 1's owned model becomes
 float64), "bonus" (rank 1's owned model gains a tensor), "unbonus" (and loses it).
 
@@ -104,6 +106,11 @@ def main(spec: dict[str, Any]) -> dict[str, Any]:
             # instance id, no layout) serves the same model
             replicas[1].side._leave()
             replicas[1].side = EngineSide(replicas[1].side.binding)
+        if do in ("refuse", "restore") and rank == 0:
+            replicas[1].side._leave()
+            other = LocalEngine(net(0) if do == "restore" else nn.Sequential(
+                nn.Linear(16, 32), nn.Linear(32, 33), nn.Linear(33, 8)), name="r1")
+            replicas[1].side, replicas[1].target = other.side, other.target
         if rank == 1 and which == "owned":
             if do == "double":
                 owned.double()

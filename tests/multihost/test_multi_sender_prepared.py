@@ -10,6 +10,9 @@ into two module replicas (hosted by rank 0), on loopback.
 - Each fallback plans in full within the push and lands exactly: rank 1's sender group
   broken (rank 1 says so when asked, and the group is formed anew); a replica restarted
   (its `info` names another instance); the prepared layout is taken again after each.
+  A replica restarted with other shapes refuses the full path's manifest in its check,
+  before any rank streams; the ranks are released (no lockstep flag left unread) and
+  the next push lands.
 - A byte flipped by rank 1 after sealing its bucket, on a prepared push, ends the update
   `torn` on the replicas with a `ChecksumError` (the receivers' digest check: without it
   the replicas would end `current` on wrong bytes); no rank is left in a lockstep
@@ -43,6 +46,8 @@ STEPS: list[dict[str, Any]] = [
     {"version": "f9", "model": "fsdp2", "do": "corrupt"},
     {"version": "f10", "model": "fsdp2"},
     {"version": "f11", "model": "fsdp2"},
+    {"version": "f12", "model": "fsdp2", "do": "refuse"},
+    {"version": "f13", "model": "fsdp2", "do": "restore"},
     {"version": "o1", "model": "owned"},
     {"version": "o2", "model": "owned"},
     {"version": "o3", "model": "owned", "do": "double"},
@@ -99,6 +104,13 @@ def test_several_senders_push_on_a_prepared_layout_and_fall_back_on_each_change(
     torn("f9")
     assert landed("f10")["layout"] == "planned"
     assert landed("f11")["layout"] == "prepared"
+    # a replica that refuses the manifest (restarted with other shapes): the full path's
+    # check refuses it before any rank streams; no rank is left waiting for a flag
+    rep, other = p["f12"]
+    assert not rep["ok"] and rep["type"] == "ManifestError", rep
+    assert rep["layout"] == "fallback: replica 'r1' restarted or left the group", rep
+    assert not other["ok"] and rep["states"][0] == ["current", "f11"], (rep, other)
+    assert landed("f13")["layout"] == "planned"  # restarted again with the right shapes
     # ranks that each own their part: another model, planned; then prepared
     assert landed("o1")["layout"] == "planned"
     assert landed("o2")["layout"] == "prepared"
