@@ -429,15 +429,21 @@ class WeightSync:
         # the middle of the transfer instead, the other ranks would be left in their
         # lockstep gathers and sends until their timeouts, and could not fall back
         # within the push.
-        infos = self._all(report, "info", lambda r: r.info(self.timeout_s))
+        # (The `info` calls run while the ranks answer `reuse`.)
+        reps = list(self._replicas)
+        for r in reps:
+            self._count(r)
+        asked = [spawn(r.info, self.timeout_s, name=f"enginehooks-info-{r.name}")
+                 for r in reps]
+        refused, broken = ask_reuse(self._sender, lay.id)
+        infos = self._collect(report, "info", reps, asked, self.timeout_s)
         group = self._group_id()
-        for r, per in zip(self._replicas, infos):
+        for r, per in zip(reps, infos):
             ids = [str(i["instance"]) for i in per if i.get("instance")]
             if ids != self._audience.get(id(r)) or any(i.get("group") != group for i in per):
                 report.layout = (f"fallback: replica {r.name!r} restarted or left the "
                                  "group")
                 return None
-        refused, broken = ask_reuse(self._sender, lay.id)
         if refused:
             report.layout = "fallback: " + "; ".join(refused)[:1000]
             if broken:  # that rank's group is gone: form the whole group anew
