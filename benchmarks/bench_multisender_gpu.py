@@ -185,6 +185,10 @@ class Bench:
                  rpcs_per_push=[o.get("rpcs") for o in outs],
                  rpcs_steady=max((o.get("rpcs") or 0) for o in (outs[w:] or outs)),
                  layouts=[o.get("layout") for o in outs],
+                 # the steady-state pushes' path: "prepared" once the first push kept
+                 # the layout (several senders too, issue 37 item 1), else "planned"
+                 layout_steady="/".join(sorted({str(o.get("layout")) for o in (
+                     outs[w:] or outs)})),
                  received_in_send_order=sorted({str(w.get("in_order")) for r in out.get(
                      "replica_stats") or [] for w in (r or {}).get("workers") or []}))
 
@@ -238,14 +242,15 @@ def ratios(rows: dict[str, Any]) -> dict[str, float]:
 def table(res: dict[str, Any]) -> str:
     lines = [f"# bench_multisender_gpu ({res.get('kind')}, {res['machine'].get('date')})", "",
              f"model: {res.get('model')}", "",
-             "| row | median ms | GB/s | transfer-phase ms | bit-exact | rpcs/replica | all ms |",
-             "| --- | ---: | ---: | ---: | --- | --- | --- |"]
+             "| row | median ms | GB/s | transfer-phase ms | bit-exact | rpcs/replica | "
+             "layout (steady) | all ms |",
+             "| --- | ---: | ---: | ---: | --- | --- | --- | --- |"]
     for k, v in res.get("rows", {}).items():
         tr = v.get("transfer_seconds_median")
         lines.append(f"| {k} | {v['seconds_median'] * 1e3:.2f} | {v['gbps']:.2f} | "
                      f"{'' if tr is None else f'{tr * 1e3:.2f}'} | "
                      f"{v.get('bit_exact', 'n/a (raw)')} | "
-                     f"{v.get('rpcs_per_push', '')} | "
+                     f"{v.get('rpcs_per_push', '')} | {v.get('layout_steady', '')} | "
                      f"{', '.join(f'{x * 1e3:.1f}' for x in v['seconds_all'])} |")
     for k, v in res.get("rows", {}).items():
         if "phases_ms" in v:

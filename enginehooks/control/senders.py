@@ -16,7 +16,15 @@ typed commands (`trainer_side/channel.py`):
 - `open`, `connect`, `send`, `close` (coordinator: `SenderSet`, the `Sender` that the
   coordinator's `WeightSync` holds while several ranks send): each rank opens its own
   sender through the `update_group` hook, joins its group, sends its part;
-- `end` and `bye` (coordinator: `WeightSync.push` / `close`): the outcome, and the end.
+- `end` and `bye` (coordinator: `WeightSync.push` / `close`): the outcome, and the end;
+- `reuse` (coordinator: `ask_reuse`): plan once, push many (`core/layout.py`). After a
+  successful push planned under a layout id, every rank keeps its own part of the plan
+  (`Kept`: its adapter's layout key and plan, its owners, the manifest); a later push
+  asks each rank whether its part still holds (its model's layout key is the kept one,
+  its adapter takes the kept plan, its sender is intact), and where every rank says so,
+  `send` carries only the reference to the layout (`core/layout.reference`), which each
+  rank rebuilds from the manifest it kept. Any rank that says no (or a `plan`, or a
+  failed push) drops the layout on every rank: the push plans in full.
 
 `Follower` is the other ranks' side: it answers each command until the one that ends
 the call (`end` for a push, `bye` for `close`).
@@ -28,11 +36,13 @@ import contextlib
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 from enginehooks.control.shard_schedule import shard_source
 from enginehooks.core.dtypes import dtype_name, torch_dtype
 from enginehooks.core.errors import ConfigError, TransportError
+from enginehooks.core.layout import layout_of, parse_reference, reference, with_version
 from enginehooks.core.manifest import Manifest, TensorSpec
 from enginehooks.core.report import PushReport
 from enginehooks.core.senders import ORDER_KEY, only, parts, send_order
@@ -46,6 +56,7 @@ from enginehooks.trainer_side.channel import (
     Open,
     Plan,
     RanksBroken,
+    Reuse,
     Send,
     ShortGather,
     TrainerRanks,
@@ -62,12 +73,15 @@ CLOSE_WAIT_S = 5.0
 
 
 # -- the coordinator ------------------------------------------------------------------------
-def ask_plans(ranks: TrainerRanks, adapter: TrainerAdapter) -> list[list[TensorSpec]]:
+def ask_plans(ranks: TrainerRanks, adapter: TrainerAdapter,
+              timeout_s: float | None = None) -> list[list[TensorSpec]]:
     """Coordinator: every rank's tensors (its `adapter.specs()`), in rank order, each
-    rank's adapter told the coordinator's wire dtypes."""
+    rank's adapter told the coordinator's wire dtypes. `timeout_s` bounds the wait for
+    the ranks to take the command (None: the channel's): after a failed push a rank may
+    still be winding its own send down, within its own timeout."""
     ranks.broadcast(Plan(dtype_name(adapter.dtype) if adapter.dtype else None,
                          {n: dtype_name(d) if d is not None else None
-                          for n, d in adapter.dtypes.items()}))
+                          for n, d in adapter.dtypes.items()}), timeout_s)
     mine = adapter.specs()
     answers = ranks.gather(Answer.of_specs(mine))
     bad = [f"trainer rank {j}: {a.error}" for j, a in enumerate(answers) if not a.ok]
@@ -98,6 +112,17 @@ def owners_of(manifest: Manifest, ranks: TrainerRanks) -> dict[str, int]:
             for t in part.tensors}
 
 
+def ask_reuse(sender: SenderSet, layout: str) -> tuple[list[str], bool]:
+    """Coordinator: ask every other rank whether its part of prepared layout `layout`
+    still holds (`Reuse`); (each refusing rank's reason, whether one said its sender's
+    group is gone). No refusal: every rank armed the layout for the next `Send`, and
+    `sender` sends the reference."""
+    answers = sender.command(Reuse(layout)).result(sender.timeout_s)
+    refused = [f"trainer rank {j}: {a.error}" for j, a in enumerate(answers) if j and not a.ok]
+    sender.held = None if refused else layout
+    return refused, any(a.broken for a in answers[1:])
+
+
 class SenderSet(Sender):
     """Trainer rank 0's sender while every rank of `ranks` sends its part: `own` (this
     rank's sender, from the transport) plus the other ranks' senders, which it opens,
@@ -108,6 +133,11 @@ class SenderSet(Sender):
         self._lock = threading.Lock()
         self._closed = False
         self._pending: list[ShortGather] = []
+        #: the prepared layout every other rank armed (`ask_reuse`): the next `send` of a
+        #: manifest planned under it sends the reference, once
+        self.held: str | None = None
+        #: whether the last `send` told the other ranks to send (their streams started)
+        self.started = False
         try:
             answers = self.command(Open()).result()
             self.endpoints = [own.endpoint()] + [a.endpoint or {} for a in self._ok(
@@ -163,8 +193,13 @@ class SenderSet(Sender):
             raise TransportError(f"the manifest has {len(mine)} senders; the group has "
                                  f"{len(self.endpoints)}")
         t0 = time.perf_counter()
+        held, self.held = self.held, None
+        text = (reference(held, manifest.weight_version)
+                if held is not None and layout_of(manifest) == held else manifest.to_json())
+        self.started = False
         with self._lock:
-            g = self.command(Send(manifest.to_json()))
+            g = self.command(Send(text))
+            self.started = True
         names = {t.name for t in mine[0].tensors}
         stats = self.own.send(mine[0], stream if scheduled else only(stream, names), abort)
         g.future.add_done_callback(lambda _f: abort.poke())
@@ -206,6 +241,26 @@ class SenderSet(Sender):
 
 
 # -- the other ranks ------------------------------------------------------------------------
+@dataclass
+class Kept:
+    """A rank's own part of a prepared layout (module docstring)."""
+
+    #: the layout id (the manifest's `meta["layout"]`)
+    id: str
+    #: its adapter's `layout_key()` when it planned
+    key: str
+    #: the adapter that planned it (kept alive: a later adapter adopts its plan)
+    adapter: TrainerAdapter
+    specs: list[TensorSpec]
+    #: the whole manifest it sent its part of (any weight version)
+    manifest: Manifest
+    #: who sends each tensor (`owners_of`)
+    owners: dict[str, int]
+    #: the wire dtypes the coordinator's `Plan` gave
+    dtype: Any
+    dtypes: dict[str, Any]
+
+
 class Follower:
     """A sending trainer rank other than the coordinator: answers its commands.
 
@@ -227,6 +282,14 @@ class Follower:
         self.transport = transport
         self.sender: Sender | None = None
         self.adapter: TrainerAdapter | None = None
+        #: this rank's part of the prepared layout (after a successful planned push)
+        self.kept: Kept | None = None
+        #: this push's part of a layout, kept once the push ends well
+        self._planned: Kept | None = None
+        #: what this push's `_plan` found (layout key, specs, wire dtypes)
+        self._plan_of: tuple[str | None, list[TensorSpec], Any, dict[str, Any]] | None = None
+        #: the layout this push armed (`Reuse` answered ok): a `Send` may name it
+        self._armed: Kept | None = None
 
     def follow(self, model: Any, version: int | str) -> PushReport:
         """One push on this rank: a report of its own part (bytes, buckets); raises
@@ -253,6 +316,14 @@ class Follower:
         while True:
             cmd = ranks.broadcast(None, timeout_s=self.timeout_s if failed else long_wait)
             if isinstance(cmd, (End, Bye)):
+                planned, self._planned, self._armed = self._planned, None, None
+                self._plan_of = None
+                if isinstance(cmd, End):
+                    # the layout outlives only a push that ended well everywhere
+                    if not cmd.ok or failed is not None:
+                        self.kept = None
+                    elif planned is not None:
+                        self.kept = planned
                 if isinstance(cmd, End) and not cmd.ok:
                     raise PushAborted(f"trainer rank {rank}: the push failed: {cmd.error}",
                                       str(cmd.error))
@@ -261,7 +332,17 @@ class Follower:
                 if isinstance(cmd, (until, Bye)):
                     return stats
                 continue
+            if isinstance(cmd, Reuse):
+                try:
+                    answer = self._reuse(model, cmd)
+                except Exception as e:
+                    answer = Answer(ok=False, error=f"{type(e).__name__}: {e}"[:4000])
+                if not answer.ok:
+                    self.kept = None  # the coordinator plans this push in full
+                ranks.gather_short(answer).result(self.timeout_s)
+                continue
             if isinstance(cmd, Plan):
+                self.kept = self._armed = None  # a new plan: the old layout is gone
                 try:
                     answer = Answer.of_specs(self._plan(model, cmd))
                 except Exception as e:
@@ -279,14 +360,39 @@ class Follower:
     def _plan(self, model: Any, cmd: Plan) -> list[TensorSpec]:
         dtype = torch_dtype(cmd.dtype) if cmd.dtype else None
         dtypes = {n: torch_dtype(d) if d is not None else None for n, d in cmd.dtypes.items()}
-        if isinstance(model, TrainerAdapter):
-            adapter = model
-            if adapter.dtype is None and not adapter.dtypes:
-                adapter.dtype, adapter.dtypes = dtype, dtypes
-        else:
-            adapter = adapter_for(model, dtype=dtype, dtypes=dtypes)
+        adapter = self._adapter(model, dtype, dtypes)
         self.adapter = adapter
-        return adapter.specs()
+        key = adapter.layout_key()  # before the plan, which shares its read of the model
+        specs = adapter.specs()
+        self._plan_of = (key, list(specs), dtype, dtypes)
+        return specs
+
+    @staticmethod
+    def _adapter(model: Any, dtype: Any, dtypes: dict[str, Any]) -> TrainerAdapter:
+        if isinstance(model, TrainerAdapter):
+            if model.dtype is None and not model.dtypes:
+                model.dtype, model.dtypes = dtype, dtypes
+            return model
+        return adapter_for(model, dtype=dtype, dtypes=dtypes)
+
+    def _reuse(self, model: Any, cmd: Reuse) -> Answer:
+        """Whether this rank's part of layout `cmd.layout` still holds; if so, arm it: the
+        push's adapter takes the kept plan and owners (nothing is planned or gathered)."""
+        kept = self.kept
+        if kept is None or kept.id != cmd.layout:
+            return Answer(ok=False, error=f"holds no layout {cmd.layout!r}")
+        if self.sender is None or self.sender.broken:
+            return Answer(ok=False, error="its sender's group is closed or broken",
+                          broken=True)
+        adapter = self._adapter(model, kept.dtype, dict(kept.dtypes))
+        key = adapter.layout_key()
+        if key is None or key != kept.key:
+            return Answer(ok=False, error="its model's layout changed (names, dtypes or shapes)")
+        if not adapter.reuse_plan(kept.adapter, kept.specs):
+            return Answer(ok=False, error="its adapter cannot take the kept plan")
+        adapter.owners = dict(kept.owners)
+        self.adapter, self._armed = adapter, kept
+        return Answer()
 
     def _handle(self, cmd: Any, stats: SendStats | None) -> tuple[Answer, SendStats | None]:
         if isinstance(cmd, Open):
@@ -299,6 +405,17 @@ class Follower:
         if isinstance(cmd, Send):
             if self.adapter is None:
                 raise TransportError("send before plan")
+            ref = parse_reference(cmd.manifest)
+            if ref is not None:  # a prepared layout this rank armed (`_reuse`)
+                armed = self._armed
+                if armed is None or armed.id != ref[0]:
+                    raise TransportError(f"a send on layout {ref[0]!r}, which this rank did "
+                                         "not arm")
+                manifest = with_version(armed.manifest, ref[1])
+                part = parts(manifest)[self.ranks.rank]
+                names = {t.name for t in part.tensors}
+                stats = self._here().send(part, only(self.adapter.stream(), names), Abort())
+                return Answer(seconds=stats.seconds, bytes=part.total_bytes), stats
             manifest = Manifest.from_json(cmd.manifest)
             if SCHEDULE_KEY in manifest.meta:  # its own shards, along the schedule
                 adapter, rank, size = self.adapter, self.ranks.rank, self.ranks.size
@@ -309,6 +426,10 @@ class Follower:
             names = {t.name for t in part.tensors}
             # this rank gathers, converts and casts only its part (issue 37 item 5)
             self.adapter.owners = owners_of(manifest, self.ranks)
+            lid, planned = layout_of(manifest), self._plan_of
+            if lid is not None and planned is not None and planned[0] is not None:
+                self._planned = Kept(lid, planned[0], self.adapter, planned[1], manifest,
+                                     dict(self.adapter.owners), planned[2], planned[3])
             stats = self._here().send(part, only(self.adapter.stream(), names), Abort())
             return Answer(seconds=stats.seconds, bytes=part.total_bytes), stats
         if isinstance(cmd, Close):

@@ -24,7 +24,10 @@ the last successful one's (the same layout key, the same replicas, the group int
 skips plan, info, group and check, and sends each replica one signed `receive` naming
 the layout; a replica that no longer holds it answers `LayoutUnknown` and the push falls
 back to the full path. `PushReport.layout` says which path ran, each replica's `rpcs`
-how many calls it got.
+how many calls it got. With several senders every trainer rank keeps its own part of
+the plan under the same id, and a later push first asks each rank whether its part
+still holds (`control/senders.ask_reuse`: one short command, no plan); a rank whose
+model changed or whose sender's group broke says no, and the push plans in full.
 """
 
 from __future__ import annotations
@@ -48,6 +51,7 @@ from enginehooks.control.senders import (
     Follower,
     SenderSet,
     ask_plans,
+    ask_reuse,
     owners_of,
     with_send_order,
 )
@@ -160,6 +164,8 @@ class PreparedLayout:
     replicas: list[EngineHandle]
     #: the wire dtypes the replicas asked for then (`wire_dtypes`)
     wire: tuple[torch.dtype | None, dict[str, torch.dtype | None]]
+    #: several senders: who sends each tensor (`owners_of`); each rank keeps its own part
+    owners: dict[str, int] | None = None
 
 
 class WeightSync:
@@ -266,6 +272,8 @@ class WeightSync:
         #: calls made to each replica (by id) in the push under way (`PushReport.rpcs`)
         self._rpcs: dict[int, int] = {}
         self._rpcs_lock = threading.Lock()
+        #: several senders: whether this push's transfer told the other ranks to send
+        self._ranks_sent = False
         #: the receive calls of the last transfer (a fallback waits for them to end)
         self._receives: list[Future[Any]] = []
         #: the shard-direct schedule, kept per layout (`Transport.schedules` only)
@@ -363,6 +371,7 @@ class WeightSync:
             report = PushReport(version=version, transport=self.transport_name)
             report.replicas = [ReplicaResult(r.name) for r in self._replicas]
             self._rpcs = {}
+            self._ranks_sent = False
             try:
                 self._push(model, version, report, keep)
             except BaseException as e:
@@ -394,20 +403,54 @@ class WeightSync:
     def _options_key(self, adapter_key: str) -> str:
         """The layout key: the adapter's, and every push option the plan depends on."""
         return layout_key([adapter_key, self.transport_name, self.bucket_bytes, self.checksum,
-                           self.transport.split, self.transport.direct_min, self.verify])
+                           self.transport.split, self.transport.direct_min, self.verify,
+                           self.senders.size if self.senders is not None else None])
 
-    def _prepared(self, adapter: TrainerAdapter) -> PreparedLayout | None:
+    def _prepared(self, adapter: TrainerAdapter, report: PushReport) -> PreparedLayout | None:
         """The kept layout if this push may use it: same replicas, group intact, same
-        key (`core/layout.py`); else None (the full path)."""
+        key (`core/layout.py`), and with several senders every other rank's part the
+        same too (`ask_reuse`); else None (the full path)."""
         lay = self._layout
-        if (lay is None or self.senders is not None or lay.replicas != self._replicas
+        if (lay is None or lay.replicas != self._replicas
                 or self._sender is None or self._sender.broken
                 or self._members != self._replicas):
             return None
         key = adapter.layout_key()
         if key is None or self._options_key(key) != lay.key:
             return None
-        return lay if adapter.reuse_plan(lay.adapter, lay.specs) else None
+        if not adapter.reuse_plan(lay.adapter, lay.specs):
+            return None
+        if self.senders is None:
+            return lay
+        if not isinstance(self._sender, SenderSet) or lay.owners is None:
+            return None
+        # Several senders learn of a replica that restarted here, before anything
+        # streams, from one `info` each (its workers' instances and group): found in
+        # the middle of the transfer instead, the other ranks would be left in their
+        # lockstep gathers and sends until their timeouts, and could not fall back
+        # within the push.
+        # (The `info` calls run while the ranks answer `reuse`.)
+        reps = list(self._replicas)
+        for r in reps:
+            self._count(r)
+        asked = [spawn(r.info, self.timeout_s, name=f"enginehooks-info-{r.name}")
+                 for r in reps]
+        refused, broken = ask_reuse(self._sender, lay.id)
+        infos = self._collect(report, "info", reps, asked, self.timeout_s)
+        group = self._group_id()
+        for r, per in zip(reps, infos):
+            ids = [str(i["instance"]) for i in per if i.get("instance")]
+            if ids != self._audience.get(id(r)) or any(i.get("group") != group for i in per):
+                report.layout = (f"fallback: replica {r.name!r} restarted or left the "
+                                 "group")
+                return None
+        if refused:
+            report.layout = "fallback: " + "; ".join(refused)[:1000]
+            if broken:  # that rank's group is gone: form the whole group anew
+                self._close_group()
+            return None
+        adapter.owners = dict(lay.owners)  # this rank produces only its part
+        return lay
 
     def _push(self, model: Any, version: int | str, report: PushReport,
               keep: tuple[str, ...] = ()) -> None:
@@ -418,7 +461,7 @@ class WeightSync:
             self._layout = None
         if self._layout is not None:
             adapter = self._adapter(model)
-            lay = self._phase("plan", report, lambda: self._prepared(adapter))
+            lay = self._phase("plan", report, lambda: self._prepared(adapter, report))
             if lay is not None:
                 manifest = with_version(lay.manifest, version)
                 report.layout = "prepared"
@@ -429,11 +472,13 @@ class WeightSync:
                 except BaseException as e:
                     self._layout, self._wire = None, None
                     gone = self._layout_gone()
-                    if gone is None or _has_followers(adapter):
+                    if gone is None or _has_followers(adapter) or self.senders is not None:
                         # Other trainer ranks stream in lockstep with this one and are
-                        # released now (STOP): they cannot follow a second stream in the
-                        # same push, so the push fails; the next one plans in full.
-                        adapter.cancel(f"{type(e).__name__}: {e}")
+                        # released now (STOP), or send parts of their own (several
+                        # senders): they cannot follow a second stream in the same push,
+                        # so the push fails; the next one plans in full (every rank
+                        # dropped its part of the layout with the push's failed `end`).
+                        self._cancel(adapter, f"{type(e).__name__}: {e}")
                         raise
                     # a replica lost the layout (restarted): nothing changed there; the
                     # others may have begun and failed with the broken group (torn):
@@ -484,21 +529,33 @@ class WeightSync:
                 scheduled = self._scheduled(report, adapter, [specs], layout)
                 return adapter, scheduled or plan(specs, **layout)
             # several senders: every rank says what it can stream; one manifest lists
-            # each sender's part (and, for lockstep ranks, the order they send in)
-            per_rank = ask_plans(self.senders, adapter)
+            # each sender's part (and, for lockstep ranks, the order they send in). The
+            # shard-direct schedule (`_scheduled`) keeps no prepared layout.
+            key = (adapter.layout_key()
+                   if not self.transport.schedules
+                   and all(r.prepared_layouts for r in self._replicas) else None)
+            # the first command of a push: a rank whose send failed in the last push may
+            # still be ending it (its transport's timeout), so wait for it that long too
+            per_rank = ask_plans(self.senders, adapter, 2 * self.timeout_s + GRACE_S)
             scheduled = self._scheduled(report, adapter, per_rank, layout)
             if scheduled is not None:  # each rank sends its own shards (no parts)
                 return adapter, scheduled
+            if key is not None:  # every rank keeps its part under this id (`Follower`)
+                meta[LAYOUT_KEY] = layout_id
             manifest = with_send_order(plan(parts=decide_parts(per_rank), **layout), per_rank)
             # this rank gathers, converts and casts only its own part (the others theirs)
             adapter.owners = owners_of(manifest, self.senders)
+            if key is not None:
+                kept.update(key=self._options_key(key), specs=per_rank[0],
+                            owners=dict(adapter.owners))
             return adapter, manifest
 
         adapter, manifest = self._phase("plan", report, make_plan)
         self._transact(adapter, manifest, report, None)
         if kept and self._wire is not None:
             self._layout = PreparedLayout(layout_id, kept["key"], manifest, adapter,
-                                          kept["specs"], list(self._replicas), self._wire)
+                                          kept["specs"], list(self._replicas), self._wire,
+                                          kept.get("owners"))
 
     def _scheduled(self, report: PushReport, adapter: TrainerAdapter,
                    per_rank: list[list[TensorSpec]], layout: dict[str, Any]) -> Manifest | None:
@@ -574,8 +631,17 @@ class WeightSync:
             # they return instead of blocking in a collective (trainer_side.lockstep).
             # (A scheduled push never started the stream: no rank waits on it.)
             if prepared is None and SCHEDULE_KEY not in manifest.meta:
-                adapter.cancel(f"{type(e).__name__}: {e}")
+                self._cancel(adapter, f"{type(e).__name__}: {e}")
             raise
+
+    def _cancel(self, adapter: TrainerAdapter, reason: str) -> None:
+        """Release the ranks that stream in lockstep with this one (`adapter.cancel`).
+        With several senders only where they were told to send (their streams started):
+        before that they wait for a command, not a flag, and hear of the failure from
+        the push's `end` (a flag nobody reads would block this rank in its collective)."""
+        if self.senders is not None and not self._ranks_sent:
+            return
+        adapter.cancel(reason)
 
     def _count(self, r: EngineHandle, n: int = 1) -> None:
         with self._rpcs_lock:
@@ -915,6 +981,7 @@ class WeightSync:
                 stream=self._stream(adapter, manifest), abort=abort,
             )
         except BaseException as e:
+            self._ranks_sent = bool(getattr(sender, "started", False))
             # A replica's own error says more than the sender's "aborted": prefer it. The
             # receivers learn of a sender-side failure through the abort notice, so give
             # them a moment to report before the group is torn down under them; then

@@ -8,7 +8,7 @@ Trainer ranks talk to each other for two reasons, over one channel:
   collective per tensor, on the group's own device), so that no rank enters a gather
   that its peers will never enter;
 - **commands of several senders** (`control/senders.py`): trainer rank 0, which talks
-  to the engines, tells the other sending ranks what to do next (`Plan`, `Open`,
+  to the engines, tells the other sending ranks what to do next (`Plan`, `Reuse`, `Open`,
   `Connect`, `Send`, `Close`, `End`, `Bye`) and gathers their `Answer`s.
 
 Every message is a small dataclass of `wire/ranks.py` (the wire builds and parses every
@@ -42,6 +42,7 @@ from enginehooks.wire.ranks import MalformedMessage as MalformedMessage
 from enginehooks.wire.ranks import Message as Message
 from enginehooks.wire.ranks import Open as Open
 from enginehooks.wire.ranks import Plan as Plan
+from enginehooks.wire.ranks import Reuse as Reuse
 from enginehooks.wire.ranks import Send as Send
 from enginehooks.wire.ranks import Stop as Stop
 from enginehooks.wire.ranks import frame as frame

@@ -28,6 +28,13 @@ it, so:
 - followers check the sender's fingerprint (names and shapes) before the first
   gather, so ranks that would stream different tensors fail clearly instead of
   mismatching collectives.
+
+Several senders (`owners` set: every rank sends its own part, `control/senders.py`)
+learn a push's outcome over the command channel, not from a flag at the end of the
+stream, which they never read: there a rank whose consumer stopped early (its own
+sender failed) goes on with the stream's collectives, dropping the tensors and reading
+the flags on the way, until a STOP or the end; and the STOP of a failed push is sent only
+at a flag position inside the stream (never at its end, where nobody waits for it).
 """
 
 from __future__ import annotations
@@ -275,7 +282,11 @@ class LockstepAdapter(TrainerAdapter):
         if not ls.is_sender:
             return
         self._reason = reason or "the push failed on the sender"
-        if self._state == "planned":
+        if self._state == "streamed" and self.owners is not None:
+            # several senders: the other ranks' streams ended without an outcome flag
+            # (module docstring); they hear of the failure from the coordinator
+            self._state = "cancelled"
+        elif self._state == "planned":
             self._state = "cancelled"
             ls.stop(0, self._reason)
         elif self._state == "streaming" and self._gen is not None:
@@ -343,8 +354,11 @@ class LockstepAdapter(TrainerAdapter):
             # (or to the outcome flag, at `n`): run those too, then say STOP there.
             if ls.is_sender and self._state == "streaming" and not ls.alone:
                 stop_at = next((p for p in points if p > index), n)
-                if self._drain(items, index + 1, stop_at):
+                if (self._drain(items, index + 1, stop_at)
+                        and (stop_at < n or self.owners is None)):
                     ls.stop(stop_at, self._reason or "the sender stopped streaming")
+            elif self.owners is not None and self._state == "streaming" and not ls.alone:
+                self._follow_out(items, index + 1, n, flagged)
             self._state = "cancelled"
             raise
         except BaseException:
@@ -353,6 +367,22 @@ class LockstepAdapter(TrainerAdapter):
         finally:
             if items is not None:
                 items.close()  # type: ignore[attr-defined]
+
+    def _follow_out(self, items: Iterator[tuple[str, torch.Tensor]] | None, first: int,
+                    n: int, flagged: set[int]) -> None:
+        """Several senders, a follower whose consumer stopped early: enter the rest of
+        the stream's collectives (tensors dropped), reading each flag, until the sender's
+        STOP or the end, so that no rank is left in a gather (module docstring)."""
+        if items is None:
+            return
+        ls = self.lockstep
+        try:
+            for index in range(first, n):
+                if index in flagged:
+                    ls.wait(index, f"tensor {index}")  # PushAborted on STOP: done
+                next(items)
+        except Exception:
+            return
 
     @staticmethod
     def _drain(items: Iterator[tuple[str, torch.Tensor]] | None, first: int, stop: int) -> bool:

@@ -1,6 +1,7 @@
 """The messages between trainer ranks (`trainer_side/channel.py` carries them): lockstep
 flags (`Go`, `Stop`, in a fixed-size `frame`) and the commands of several senders
-(`Plan`, `Open`, `Connect`, `Send`, `Close`, `End`, `Bye`) with the ranks' `Answer`s.
+(`Plan`, `Reuse`, `Open`, `Connect`, `Send`, `Close`, `End`, `Bye`) with the ranks'
+`Answer`s.
 
 Each is a small frozen dataclass with `to_json` / `from_json`: plain JSON text with an
 `"op"` naming its class, every field checked against its declared JSON type; bytes that
@@ -127,6 +128,17 @@ class Plan(Message):
 
 
 @dataclass(frozen=True)
+class Reuse(Message):
+    """Several senders: is your part of prepared layout `layout` still yours (your model's
+    layout key the kept one's, its plan taken over, your sender intact)? Answer `ok`, or
+    not with the reason (`broken`: your sender's group is gone). A rank that answers `ok`
+    holds the plan ready for a `Send` that names the layout (`core/layout.reference`)."""
+
+    op: ClassVar[str] = "reuse"
+    layout: str
+
+
+@dataclass(frozen=True)
 class Open(Message):
     """Several senders: open your sender and answer its endpoint."""
 
@@ -143,7 +155,8 @@ class Connect(Message):
 
 @dataclass(frozen=True)
 class Send(Message):
-    """Several senders: send your part of `manifest` (the signed manifest's JSON)."""
+    """Several senders: send your part of `manifest` (the signed manifest's JSON, or the
+    reference to a prepared layout that this rank answered `Reuse` for)."""
 
     op: ClassVar[str] = "send"
     manifest: str
@@ -176,7 +189,7 @@ class Bye(Message):
 class Answer(Message):
     """A rank's answer to a command: `ok`, or the `error`; what the command asked for
     (`specs` as `[name, dtype, shape]` triples, `endpoint`, the part's `seconds` and
-    `bytes`)."""
+    `bytes`; `broken`: to a `Reuse`, this rank's sender group is gone)."""
 
     op: ClassVar[str] = "answer"
     ok: bool = True
@@ -185,6 +198,7 @@ class Answer(Message):
     endpoint: dict[str, Any] | None = None
     seconds: float | None = None
     bytes: int | None = None
+    broken: bool = False
 
     @staticmethod
     def of_specs(specs: list[TensorSpec]) -> Answer:
@@ -200,7 +214,7 @@ class Answer(Message):
 
 
 #: every command trainer rank 0 sends to the other senders
-Command = Plan | Open | Connect | Send | Close | End | Bye
+Command = Plan | Reuse | Open | Connect | Send | Close | End | Bye
 
 
 def frame(message: Message, size: int = FLAG_BYTES) -> bytes:

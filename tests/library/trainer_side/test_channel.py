@@ -26,6 +26,7 @@ from enginehooks.trainer_side.channel import (
     Message,
     Open,
     Plan,
+    Reuse,
     Send,
     Stop,
     TrainerRanks,
@@ -39,6 +40,7 @@ MESSAGES: list[Message] = [
     Connect(5), Send('{"tensors": []}'), Close(), End(True), End(False, "boom"), Bye(),
     Answer(), Answer(ok=False, error="TransportError: x"),
     Answer(endpoint={"host": "10.0.0.2", "port": 5}, seconds=0.5, bytes=1024),
+    Reuse("0f" * 16), Answer(ok=False, error="its sender's group is closed", broken=True),
     Answer.of_specs([TensorSpec("w", "float32", (2, 3))]),
 ]
 
