@@ -38,7 +38,7 @@ want verify && for t in cuda_ipc nccl; do
   sd=cuda:0; [ "$t" = nccl ] && sd=cuda:1
   if [ "$t" = nccl ] && [ "$ngpu" -lt 2 ]; then continue; fi
   timeout 120 python3 benchmarks/bench_verify.py --engine module --device cuda:0 --gb 1 \
-    --rounds 5 --transport "$t" --sender-device "$sd" --out "$OUT/bench_verify-gpu.json" \
+    --rounds 6 --transport "$t" --sender-device "$sd" --out "$OUT/bench_verify-gpu.json" \
     > "$OUT/bench_verify-gpu-$t.log" 2>&1
   tail -1 "$OUT/bench_verify-gpu-$t.log" | cut -c1-300
 done
