@@ -14,6 +14,9 @@ against a fresh load.
 
 The link-rate floor is the busiest link's bytes over its rate, with the bytes the ranks
 counted: each trainer link its sends, each engine link its receives (each byte once).
+Each row also records what every link carried at the switch's shapers (frames, headers
+included) and dropped, and every host's TCP retransmissions, over the row's pushes
+(`links`): what separates a row from its floor that is not the data path.
 
     sudo python benchmarks/bench_shard_direct.py --out benchmarks/results/shard-direct-cpu
         [--trainer-mbit 100] [--engine-mbit 400] [--hidden 512] [--layers 4] [--reps 3]
@@ -39,12 +42,45 @@ from benchmarks.bench_scale import LOG, machine, say  # noqa: E402
 from enginehooks_testkit.netns import Network, unavailable_reason  # noqa: E402
 
 
+def _snmp(host: Any) -> dict[str, int]:
+    """The host's TCP counters (`/proc/net/snmp` inside its namespace)."""
+    lines = [ln.split() for ln in subprocess.run(
+        host.argv(["cat", "/proc/net/snmp"]), capture_output=True, text=True,
+        check=True).stdout.splitlines() if ln.startswith("Tcp:")]
+    return dict(zip(lines[0][1:], (int(v) for v in lines[1][1:])))
+
+
+def _qdisc(net: Network, dev: str) -> dict[str, int]:
+    """The switch's shaper on `dev`: bytes it sent (frames, headers included), packets
+    it dropped (its queue full), times it held a packet back (over the rate)."""
+    out = json.loads(subprocess.run(["tc", "-n", net.switch, "-s", "-j", "qdisc", "show",
+                                     "dev", dev], capture_output=True, text=True,
+                                    check=True).stdout)
+    q = next(q for q in out if q.get("kind") == "tbf")
+    return {"bytes": q["bytes"], "drops": q["drops"], "overlimits": q["overlimits"]}
+
+
+def link_counters(net: Network, names: list[str]) -> dict[str, dict[str, int]]:
+    """Per host: what its link carried each way and the TCP retransmissions it made
+    (why a row is below its floor: bytes sent twice, frames' headers)."""
+    out = {}
+    for name in names:
+        h = net.hosts[name]
+        up, down, tcp = _qdisc(net, h.ifb), _qdisc(net, h.port), _snmp(h)
+        out[name] = {"up_bytes": up["bytes"], "up_drops": up["drops"],
+                     "down_bytes": down["bytes"], "down_drops": down["drops"],
+                     "retrans_segs": tcp["RetransSegs"], "out_segs": tcp["OutSegs"]}
+    return out
+
+
 def run_row(net: Network, k: int, m: int, args: argparse.Namespace, port: int,
             logdir: Path) -> dict[str, Any]:
     dims = {"vocab": args.vocab, "hidden": args.hidden, "inter": args.inter,
             "layers": args.layers}
     procs = []
     logs = []
+    names = [f"t{r}" for r in range(k)] + [f"e{e}" for e in range(m)]
+    before = link_counters(net, names)
     for rank in range(k + m):
         host = net.hosts[f"t{rank}" if rank < k else f"e{rank - k}"]
         spec = {"rank": rank, "trainers": k, "engines": m, "port": port,
@@ -69,6 +105,8 @@ def run_row(net: Network, k: int, m: int, args: argparse.Namespace, port: int,
                 p.wait()
         for log in logs:
             log.close()
+    after = link_counters(net, names)
+    links = {n: {c: after[n][c] - before[n][c] for c in after[n]} for n in names}
     errors = [o for o in out if "error" in o]
     if errors:
         raise RuntimeError(f"k={k} m={m}: {errors}")
@@ -87,7 +125,9 @@ def run_row(net: Network, k: int, m: int, args: argparse.Namespace, port: int,
             "engine_push_s": [statistics.median(o["seconds"][1:]) for o in engines],
             "engine_finish_s": [statistics.median(o["finish_s"][1:]) for o in engines],
             "collectives_while_sending": sum(o["collectives"] for o in trainers),
-            "exact": all(o["equal"] for o in engines)}
+            "exact": all(o["equal"] for o in engines),
+            # every push of the row (the untimed first one too): the links' own counts
+            "links": links}
 
 
 def main() -> int:
