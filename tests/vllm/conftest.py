@@ -3,6 +3,7 @@ shared/reference/engines-on-cpu.md for how vLLM runs on CPU)."""
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -34,9 +35,14 @@ class VLLMServerProcess(_VLLMServer):
 @pytest.fixture(scope="session")
 def vllm_server(model_dirs: dict[str, Path], tmp_path_factory: pytest.TempPathFactory
                 ) -> Iterator[VLLMServerProcess]:
+    from enginehooks.core.auth import SECRET_ENV
+
     log = tmp_path_factory.mktemp("logs") / "vllm.log"
+    # An open server (no secret, whatever the caller's environment holds): the handles of
+    # its users carry none, and tests/vllm/security/test_server_open.py shares it.
+    env = {k: v for k, v in os.environ.items() if k not in (SECRET_ENV, "ENGINEHOOKS_SECRET_FILE")}
     # The worker extension (the launcher's) and backend "enginehooks" of vLLM's own
     # weight-transfer routes, as the README's quick start starts it.
     backend = ["--weight-transfer-config", '{"backend": "enginehooks"}']
-    with VLLMServerProcess(model_dirs["llama"], log, extra_args=backend) as srv:
+    with VLLMServerProcess(model_dirs["llama"], log, env=env, extra_args=backend) as srv:
         yield srv

@@ -4,7 +4,7 @@ that may generate (not only the ones a prefix list knew), a missing state file f
 closed, `/weight_info` says torn, errors keep their class over HTTP, a trainer with a
 secret is refused by this engine at once (also through vLLM's own weight-transfer
 API), and automatic version numbers never go backwards. One server serves every case
-(module scope: a vLLM CPU server takes about a minute to start)."""
+(the session's open server of tests/vllm/conftest.py: a vLLM CPU server takes about\na minute to start)."""
 
 from __future__ import annotations
 
@@ -18,7 +18,6 @@ import threading
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -42,15 +41,12 @@ if have("vllm"):  # backend "enginehooks" of vLLM's weight-transfer routes
 
 
 @pytest.fixture(scope="module")
-def server(model_dirs: dict[str, Path], tmp_path_factory: pytest.TempPathFactory
-           ) -> Iterator[Any]:
-    from enginehooks_testkit.servers import VLLMServerProcess
-
-    env = {k: v for k, v in os.environ.items() if k not in (SECRET_ENV, "ENGINEHOOKS_SECRET_FILE")}
-    log = tmp_path_factory.mktemp("logs") / "vllm-open.log"
-    with VLLMServerProcess(model_dirs["llama"], log, env=env, extra_args=[
-            "--weight-transfer-config", '{"backend": "enginehooks"}']) as srv:
-        yield srv
+def server(vllm_server: Any) -> Any:
+    """The session's open vLLM server (tests/vllm/conftest.py: llama, backend
+    "enginehooks", no secret): the same engine arguments this module started on its own,
+    shared to save one server start (~25 s in CI). Every case here leaves it serving
+    with a good push."""
+    return vllm_server
 
 
 def handle(server: Any) -> Any:
