@@ -34,6 +34,34 @@ from tests.support import requires_vllm
 pytestmark = [requires_vllm, pytest.mark.vllm, pytest.mark.slow]
 
 TP = 2
+#: The two flows share the engine side (the backend's receiver on each TP worker, the
+#: loader's cast and split, verification on each rank) and differ in the trainer's
+#: driver. Each costs about a minute of a 2-core CI, so CI runs one a day, the two
+#: taking turns (`todays_flows`); `ENGINEHOOKS_TP2_FLOWS=all` runs both.
+FLOWS = ("http", "llm")
+
+
+def todays_flows(day: int) -> set[str]:
+    if os.environ.get("ENGINEHOOKS_TP2_FLOWS") == "all":
+        return set(FLOWS)
+    return {FLOWS[day % len(FLOWS)]}
+
+
+def run_today(flow: str) -> None:
+    import datetime
+
+    if flow not in todays_flows(datetime.date.today().toordinal()):
+        pytest.skip(f"the {flow} flow takes its turn tomorrow (ENGINEHOOKS_TP2_FLOWS=all "
+                    "runs both)")
+
+
+def test_the_flows_take_turns_and_every_flow_runs_within_two_days(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("ENGINEHOOKS_TP2_FLOWS", raising=False)
+    days = [todays_flows(d) for d in range(100, 100 + len(FLOWS))]
+    assert all(len(d) == 1 for d in days) and set().union(*days) == set(FLOWS)
+    monkeypatch.setenv("ENGINEHOOKS_TP2_FLOWS", "all")
+    assert todays_flows(100) == set(FLOWS)
 
 
 def tp_env() -> dict[str, str]:
@@ -62,6 +90,7 @@ def serve(model_dir: Path, log: Path) -> Any:
 @pytest.fixture(scope="module")
 def tp2_server(model_dirs: dict[str, Path], tmp_path_factory: pytest.TempPathFactory
                ) -> Iterator[Any]:
+    run_today("http")  # before the server starts (only the HTTP flow uses it)
     log = tmp_path_factory.mktemp("logs") / "vllm-tp2.log"
     with serve(model_dirs["llama"], log) as srv:
         yield srv
@@ -119,6 +148,8 @@ def test_llm_flow_fp32_trainer_into_bf16_tp2_llm_equals_fresh_load(
     import json
     import subprocess
     import sys
+
+    run_today("llm")
 
     from enginehooks_testkit.engines import fresh_generate
 
