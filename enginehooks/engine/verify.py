@@ -820,8 +820,8 @@ def verify_and_repair(live: torch.nn.Module, build_fresh: Callable[[], torch.nn.
             proved = [d for d in good if d.rpartition(".")[0] in skip]
             verdict.digest = len(proved)
             verdict.digest_bytes = sum(tensors[d].nbytes for d in proved)
-            verdict.landed_bytes = sum(tensors[d].nbytes for d in proved
-                                       if d in digests.landed_dests())
+            by_landing = digests.landed_dests()
+            verdict.landed_bytes = sum(tensors[d].nbytes for d in proved if d in by_landing)
     t1 = time.perf_counter()
     verdict.seconds["digest"] = round(t1 - t0, 4)
     if touched <= skip:
