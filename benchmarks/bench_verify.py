@@ -249,36 +249,56 @@ def replica_process_main(conn: Any, cfg_json: str) -> None:
 
 
 def _profile_steady_applies(path: Path) -> None:
-    """Profile (cProfile, in this replica process) the apply of every steady push,
-    verified and not (`phases`), and write each kind's cumulative table beside `path`
+    """Profile (cProfile, in this replica process) every call that applied a steady
+    push, verified and not (`phases`): the whole call (the receive, the apply, the
+    verification, the reply), and write each kind's tables beside `path`
     (`<stem>-always`, `<stem>-never`) after each: where the time verification adds
-    goes, function by function."""
+    goes, function by function (cumulative, then own time)."""
     import cProfile
     import pstats
 
     from enginehooks.engine.apply import ApplyTarget
+    from enginehooks.engine.side import EngineSide
 
-    real = ApplyTarget.apply
-    profs = {"always": cProfile.Profile(), "never": cProfile.Profile()}
-    calls = [0]
+    real_apply, real_call = ApplyTarget.apply, EngineSide.call
+    stats: dict[str, pstats.Stats] = {}
+    applies = [0]
     kinds = phases(1000)
 
     def apply(self: ApplyTarget, tensors: Iterator[tuple[str, torch.Tensor]]) -> None:
-        calls[0] += 1
-        prof = profs.get(kinds[calls[0] - 1])
-        if prof is None:
-            real(self, tensors)
-            return
+        applies[0] += 1
+        real_apply(self, tensors)
+
+    def call(self: EngineSide, *args: Any, **kw: Any) -> Any:
+        before = applies[0]
+        prof = cProfile.Profile()
         prof.enable()
         try:
-            real(self, tensors)
+            return real_call(self, *args, **kw)
         finally:
             prof.disable()
-            for kind, p in profs.items():  # the unverified ones beside, for the difference
-                with path.with_name(f"{path.stem}-{kind}{path.suffix}").open("w") as f:
-                    pstats.Stats(p, stream=f).sort_stats("cumulative").print_stats(45)
+            kind = kinds[applies[0] - 1] if applies[0] > before else None
+            if kind in ("always", "never"):
+                if kind in stats:
+                    stats[kind].add(prof)
+                else:
+                    stats[kind] = pstats.Stats(prof)
+                _write_profiles(path, stats)
 
     ApplyTarget.apply = apply  # type: ignore[method-assign]
+    EngineSide.call = call  # type: ignore[method-assign]
+
+
+def _write_profiles(path: Path, stats: dict[str, Any]) -> None:
+    """Each kind's table: cumulative, then own time (`<stem>-<kind><suffix>`)."""
+    import io
+
+    for kind, st in stats.items():
+        out = io.StringIO()
+        st.stream = out
+        st.sort_stats("cumulative").print_stats(40)
+        st.sort_stats("tottime").print_stats(30)
+        path.with_name(f"{path.stem}-{kind}{path.suffix}").write_text(out.getvalue())
 
 
 def process_replica(gb: float, device: torch.device) -> tuple[Any, float]:
@@ -362,9 +382,22 @@ def phases(rounds: int) -> list[str]:
 def push_rows(handle: Any, trainer: Callable[[int], Any], rounds: int, transport: str = "gloo",
               sender: str | None = None, measure_rss: bool = False,
               cuda_device: torch.device | None = None) -> list[dict[str, Any]]:
+    import cProfile
+    import pstats
+
     from enginehooks import WeightSync
 
     rows: list[dict[str, Any]] = []
+    profile_to = os.environ.get("ENGINEHOOKS_BENCH_PROFILE")
+    trainer_stats: dict[str, pstats.Stats] = {}
+
+    def trainer_profile(phase: str) -> cProfile.Profile | None:
+        if not profile_to or phase not in ("always", "never"):
+            return None
+        prof = cProfile.Profile()
+        prof.enable()
+        return prof
+
     with WeightSync(transport, bucket_bytes=BUCKET, timeout_s=600, device=sender) as sync:
         sync.add_replica(handle)
         # Each round: an unverified push, a verified one after it (which keeps copies of
@@ -378,9 +411,19 @@ def push_rows(handle: Any, trainer: Callable[[int], Any], rounds: int, transport
             memory = Memory(measure_rss, None if remote else cuda_device)
             if remote:
                 handle._call({"op": "memory", "start": True}, 60)
+            prof = trainer_profile(phase)
             t0 = time.perf_counter()
             report = sync.push(weights, version=i + 1)
             wall = time.perf_counter() - t0
+            if prof is not None:  # the trainer's side of the same pushes
+                prof.disable()
+                kind = phase.split("-")[0]
+                if kind in trainer_stats:
+                    trainer_stats[kind].add(prof)
+                else:
+                    trainer_stats[kind] = pstats.Stats(prof)
+                to = Path(str(profile_to))
+                _write_profiles(to.with_name(f"{to.stem}-trainer{to.suffix}"), trainer_stats)
             rss_peak, cuda_peak = memory.added()
             if remote:
                 cuda_peak = handle._call({"op": "memory"}, 60)["cuda"]

@@ -40,7 +40,7 @@ from enginehooks.core.landing import WireLanding
 from enginehooks.core.manifest import Manifest, TensorSpec
 from enginehooks.engine.beacon import Beacon
 from enginehooks.engine.contract import EngineBinding
-from enginehooks.engine.copy_plan import CopyPlan, Layout, PlanState, Route, named_tensors, replay
+from enginehooks.engine.copy_plan import CopyPlan, Layout, PlanState, Route, replay
 from enginehooks.engine.expectations import (
     Expectations,
     LoaderExpectations,
@@ -50,6 +50,7 @@ from enginehooks.engine.expectations import (
 from enginehooks.engine.shadow import Pass, ShadowParts, mark_loaded, stream
 from enginehooks.engine.transplant import transplant
 from enginehooks.engine.verify import DigestCheck, Verifier, readable_tensors
+from enginehooks.engine.walk import live_tensors
 from enginehooks.transports.base import Target
 
 __all__ = ["ApplyBinding", "ApplyTarget", "Update"]
@@ -206,7 +207,7 @@ class ApplyTarget(Target, ABC):
         every destination is a live tensor in the layout the plan was recorded for
         (inside a session the tensors are in the loader's layout; one that is not
         goes to the loader)."""
-        live = dict(named_tensors(self.model()))
+        live = live_tensors(self.model())
         layouts = self.plan.plan.layouts if self.plan.plan is not None else {}
         self.live = live
         return {n: r for n, r in routes.items()
@@ -306,7 +307,7 @@ class ApplyTarget(Target, ABC):
             # destinations the engine's processing empties (vLLM CPU keeps a linear's
             # weight only in its prepacked handle): after apply they hold nothing a
             # digest could check, so none is computed for them (the shadow compares them)
-            update.emptied = {n for n, t in named_tensors(model) if t.numel() == 0}
+            update.emptied = {n for n, t in live_tensors(model).items() if t.numel() == 0}
         if self.plan.plan is not None:
             update.dtypes = {n: lay.dtype for n, lay in self.plan.plan.layouts.items()}
 

@@ -357,9 +357,10 @@ def record_plan(model: torch.nn.Module, specs: Sequence[TensorSpec],
 
 def named_tensors(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
     """Every parameter and buffer by every name (aliases included), as the tracer names
-    destinations."""
-    yield from model.named_parameters(remove_duplicate=False)
-    yield from model.named_buffers(remove_duplicate=False)
+    destinations (`walk.live_tensors`: torch's walk, read from the modules' dicts)."""
+    from enginehooks.engine.walk import live_tensors
+
+    yield from live_tensors(model).items()
 
 
 def _bits(t: torch.Tensor) -> torch.Tensor:

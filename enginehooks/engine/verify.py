@@ -60,6 +60,12 @@ from enginehooks.engine.shadow import (
     held_bytes,
     shadow_mode,
 )
+from enginehooks.engine.walk import (
+    live_tensors,
+    modules_by_name,
+    tensors_by_name,
+    unique_modules,
+)
 
 log = logging.getLogger("enginehooks.verify")
 
@@ -422,26 +428,30 @@ class DigestCheck:
         """The steps (`copy_plan.Step`) of one planned tensor and the tensor received
         (before or as it was written: the digest is of what arrived). `name`: the
         received name, where a receiver may have landed it itself (`wire`)."""
-        flat = received.detach().reshape(-1) if received.is_contiguous() else None
+        contiguous = received.is_contiguous()
+        numel, nbytes = received.numel(), received.nbytes
         wired = self._wired.get(name) if name is not None else None
-        if wired is not None and (flat is None or wired[0] != flat.data_ptr()
-                                  or wired[1] != flat.numel() * flat.element_size()):
+        if wired is not None and (not contiguous or wired[0] != received.data_ptr()
+                                  or wired[1] != nbytes):
             wired = None  # not (all) where the receiver landed it: digested here
+        flat: torch.Tensor | None = None  # made only for a run digested here
         for st in steps:
             if st.view.numel() == 0:
                 continue  # a write of no element
             d, s = st.view.flat_range(), st.src.flat_range() if st.src is not None else None
-            if (flat is None or d is None or s is None or st.pre
+            if (not contiguous or d is None or s is None or st.pre
                     or dtypes.get(st.dest) != received.dtype):
                 self.unproved.add(st.dest)
                 continue
-            if wired is not None and name is not None and s == (0, flat.numel()):
+            if wired is not None and name is not None and s == (0, numel):
                 # the receiver landed all of it in this destination (if the address
                 # `check` finds there is not the landing's, the destination is bad)
                 self.runs.setdefault(st.dest, []).append((d[0], d[1], _WIRE, wired[0]))
                 self._wired_dest[st.dest] = name
-                self.received_bytes += flat.numel() * flat.element_size()
+                self.received_bytes += nbytes
                 continue
+            if flat is None:
+                flat = received.detach().reshape(-1)
             b = _bits(flat[s[0]:s[1]])
             if b is None:
                 self.unproved.add(st.dest)
@@ -616,13 +626,42 @@ def digest_only_modules(model: torch.nn.Module, landed: Collection[str],
     walk = prepared if prepared is not None else Prepared.of(model, landed)
     modules = walk.modules
     for mname in walk.touched:
-        if mname in suspect:
-            continue
-        keys = readable_tensors(modules[mname])
-        if all(f"{mname}.{k}".lstrip(".") in proved for k in keys) \
-                and not opaque_captures(modules[mname]):
+        if mname not in suspect and _only_proved(mname, modules[mname], proved):
             out.add(mname)
     return out
+
+
+def _only_proved(mname: str, module: torch.nn.Module, proved: Collection[str]) -> bool:
+    """Whether every key of `readable_tensors(module)` is in `proved` (under `mname`)
+    and `opaque_captures(module)` is empty: the same reading of the module's dicts,
+    stopping at the first key that is not (a closure's tensor never is), without
+    building either table (this runs for every touched module of every update)."""
+    dot = f"{mname}." if mname else ""
+    for own in (module._parameters, module._buffers):
+        for k, t in own.items():
+            if t is not None and dot + k not in proved:
+                return False
+    for name, value in vars(module).items():
+        if name in _MODULE_STATE:
+            continue
+        if isinstance(value, torch.Tensor):
+            if dot + name not in proved:
+                return False
+        elif callable(value) and not isinstance(value, torch.nn.Module):
+            for cname, _ in _closure_tensors(value):
+                if f"{dot}{name}<{cname}>" not in proved:
+                    return False  # a captured tensor (`readable_tensors`' key for it)
+            if not name.startswith("_"):
+                code = getattr(value, "__code__", None)
+                cells = getattr(value, "__closure__", None) or ()
+                for cell in cells[:len(code.co_freevars) if code is not None else 0]:
+                    try:
+                        v = cell.cell_contents
+                    except ValueError:
+                        continue
+                    if not isinstance(v, _PLAIN) and type(v).__module__ != "builtins":
+                        return False  # opaque storage (`opaque_captures`)
+    return True
 
 
 def touched_modules(model: torch.nn.Module, landed: Collection[str],
@@ -643,12 +682,13 @@ def touched_modules(model: torch.nn.Module, landed: Collection[str],
     return out
 
 
-def _with_aliases(model: torch.nn.Module, landed: Collection[str]) -> set[str]:
+def _with_aliases(model: torch.nn.Module, landed: Collection[str],
+                  tensors: Mapping[str, torch.Tensor] | None = None) -> set[str]:
     """`landed` plus every other name of the same storage (a tied output head is the
-    embedding under a second name)."""
+    embedding under a second name). `tensors`: the model's `live_tensors`, where the
+    caller has them."""
     by_storage: dict[int, list[str]] = {}
-    for name, t in [*model.named_parameters(remove_duplicate=False),
-                    *model.named_buffers(remove_duplicate=False)]:
+    for name, t in (tensors if tensors is not None else live_tensors(model)).items():
         try:
             key = int(t.untyped_storage()._cdata)
         except Exception:
@@ -682,12 +722,16 @@ class Prepared:
     landed: set[str]
     touched: set[str]
     modules: dict[str, torch.nn.Module]
+    #: every parameter and buffer by every name (`named_live`), read in the same walk
+    tensors: dict[str, torch.Tensor]
 
     @staticmethod
     def of(live: torch.nn.Module, landed: Collection[str]) -> Prepared:
-        aliased = _with_aliases(live, landed)
-        modules = dict(live.named_modules())
-        return Prepared(aliased, touched_modules(live, aliased, modules), modules)
+        mods = modules_by_name(live)
+        tensors = tensors_by_name(mods)
+        aliased = _with_aliases(live, landed, tensors)
+        modules = unique_modules(mods)
+        return Prepared(aliased, touched_modules(live, aliased, modules), modules, tensors)
 
 
 def compare(live: torch.nn.Module, fresh: torch.nn.Module, landed: Collection[str],
@@ -796,7 +840,7 @@ def verify_and_repair(live: torch.nn.Module, build_fresh: Callable[[], torch.nn.
     prepared = Prepared.of(live, landed)
     touched = prepared.touched
     if digests is not None and (digests.runs or digests.unproved):
-        tensors = dict(named_live(live))
+        tensors = prepared.tensors
         tc = time.perf_counter()
         good, bad = digests.check(tensors)
         verdict.seconds["digest_check"] = round(time.perf_counter() - tc, 4)
@@ -937,8 +981,7 @@ def _compare_and_repair(live: torch.nn.Module, fresh: torch.nn.Module, landed: C
 
 def named_live(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
     """Every parameter and buffer by every name (aliases included)."""
-    yield from model.named_parameters(remove_duplicate=False)
-    yield from ((n, b) for n, b in model.named_buffers(remove_duplicate=False) if b is not None)
+    yield from live_tensors(model).items()
 
 
 #: what `Verifier.state()["updates"]` counts, per outcome of an update
