@@ -58,7 +58,6 @@ import json
 import os
 import statistics
 import sys
-import tempfile
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -124,74 +123,11 @@ def module_trainer(gb: float, where: torch.device) -> Callable[[int], dict[str, 
 
 def module_replica(gb: float, device: torch.device,
                    sender: torch.device | None = None) -> tuple[Any, Callable[[int], Any]]:
-    """(handle, trainer(seed)) for a module replica of ~`gb` GB in bf16 on `device`."""
-    from safetensors.torch import save_file
+    """(handle, trainer(seed)) for a module replica of ~`gb` GB in bf16 on `device`, its
+    shadow streamed block by block (`enginehooks_testkit.inprocess_replica`)."""
+    from enginehooks_testkit.inprocess_replica import inprocess_replica
 
-    from enginehooks.control.handles import EngineHandle
-    from enginehooks.core.dtypes import dtype_name
-    from enginehooks.engine.apply import ApplyBinding, ApplyTarget
-    from enginehooks.engine.contract import verb_of
-    from enginehooks.engine.expectations import skeleton_on_meta
-    from enginehooks.engine.shadow import ShadowParts
-    from enginehooks.engine.side import EngineSide
-
-    dtype = torch.bfloat16
-    build = blocks_builder(gb)
-
-    folder = Path(tempfile.mkdtemp(prefix="bench-verify-"))
-    model = build(device)
-    save_file({n: torch.zeros(1, dtype=dtype).expand(p.shape).contiguous()
-               for n, p in model.state_dict().items()}, str(folder / "model.safetensors"))
-
-    class Target(ApplyTarget):
-        engine = "module"
-
-        def model(self) -> torch.nn.Module:
-            return model
-
-        def load(self, weights: Iterator[tuple[str, torch.Tensor]]) -> None:
-            model.load_weights(weights)
-
-        def skeleton(self) -> torch.nn.Module:
-            return skeleton_on_meta(build, engine=self.engine)
-
-        def checkpoint_dir(self) -> Path:
-            return folder
-
-        def fresh_load(self, weights: list[tuple[str, torch.Tensor]],
-                       before_processing: Callable[[torch.nn.Module], None] | None = None
-                       ) -> torch.nn.Module:
-            fresh = build(self.device)
-            fresh.load_weights(iter(weights))  # type: ignore[operator]
-            if before_processing is not None:
-                before_processing(fresh)
-            return fresh
-
-        def shadow_parts(self) -> ShadowParts:
-            """The same fresh load in its steps: the shadow streamed block by block."""
-            def load(m: torch.nn.Module, weights: list[tuple[str, torch.Tensor]]) -> None:
-                m.load_weights(iter(weights))  # type: ignore[operator]
-
-            return ShadowParts(lambda: build(self.device), load, lambda m: None, self.lands,
-                               self.device)
-
-    class Binding(ApplyBinding):
-        engine = "module"
-
-        def dtype(self) -> str:
-            return dtype_name(dtype)
-
-    class Handle(EngineHandle):
-        def __init__(self) -> None:
-            self.name = "module"
-            self.side = EngineSide(Binding(Target(device)))
-
-        def rpc(self, method: str, *args: Any, timeout_s: float) -> list[Any]:
-            return [self.side.call(verb_of(method), *args)]
-
-        def flush_cache(self, timeout_s: float, auth: str | None = None) -> None:
-            """No cache."""
-
+    handle, model = inprocess_replica(blocks_builder(gb), device, streamed_shadow=True)
     trainer = module_trainer(gb, sender or device)
 
     def raw_copy() -> float:
@@ -209,8 +145,8 @@ def module_replica(gb: float, device: torch.device,
             best = min(best, time.perf_counter() - t0)
         return best
 
-    Handle.raw_copy = staticmethod(raw_copy)  # type: ignore[attr-defined]
-    return Handle(), trainer
+    handle.raw_copy = raw_copy
+    return handle, trainer
 
 
 def replica_process_main(conn: Any, cfg_json: str) -> None:

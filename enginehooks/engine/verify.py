@@ -44,7 +44,7 @@ import logging
 import os
 import time
 import types
-from collections.abc import Callable, Collection, Iterable, Iterator, Mapping
+from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -378,6 +378,8 @@ class DigestCheck:
     _wired: dict[str, tuple[int, int]] = field(default_factory=dict)
     #: destination -> the received name a landing proves it by
     _wired_dest: dict[str, str] = field(default_factory=dict)
+    #: the launched re-reads (`reread`): per landing window, which buckets differ
+    _rereads: list[tuple[torch.Tensor, list[Any]]] | None = None
 
     def landed_dests(self) -> set[str]:
         """Destinations a receiver's landing proves (`wire`)."""
@@ -409,21 +411,18 @@ class DigestCheck:
         return vec[k]
 
     @staticmethod
-    def provable(steps: Iterable[Any], received: torch.Tensor,
+    def provable(steps: Sequence[Any], received: torch.Tensor,
                  dtypes: Mapping[str, torch.dtype]) -> bool:
         """Whether every write of a planned tensor is a plain contiguous copy of the same
         dtype (what `check` can prove)."""
         if not received.is_contiguous():
             return False
-        for st in steps:
-            if st.view.numel() == 0:
-                continue
-            if (st.src is None or st.pre or st.view.flat_range() is None
-                    or st.src.flat_range() is None or dtypes.get(st.dest) != received.dtype):
+        for dest, d, s, pre in _step_runs(steps):
+            if s is None or pre or d is None or dtypes.get(dest) != received.dtype:
                 return False
         return True
 
-    def add(self, steps: Iterable[Any], received: torch.Tensor,
+    def add(self, steps: Sequence[Any], received: torch.Tensor,
             dtypes: Mapping[str, torch.dtype], name: str | None = None) -> None:
         """The steps (`copy_plan.Step`) of one planned tensor and the tensor received
         (before or as it was written: the digest is of what arrived). `name`: the
@@ -435,30 +434,27 @@ class DigestCheck:
                                   or wired[1] != nbytes):
             wired = None  # not (all) where the receiver landed it: digested here
         flat: torch.Tensor | None = None  # made only for a run digested here
-        for st in steps:
-            if st.view.numel() == 0:
-                continue  # a write of no element
-            d, s = st.view.flat_range(), st.src.flat_range() if st.src is not None else None
-            if (not contiguous or d is None or s is None or st.pre
-                    or dtypes.get(st.dest) != received.dtype):
-                self.unproved.add(st.dest)
+        for dest, d, s, pre in _step_runs(steps):
+            if (not contiguous or d is None or s is None or pre
+                    or dtypes.get(dest) != received.dtype):
+                self.unproved.add(dest)
                 continue
             if wired is not None and name is not None and s == (0, numel):
                 # the receiver landed all of it in this destination (if the address
                 # `check` finds there is not the landing's, the destination is bad)
-                self.runs.setdefault(st.dest, []).append((d[0], d[1], _WIRE, wired[0]))
-                self._wired_dest[st.dest] = name
+                self.runs.setdefault(dest, []).append((d[0], d[1], _WIRE, wired[0]))
+                self._wired_dest[dest] = name
                 self.received_bytes += nbytes
                 continue
             if flat is None:
                 flat = received.detach().reshape(-1)
             b = _bits(flat[s[0]:s[1]])
             if b is None:
-                self.unproved.add(st.dest)
+                self.unproved.add(dest)
                 continue
             algo = digest_algorithm(b)
             want = self._device_term(b) if algo == DIGEST else None
-            self.runs.setdefault(st.dest, []).append(
+            self.runs.setdefault(dest, []).append(
                 (d[0], d[1], algo, want if want is not None else _digest(algo, b)))
             self.received_bytes += b.numel()
 
@@ -526,10 +522,12 @@ class DigestCheck:
                     (bad if self._wired_dest[dest] in changed else good).append(dest)
         return good, bad
 
-    def _landed_changed(self) -> set[str]:
-        """Received names in a bucket whose landed destinations, re-read now with the
-        landing's own weights, no longer sum to what the receiver read as it landed
-        them: one launch per landing window and one sync."""
+    def reread(self) -> None:
+        """Launch the re-read of every landed destination (`_landed_changed`) without
+        waiting for it: called first thing after apply, so the device reads while the
+        host walks the model for the rest of the verification."""
+        if self._rereads is not None or not self.landings:
+            return
         import numpy as np
 
         from enginehooks.core import fused_copy
@@ -537,7 +535,7 @@ class DigestCheck:
         groups: dict[int, tuple[torch.Tensor, list[Any]]] = {}
         for ld in self.landings:
             groups.setdefault(ld.sums.data_ptr(), (ld.sums, []))[1].append(ld)
-        changed: set[str] = set()
+        self._rereads = []
         for sums, lds in groups.values():
             now = torch.zeros_like(sums)
             arrays = tuple(np.concatenate([getattr(ld, f) for ld in lds])
@@ -554,10 +552,43 @@ class DigestCheck:
                     batch = fused_copy.build(dst, dst, nb, word, bk, sums.device)
                     _RECHECKS[sums.device] = (arrays, batch)
                 fused_copy.launch(batch, now, copy=False)
-            for k in (now != sums).nonzero().flatten().tolist():
+                # what differs, still on the device: one read of it in `_landed_changed`
+                self._rereads.append((now.ne(sums), lds))
+
+    def _landed_changed(self) -> set[str]:
+        """Received names in a bucket whose landed destinations, re-read now with the
+        landing's own weights, no longer sum to what the receiver read as it landed
+        them: one launch per landing window (`reread`) and one sync."""
+        self.reread()
+        rereads, self._rereads = self._rereads or [], None  # a later check reads anew
+        changed: set[str] = set()
+        for differs, lds in rereads:
+            for k in differs.nonzero().flatten().tolist():
                 for ld in lds:
                     changed.update(ld.by_bucket.get(k, ()))
         return changed
+
+
+#: `_step_runs`' memo: id(steps) -> (the steps, their runs); a plan's routes live as long
+#: as the plan, so a training loop asks for the same lists push after push
+_STEP_RUNS: dict[int, tuple[Any, tuple[tuple[str, Any, Any, bool], ...]]] = {}
+
+
+def _step_runs(steps: Sequence[Any]) -> tuple[tuple[str, Any, Any, bool], ...]:
+    """(destination, its run, the source's run, whether the loader cloned first) for
+    each step of a planned tensor that writes an element (`copy_plan.Step`; a run is
+    `View.flat_range`, None where the view is no one contiguous run). What `provable`
+    and `add` read of every planned tensor of every update, derived once per route."""
+    hit = _STEP_RUNS.get(id(steps))
+    if hit is not None and hit[0] is steps:
+        return hit[1]
+    runs = tuple((st.dest, st.view.flat_range(),
+                  st.src.flat_range() if st.src is not None else None, bool(st.pre))
+                 for st in steps if st.view.numel() != 0)
+    if len(_STEP_RUNS) >= 1 << 16:  # plans replaced many times over: start again
+        _STEP_RUNS.clear()
+    _STEP_RUNS[id(steps)] = (steps, runs)
+    return runs
 
 
 def digest_algorithm(b: torch.Tensor) -> str:
@@ -836,6 +867,8 @@ def verify_and_repair(live: torch.nn.Module, build_fresh: Callable[[], torch.nn.
     verdict = Verdict()
     skip: set[str] = set()
     t0 = time.perf_counter()
+    if digests is not None:
+        digests.reread()  # the device re-reads the landings while the host walks
     # the walk of the live model every step below shares (once per verification)
     prepared = Prepared.of(live, landed)
     touched = prepared.touched

@@ -8,9 +8,7 @@ the bytes landed."""
 
 from __future__ import annotations
 
-import tempfile
-from collections.abc import Callable, Iterator
-from pathlib import Path
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -122,71 +120,21 @@ def _replica() -> tuple[Any, torch.nn.Module, dict[str, bool]]:
     """An in-process module replica behind the real `ApplyTarget` and `EngineSide`, whose
     post-load step (`after_load`) flips one byte of a landed weight when `fault["on"]`:
     the engine processing that changes what it was sent."""
-    from safetensors.torch import save_file
+    from enginehooks_testkit.inprocess_replica import inprocess_replica
 
-    from enginehooks.control.handles import EngineHandle
-    from enginehooks.engine.apply import ApplyBinding, ApplyTarget
-    from enginehooks.engine.contract import verb_of
-    from enginehooks.engine.expectations import skeleton_on_meta
-    from enginehooks.engine.side import EngineSide
+    fault = {"on": False}
 
     def build(dev: torch.device) -> torch.nn.Module:
         with dev:
             return Blocks()
 
-    model = build(DEV)
-    folder = Path(tempfile.mkdtemp(prefix="wire-landing-"))
-    save_file({n: torch.zeros(p.shape, dtype=p.dtype) for n, p in model.state_dict().items()},
-              str(folder / "model.safetensors"))
-    fault = {"on": False}
+    def after_load(m: torch.nn.Module, landed: set[str]) -> None:
+        if fault["on"]:
+            with torch.no_grad():
+                m.layers[1].weight.view(-1).view(torch.uint8)[77] ^= 4  # type: ignore[index]
 
-    class Target(ApplyTarget):
-        engine = "module"
-
-        def model(self) -> torch.nn.Module:
-            return model
-
-        def load(self, weights: Iterator[tuple[str, torch.Tensor]]) -> None:
-            model.load_weights(weights)  # type: ignore[operator]
-
-        def skeleton(self) -> torch.nn.Module:
-            return skeleton_on_meta(build, engine=self.engine)
-
-        def checkpoint_dir(self) -> Path:
-            return folder
-
-        def fresh_load(self, weights: list[tuple[str, torch.Tensor]],
-                       before_processing: Callable[[torch.nn.Module], None] | None = None
-                       ) -> torch.nn.Module:
-            fresh = build(self.device)
-            fresh.load_weights(iter(weights))  # type: ignore[operator]
-            if before_processing is not None:
-                before_processing(fresh)
-            return fresh
-
-        def after_load(self, m: torch.nn.Module, landed: set[str]) -> None:
-            if fault["on"]:
-                with torch.no_grad():
-                    m.layers[1].weight.view(-1).view(torch.uint8)[77] ^= 4  # type: ignore[index]
-
-    class Binding(ApplyBinding):
-        engine = "module"
-
-        def dtype(self) -> str:
-            return "bfloat16"
-
-    class Handle(EngineHandle):
-        def __init__(self) -> None:
-            self.name = "module"
-            self.side = EngineSide(Binding(Target(DEV)))
-
-        def rpc(self, method: str, *args: Any, timeout_s: float) -> list[Any]:
-            return [self.side.call(verb_of(method), *args)]
-
-        def flush_cache(self, timeout_s: float, auth: str | None = None) -> None:
-            """No cache."""
-
-    return Handle(), model, fault
+    handle, model = inprocess_replica(build, DEV, after_load=after_load)
+    return handle, model, fault
 
 
 def test_cuda_ipc_landings_prove_every_later_push_and_a_changed_byte_ends_it_torn(
