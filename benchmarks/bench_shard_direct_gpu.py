@@ -25,6 +25,7 @@ the trainer ranks' send, the engine ranks' receive (wire + unpack + digests) and
 a fresh load of the trainer's weights; the exit status is non-zero if one is not.
 
     python benchmarks/bench_shard_direct_gpu.py --out benchmarks/results/shard-direct-gpu-h200x4.json
+    python benchmarks/bench_shard_direct_gpu.py --smoke   # CPU, gloo, toy widths
 
 Writes OUT.json (rows, ratios, machine: device name, count, date) and OUT.log (the
 table). Without 4 GPUs it writes a JSON that says not run, and exits 0.
@@ -139,12 +140,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--deadline-s", type=float, default=170.0,
                     help="the children are killed past this (the run stays under 3 min)")
     ap.add_argument("--out", type=Path, default=None, help="writes OUT.json and OUT.log")
+    ap.add_argument("--smoke", action="store_true",
+                    help="CPU: gloo, toy widths (this file's logic without GPUs)")
     args = ap.parse_args(argv)
+    if args.smoke:
+        args.hidden, args.inter, args.vocab, args.layers, args.reps = 256, 768, 2048, 2, 2
     res: dict[str, Any] = {"benchmark": "bench_shard_direct_gpu",
                            "args": {k: str(v) if isinstance(v, Path) else v
                                     for k, v in vars(args).items()}, "machine": machine()}
     n = res["machine"]["gpu_count"]
-    if n < 4:
+    if n < 4 and not args.smoke:
         res["not_run"] = {"all": f"needs 4 CUDA GPUs (2 trainer ranks, 2 engine ranks); found {n}"}
         write(args.out, res)
         return 0
@@ -162,7 +167,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         outs = run_modules("tests.gpu.shard_gpu_rank", [
             {"rank": r, "port": port, "seed": 5, "dims": dims, "timeout_s": args.timeout_s,
-             "pushes": pushes} for r in range(4)], ROOT, args.deadline_s)
+             "pushes": pushes, "smoke": args.smoke} for r in range(4)], ROOT, args.deadline_s)
         bad = [o for o in outs if "error" in o or any("error" in p for p in o["pushes"])]
         if bad:
             raise RuntimeError(json.dumps(bad)[:4000])
