@@ -72,14 +72,15 @@ def _barrier(device: torch.device) -> None:
 def _corrupting(transfers: Any, flipped: list[str]) -> Any:
     """`_seal_all` that flips the first byte of this rank's first range to each engine
     rank after sealing it (on the GPU, before the send reads it); `flipped` gets the
-    names of the tensors whose range it flipped."""
+    names of the tensors whose range it flipped (with `transfers`, the schedule's)."""
     seal_all = sd._seal_all
 
     def late_flip(secret: Any, mid: int, items: Any, checksum: Any) -> torch.Tensor:
         out = seal_all(secret, mid, items, checksum)
         if items:
             items[0][1][0:1].bitwise_xor_(0xFF)
-            flipped.append(transfers[items[0][0]].name)
+            if transfers is not None:
+                flipped.append(transfers[items[0][0]].name)
         return out
     return late_flip
 

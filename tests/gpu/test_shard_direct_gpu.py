@@ -16,11 +16,21 @@ One run of the four processes, three pushes:
   both engine ranks end with `ChecksumError` naming that tensor and the sender (this
   fails if the receiver's digest compare is removed: the bytes would land silently).
 
+And the public API (`tests/gpu/shard_sync_gpu_rank.py`): `WeightSync("shard_nccl",
+senders=TrainerRanks(...))` on both trainer processes, each `push`ing its `fully_shard`ed
+model, into the two workers of the TP=2 replica, each a process with an `EngineSide`
+behind HTTP: two keyed pushes planned and sent along the schedule over the transport's
+NCCL groups, then one whose range trainer rank 1 flipped after sealing, refused with
+`ChecksumError` naming the tensor and the sender, nothing applied (each worker still
+equals the last good push bit for bit).
+
 Every wait is bounded (`run_modules` kills the ranks past its timeout; each rank's NCCL
 waits are polled CUDA events against `TIMEOUT_S`).
 """
 
 from __future__ import annotations
+
+from pathlib import Path
 
 import pytest
 import torch
@@ -77,3 +87,31 @@ def test_two_fsdp2_ranks_feed_a_tp2_replica_over_nccl_bit_exact_then_a_bad_byte_
         p = e["pushes"][2]
         assert p.get("type") == "ChecksumError", p
         assert f"of {name!r} from trainer rank 1" in p["error"], p
+
+
+@four_gpus()
+def test_weightsync_shard_nccl_pushes_along_the_schedule_and_refuses_a_bad_byte(
+        tmp_path: Path) -> None:
+    base = {"dir": str(tmp_path), "master": f"127.0.0.1:{free_port()}", "seeds": [3, 4, 5],
+            "timeout_s": TIMEOUT_S, "secret": SECRET, "corrupt": [1, 2]}
+    r0, r1, w0, w1 = run_modules("tests.gpu.shard_sync_gpu_rank",
+                                 [{**base, "role": "trainer", "rank": r} for r in range(2)]
+                                 + [{**base, "role": "engine", "rank": e} for e in range(2)],
+                                 ROOT, TIMEOUT_S * 6)
+    for r in (r0, r1, w0, w1):
+        assert "error" not in r, r
+    for i in (0, 1):
+        rep = r0["reports"][i]
+        assert rep["ok"], rep
+        sched = rep["schedule"]  # scheduled, not broadcast: each rank sent its own part
+        assert [s["rank"] for s in sched] == [0, 1], rep
+        parts = [s["bytes"] for s in sched]
+        # the report's bytes are the model's once; the replicated norms go to both workers
+        assert rep["bytes"] <= sum(parts) <= 1.02 * rep["bytes"], rep
+        assert abs(parts[0] - parts[1]) <= 0.05 * sum(parts), parts
+    bad = r0["reports"][2]
+    assert bad["type"] == "ChecksumError", bad
+    assert "from trainer rank 1" in bad["error"] and "keyed digest" in bad["error"], bad
+    assert r1["reports"][2]["ok"] is False
+    for w in (w0, w1):
+        assert w["equal"] is True, w  # the last good push, bit for bit: nothing applied
