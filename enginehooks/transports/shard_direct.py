@@ -134,6 +134,8 @@ def _wait(works: Sequence[Any], timeout_s: float, what: str,
     (`broadcast.wait_work`): NCCL's own `wait()` only orders the current stream, and a
     later host sync on a dead peer would hang past every deadline."""
     for w in works:
+        if w is None:  # a coalesced batch's own sends and receives: its end work waits
+            continue
         if device is not None and device.type == "cuda":
             wait_work(w, None, timeout_s, f"shard-direct {what}", device)
             continue

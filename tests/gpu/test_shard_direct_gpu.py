@@ -24,6 +24,8 @@ NCCL groups, then one whose range trainer rank 1 flipped after sealing, refused 
 `ChecksumError` naming the tensor and the sender, nothing applied (each worker still
 equals the last good push bit for bit).
 
+On one GPU: the device seals (`_seal_all`: `sum64` per range on the GPU) equal the host's.
+
 Every wait is bounded (`run_modules` kills the ranks past its timeout; each rank's NCCL
 waits are polled CUDA events against `TIMEOUT_S`).
 """
@@ -35,6 +37,7 @@ from pathlib import Path
 import pytest
 import torch
 
+import enginehooks.transports.shard_direct as sd
 from tests.multihost.conftest import ROOT
 from tests.support.ranks import free_port, run_modules
 
@@ -49,6 +52,22 @@ def four_gpus() -> pytest.MarkDecorator:
     have = torch.cuda.device_count() if torch.cuda.is_available() else 0
     return pytest.mark.skipif(have < 4, reason=f"needs 4 CUDA GPUs (2 trainer ranks, 2 "
                                                f"engine ranks), found {have}")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("secret", [None, b"k" * 32], ids=["digest", "keyed"])
+def test_device_seals_are_the_host_seals(secret: bytes | None) -> None:
+    """`_seal_all` on a GPU (`sum64` per range on the device, the length term added
+    there, read once) gives the words `_seal` gives per range on the host: ranges at odd
+    offsets, with tails, and past 8 MiB (where `n << 40` wraps modulo 2**64)."""
+    g = torch.Generator().manual_seed(0)
+    host = torch.randint(0, 256, (20_000_003,), dtype=torch.uint8, generator=g)
+    cuts = [(3, 1, 8), (5, 2, 9_000_003), (9, 0, 16_777_217), (11, 5, 1005)]
+    dev = host.to("cuda")
+    got = sd._seal_all(secret, 7, [(i, dev[a:b]) for i, a, b in cuts], "sum64")
+    assert got.device.type == "cuda"
+    want = [w for i, a, b in cuts for w in sd._seal(secret, 7, i, host[a:b], "sum64")]
+    assert got.tolist() == want
 
 
 @four_gpus()
