@@ -9,12 +9,12 @@ from enginehooks.transports.base import Transport
 from enginehooks.transports.collectives import GlooTransport, NcclTransport
 from enginehooks.transports.cuda_ipc import CudaIpcTransport
 from enginehooks.transports.disk import DiskTransport
-from enginehooks.transports.shard_direct import ShardTransport
+from enginehooks.transports.shard_direct import ShardNcclTransport, ShardTransport
 from enginehooks.transports.shm import ShmTransport
 
 
 @hookimpl
 def register_transports(register: Callable[[type[Transport]], None]) -> None:
     for cls in (GlooTransport, NcclTransport, CudaIpcTransport, ShmTransport, DiskTransport,
-                ShardTransport):
+                ShardTransport, ShardNcclTransport):
         register(cls)

@@ -1,31 +1,46 @@
-"""Shard-direct over gloo point to point (issue 40): each trainer rank sends only the
-byte ranges the static schedule gives it, straight to the engine ranks that need them.
+"""Shard-direct point to point (issue 40), over gloo (host memory) or NCCL (GPUs): each
+trainer rank sends only the byte ranges the static schedule gives it, straight to the
+engine ranks that need them.
 
 The group holds the `senders` trainer ranks at group ranks 0..senders-1 and the engine
 ranks after them (engine rank e at `senders + e`). Both sides walk the same list of
-`Transfer`s (the schedule in the signed manifest, `wire/schedule.py`) and tag transfer
-i with i, so every receive matches its send whatever order gloo delivers them in. The
-receiver posts each receive straight into the buffer its side chose (`dest`: a slice of
-the engine's parameter where the copy plan is a plain copy, a staging tensor otherwise).
-Transfers under `PACK_BELOW` bytes (a row-parallel slice is one short run per row) travel
-packed, one message per (trainer rank, engine rank) pair, and are copied into their
-destinations on arrival.
+`Transfer`s (the schedule in the signed manifest, `wire/schedule.py`) and post each
+pair's messages in one order (`_walk`): its transfers sent alone, in schedule order,
+then its pack, then its seals. On gloo each message also carries a tag (transfer i's
+is i); NCCL ignores tags and matches a pair's messages by that order alone
+(tests/library/transports/test_shard_direct_untagged.py runs gloo with every tag 0).
+The receiver posts each receive straight into the buffer its side chose (`dest`: a
+slice of the engine's parameter where the copy plan is a plain copy, a staging tensor
+otherwise). Transfers under `PACK_BELOW` bytes (a row-parallel slice is one short run
+per row) travel packed, one message per (trainer rank, engine rank) pair, packed and
+unpacked on their device, and are copied into their destinations on arrival.
+
+NCCL (the group's backend decides; every buffer then on the rank's GPU): each rank's
+messages go out as one batch per group (`dist.batch_isend_irecv`, or the same
+coalescing on a group's backend object: `_post`), one NCCL group call, so the pairs run
+concurrently; the host waits on a CUDA event it polls against `timeout_s`
+(`broadcast.wait_work`), so a dead peer is a `TransportError` within the timeout, never
+a hang in a host sync. Digests with `sum64` are computed on the device, the seals sent
+as a device tensor, and read to the host once per peer (`_seal_all`).
 
 Digests per range: after its ranges, each sender sends every engine rank it served one
-message of two int64 words per transfer: the range's digest (`core/checksums.py`) and,
-with a shared secret, the 128-bit HMAC of the update id, transfer index, size and digest
-(`core/auth.bucket_mac`, as a bucket's trailer) in its place. The receiver recomputes
-each range's digest over the bytes where they landed and raises `ChecksumError` naming
-the tensor and the range on the first that differs (a range received straight into a
-parameter is then already written: the update is torn there, as any failed update).
+message of two int64 words per transfer: the range's digest (`core/checksums.py`) and
+its index in the schedule (a range received into another's place, were the two sides'
+orders ever to differ, is refused) or, with a shared secret, the 128-bit HMAC of the
+update id, transfer index, size and digest (`core/auth.bucket_mac`, as a bucket's
+trailer) in their place. The receiver recomputes each range's digest over the bytes
+where they landed and raises `ChecksumError` naming the tensor and the range on the
+first that differs (a range received straight into a parameter is then already
+written: the update is torn there, as any failed update).
 
 `peer` (both functions): where a rank of the other side is, as (process group, rank in
-it). The default is the one group above; the `shard` transport (`ShardTransport`, below)
-uses the groups `WeightSync` forms for several senders instead: sender j's own group
-holds it at rank 0 and every engine worker after it (engine rank e at 1 + e), so the
-point-to-point messages travel in the groups the broadcast path already has, and a
-manifest without a schedule (the first push, before the engines recorded the copy plans
-their needs come from) is broadcast over the same groups.
+it). The default is the one group above; the `shard` and `shard_nccl` transports
+(`ShardTransport`, `ShardNcclTransport`, below) use the groups `WeightSync` forms for
+several senders instead: sender j's own group holds it at rank 0 and every engine
+worker after it (engine rank e at 1 + e), so the point-to-point messages travel in the
+groups the broadcast path already has, and a manifest without a schedule (the first
+push, before the engines recorded the copy plans their needs come from) is broadcast
+over the same groups.
 """
 
 from __future__ import annotations
@@ -40,7 +55,7 @@ import torch.distributed as dist
 
 from enginehooks.core.auth import bucket_mac, load_secret
 from enginehooks.core.buckets import manifest_id
-from enginehooks.core.checksums import digest
+from enginehooks.core.checksums import digest, sum64_into
 from enginehooks.core.dtypes import torch_dtype
 from enginehooks.core.errors import ChecksumError, TransportError
 from enginehooks.core.manifest import Manifest
@@ -54,7 +69,7 @@ from enginehooks.transports.base import (
     Target,
     Transport,
 )
-from enginehooks.transports.broadcast import BroadcastReceiver, BroadcastSender
+from enginehooks.transports.broadcast import BroadcastReceiver, BroadcastSender, wait_work
 from enginehooks.transports.multisender import MultiReceiver
 from enginehooks.wire.schedule import SCHEDULE_KEY, ShardSchedule
 
@@ -62,6 +77,7 @@ from enginehooks.wire.schedule import SCHEDULE_KEY, ShardSchedule
 Peer = Callable[[int], tuple[Any, int]]
 
 _MASK63 = (1 << 63) - 1
+_MASK64 = (1 << 64) - 1
 
 
 def _signed(v: int) -> int:
@@ -72,13 +88,57 @@ def _signed(v: int) -> int:
 def _seal(secret: bytes | None, mid: int, index: int, buf: torch.Tensor,
           checksum: str | None) -> tuple[int, int]:
     dig = digest(checksum, buf)
-    if secret is None:
-        return _signed(dig), 0
+    if secret is None:  # the index: a range that landed in another's place is caught
+        return _signed(dig), index
     return bucket_mac(secret, mid, index, buf.numel(), dig)
 
 
-def _wait(works: Sequence[Any], timeout_s: float, what: str) -> None:
+def _seal_all(secret: bytes | None, mid: int, items: Sequence[tuple[int, torch.Tensor]],
+              checksum: str | None) -> torch.Tensor:
+    """The seals of one peer's transfers (`items`: (transfer index, its bytes), in the
+    order both sides post them) as 2 int64 words each, on the bytes' device. On a GPU
+    with `sum64` the digests are computed there, one kernel per range and no host sync
+    (`sum64_into`); with a secret they are read to the host once for the whole peer
+    (the HMAC runs there). Elsewhere, `_seal` per range (a host digest)."""
+    device = items[0][1].device if items else torch.device("cpu")
+    if device.type != "cuda" or checksum != "sum64":
+        return torch.tensor([w for i, buf in items for w in _seal(secret, mid, i, buf, checksum)],
+                            dtype=torch.int64).to(device)
+    acc = torch.zeros(len(items), dtype=torch.int64, device=device)
+    for k, (_, buf) in enumerate(items):
+        sum64_into(buf, acc, k)
+    # sum64's length term, as `checksums._sum64` adds it: (n << 40) modulo 2**64
+    acc ^= torch.tensor([_signed(buf.numel() << 40) for _, buf in items],
+                        dtype=torch.int64).to(device, non_blocking=True)
+    if secret is None:
+        index = torch.tensor([i for i, _ in items], dtype=torch.int64)
+        return torch.stack([acc, index.to(device, non_blocking=True)], dim=1).reshape(-1)
+    digs = acc.tolist()  # the one host read of this peer's digests
+    return torch.tensor([w for (i, buf), d in zip(items, digs)
+                         for w in bucket_mac(secret, mid, i, buf.numel(), d & _MASK64)],
+                        dtype=torch.int64).to(device)
+
+
+def _is_nccl(pg: Any) -> bool:
+    """Whether `pg` (a registered group or a backend object) runs NCCL."""
+    if isinstance(pg, dist.ProcessGroup):
+        return str(dist.get_backend(pg)) == "nccl"
+    nccl = getattr(dist, "ProcessGroupNCCL", None)
+    return nccl is not None and isinstance(pg, nccl)
+
+
+def _wait(works: Sequence[Any], timeout_s: float, what: str,
+          device: torch.device | None = None) -> None:
+    """Every work done within `timeout_s` each, or a `TransportError` saying what failed.
+    On a GPU (`device`) the host waits on a CUDA event it polls against the timeout
+    (`broadcast.wait_work`): NCCL's own `wait()` only orders the current stream, and a
+    later host sync on a dead peer would hang past every deadline."""
     for w in works:
+        if w is None:  # a coalesced batch's own sends and receives: its end work waits
+            continue
+        if device is not None and device.type == "cuda":
+            wait_work(w, None, timeout_s, f"shard-direct {what}", device)
+            continue
         try:
             w.wait(_dt.timedelta(seconds=timeout_s))
         except RuntimeError as e:
@@ -89,6 +149,9 @@ def _wait(works: Sequence[Any], timeout_s: float, what: str) -> None:
 #: pair: a row-parallel slice is one short run per row, and a message per run costs more
 #: than its bytes (gloo: about 0.3 x the link rate unpacked, on simulated nodes).
 PACK_BELOW = 1 << 18
+
+#: one point-to-point message: (group, rank in it, tensor, tag)
+_Op = tuple[Any, int, torch.Tensor, int]
 
 
 def _isend(pg: Any, buf: torch.Tensor, rank: int, tag: int) -> Any:
@@ -105,59 +168,115 @@ def _irecv(pg: Any, buf: torch.Tensor, rank: int, tag: int) -> Any:
     return pg.recv([buf], rank, tag)
 
 
-def _split(transfers: Sequence[Transfer], keep: Callable[[Transfer], bool], pack_below: int
-           ) -> tuple[list[tuple[int, Transfer]], dict[tuple[int, int], list[tuple[int, Transfer]]]]:
-    """(the transfers sent alone, the packed ones per (src, dst)), both in schedule order."""
-    alone: list[tuple[int, Transfer]] = []
-    packed: dict[tuple[int, int], list[tuple[int, Transfer]]] = {}
+def _post(ops: Sequence[_Op], send: bool, batched: bool) -> list[Any]:
+    """Post `ops` (each pair's in the order both sides walk them). Over gloo, one
+    `isend`/`irecv` each (gloo matches a pair's messages by tag, and in posting order
+    within a tag). Over NCCL (`batched`), which ignores tags and runs a pair's
+    messages in posting order, one batch per group: `dist.batch_isend_irecv` on a
+    registered group, `_start_coalescing`/`_end_coalescing` on a backend object (what
+    `batch_isend_irecv` does inside): one NCCL group call, so the sends to (or the
+    receives from) different peers run concurrently rather than each waiting on the
+    one before it on the group's stream, which could deadlock across peers."""
+    if not batched:
+        post = _isend if send else _irecv
+        return [post(pg, buf, rank, tag) for pg, rank, buf, tag in ops]
+    groups: dict[int, list[_Op]] = {}
+    for op in ops:
+        groups.setdefault(id(op[0]), []).append(op)
+    works: list[Any] = []
+    for group_ops in groups.values():
+        pg = group_ops[0][0]
+        if isinstance(pg, dist.ProcessGroup):
+            fn = dist.isend if send else dist.irecv
+            works += dist.batch_isend_irecv(
+                [dist.P2POp(fn, buf, group=pg, group_peer=rank)
+                 for _, rank, buf, _ in group_ops])
+            continue
+        pg._start_coalescing()
+        try:
+            for _, rank, buf, _ in group_ops:  # their own works are the batch's (None)
+                (pg.send if send else pg.recv)([buf], rank, 0)
+        finally:
+            works.append(pg._end_coalescing())
+    return works
+
+
+def _walk(transfers: Sequence[Transfer], keep: Callable[[Transfer], bool],
+          peer_of: Callable[[Transfer], int], pack_below: int
+          ) -> dict[int, list[list[tuple[int, Transfer]]]]:
+    """The messages of every peer (the other side's rank, `peer_of`), in the one order
+    both sides post them: each transfer of at least `pack_below` bytes alone, in
+    schedule order, then one message packing the smaller ones (schedule order). The
+    seals follow as the peer's last message. NCCL matches a pair's messages by this
+    order alone, so a sender and a receiver that walk the same signed schedule agree
+    on it message by message (`test_shard_direct_untagged.py` proves it on gloo with
+    every tag 0)."""
+    alone: dict[int, list[list[tuple[int, Transfer]]]] = {}
+    packed: dict[int, list[tuple[int, Transfer]]] = {}
     for i, t in enumerate(transfers):
         if keep(t):
             if t.nbytes < pack_below:
-                packed.setdefault((t.src, t.dst), []).append((i, t))
+                packed.setdefault(peer_of(t), []).append((i, t))
             else:
-                alone.append((i, t))
-    return alone, packed
+                alone.setdefault(peer_of(t), []).append([(i, t)])
+    return {p: alone.get(p, []) + ([packed[p]] if p in packed else [])
+            for p in sorted({*alone, *packed})}
 
 
-def _checked(buf: torch.Tensor, t: Transfer, what: str) -> torch.Tensor:
+def _checked(buf: torch.Tensor, t: Transfer, what: str, cuda: bool) -> torch.Tensor:
     if buf.dtype != torch.uint8 or buf.numel() != t.nbytes or not buf.is_contiguous():
         raise TransportError(f"shard-direct: the {what} of {t} is not {'its ' * (what == 'source')}"
                              f"{t.nbytes} contiguous bytes")
+    if (buf.device.type == "cuda") != cuda:
+        raise TransportError(f"shard-direct: the {what} of {t} is on {buf.device}; over "
+                             f"{'NCCL' if cuda else 'gloo'} it must be on "
+                             f"{'a CUDA device' if cuda else 'the host'}")
     return buf
+
+
+def _alone(msg: list[tuple[int, Transfer]], pack_below: int) -> bool:
+    """Whether a message of `_walk` is one transfer sent alone (else a pack)."""
+    return len(msg) == 1 and msg[0][1].nbytes >= pack_below
 
 
 def send_shards(group: Any, transfers: Sequence[Transfer], me: int,
                 source: Callable[[Transfer], torch.Tensor], *, senders: int, mid: int,
                 secret: bytes | None = None, checksum: str | None = "xxh3",
                 timeout_s: float = 60.0, pack_below: int = PACK_BELOW,
-                peer: Peer | None = None) -> int:
+                peer: Peer | None = None, tagged: bool = True) -> int:
     """Send trainer rank `me`'s transfers of `transfers` (the whole schedule, in its
-    order): `source(t)` is the 1-D uint8 tensor of t's bytes. A transfer of at least
-    `pack_below` bytes is a message of its own (tag: its index); the smaller ones to one
-    engine rank are packed into one message (tag: len(transfers)); the seals follow
-    (tag: len(transfers) + 1). `peer(e)`: engine rank e's group and rank in it (module
-    docstring). Returns the bytes sent."""
+    order): `source(t)` is the 1-D uint8 tensor of t's bytes (host memory over gloo, a
+    CUDA device over NCCL: the group's backend decides). Per engine rank, in the order
+    `_walk` gives: each transfer of at least `pack_below` bytes as a message of its own
+    (gloo tag: its index), the smaller ones packed into one message (on their device;
+    tag len(transfers)), then the seals (tag len(transfers) + 1). `tagged=False` sends
+    every gloo message with tag 0 (as NCCL, which ignores tags: only the order
+    matches). `peer(e)`: engine rank e's group and rank in it (module docstring).
+    Returns the bytes sent."""
     to: Peer = peer if peer is not None else (lambda e: (group, senders + e))
-    works: list[Any] = []
-    seals: dict[int, list[int]] = {}
-    sent, n = 0, len(transfers)
-    alone, packed = _split(transfers, lambda t: t.src == me, pack_below)
-    for i, t in alone:
-        buf = _checked(source(t), t, "source")
-        seals.setdefault(t.dst, []).extend(_seal(secret, mid, i, buf, checksum))
-        works.append(_isend(to(t.dst)[0], buf, to(t.dst)[1], i))
-        sent += t.nbytes
-    for (_, dst), items in sorted(packed.items()):
-        parts = []
-        for i, t in items:
-            buf = _checked(source(t), t, "source")
-            seals.setdefault(dst, []).extend(_seal(secret, mid, i, buf, checksum))
-            parts.append(buf)
-            sent += t.nbytes
-        works.append(_isend(to(dst)[0], torch.cat(parts), to(dst)[1], n))
-    words = {dst: torch.tensor(v, dtype=torch.int64) for dst, v in seals.items()}
-    works += [_isend(to(dst)[0], w, to(dst)[1], n + 1) for dst, w in sorted(words.items())]
-    _wait(works, timeout_s, "send")
+    n = len(transfers)
+    walk = _walk(transfers, lambda t: t.src == me, lambda t: t.dst, pack_below)
+    if not walk:
+        return 0
+    nccl = _is_nccl(to(next(iter(walk)))[0])
+    ops: list[_Op] = []
+    sent = 0
+    device: torch.device | None = None
+    for dst, msgs in walk.items():
+        pg, rank = to(dst)
+        bufs = [[(i, _checked(source(t), t, "source", nccl)) for i, t in msg] for msg in msgs]
+        # sealed before packing: the pack carries the bytes that were digested
+        seals = _seal_all(secret, mid, [x for msg in bufs for x in msg], checksum)
+        for msg, parts in zip(msgs, bufs):
+            if _alone(msg, pack_below):
+                buf, tag = parts[0][1], msg[0][0]
+            else:  # packed on the bytes' device
+                buf, tag = torch.cat([b for _, b in parts]), n
+            ops.append((pg, rank, buf, tag if tagged else 0))
+            sent += buf.numel()
+        ops.append((pg, rank, seals, n + 1 if tagged else 0))
+        device = seals.device
+    _wait(_post(ops, send=True, batched=nccl), timeout_s, "send", device if nccl else None)
     return sent
 
 
@@ -165,44 +284,56 @@ def receive_shards(group: Any, transfers: Sequence[Transfer], me: int,
                    dest: Callable[[Transfer], torch.Tensor], *, senders: int, mid: int,
                    secret: bytes | None = None, checksum: str | None = "xxh3",
                    timeout_s: float = 60.0, pack_below: int = PACK_BELOW,
-                   peer: Peer | None = None) -> int:
+                   peer: Peer | None = None, tagged: bool = True) -> int:
     """Receive engine rank `me`'s transfers of `transfers` into `dest(t)` (a 1-D uint8
-    contiguous tensor of t's size, where t's bytes should land; the packed ones are
-    copied there from their message), then check every range's digest where it landed,
-    in the order the sender sealed them. `peer(j)`: trainer rank j's group and rank in
-    it. Returns the bytes received."""
+    contiguous tensor of t's size, where t's bytes should land: host memory over gloo,
+    a CUDA device over NCCL; the packed ones are copied there from their message),
+    then check every range's digest where it landed, in the order the sender sealed
+    them: on a GPU with `sum64` on the device, each sender's seals and this side's
+    digests read to the host once per sender. `peer(j)`: trainer rank j's group and
+    rank in it. Returns the bytes received."""
     frm: Peer = peer if peer is not None else (lambda j: (group, j))
     n = len(transfers)
-    alone, packed = _split(transfers, lambda t: t.dst == me, pack_below)
-    works, got = [], 0
+    walk = _walk(transfers, lambda t: t.dst == me, lambda t: t.src, pack_below)
+    if not walk:
+        return 0
+    nccl = _is_nccl(frm(next(iter(walk)))[0])
+    ops: list[_Op] = []
+    got = 0
     bufs: dict[int, torch.Tensor] = {}
+    packs: list[tuple[list[tuple[int, Transfer]], torch.Tensor]] = []
+    words: dict[int, torch.Tensor] = {}
     order: dict[int, list[int]] = {}  # src -> transfer indices, in the sender's seal order
-    for i, t in alone:
-        bufs[i] = _checked(dest(t), t, "destination")
-        works.append(_irecv(frm(t.src)[0], bufs[i], frm(t.src)[1], i))
-        order.setdefault(t.src, []).append(i)
-        got += t.nbytes
-    packs = {}
-    for (src, _), items in sorted(packed.items()):
-        for i, t in items:
-            bufs[i] = _checked(dest(t), t, "destination")
-            order.setdefault(src, []).append(i)
-            got += t.nbytes
-        packs[src] = torch.empty(sum(t.nbytes for _, t in items), dtype=torch.uint8)
-        works.append(_irecv(frm(src)[0], packs[src], frm(src)[1], n))
-    words = {src: torch.empty(2 * len(idx), dtype=torch.int64) for src, idx in order.items()}
-    works += [_irecv(frm(src)[0], w, frm(src)[1], n + 1) for src, w in sorted(words.items())]
-    _wait(works, timeout_s, "receive")
-    for (src, _), items in packed.items():
+    device = torch.device("cpu")
+    for src, msgs in walk.items():
+        pg, rank = frm(src)
+        for msg in msgs:
+            for i, t in msg:
+                bufs[i] = _checked(dest(t), t, "destination", nccl)
+                order.setdefault(src, []).append(i)
+                got += t.nbytes
+            device = bufs[msg[0][0]].device
+            if _alone(msg, pack_below):
+                ops.append((pg, rank, bufs[msg[0][0]], msg[0][0] if tagged else 0))
+            else:
+                pack = torch.empty(sum(t.nbytes for _, t in msg), dtype=torch.uint8,
+                                   device=device)
+                packs.append((msg, pack))
+                ops.append((pg, rank, pack, n if tagged else 0))
+        words[src] = torch.empty(2 * len(order[src]), dtype=torch.int64, device=device)
+        ops.append((pg, rank, words[src], n + 1 if tagged else 0))
+    _wait(_post(ops, send=False, batched=nccl), timeout_s, "receive", device if nccl else None)
+    for msg, pack in packs:
         at = 0
-        for i, t in items:
-            bufs[i].copy_(packs[src][at: at + t.nbytes])
+        for i, t in msg:
+            bufs[i].copy_(pack[at: at + t.nbytes])
             at += t.nbytes
     for src, idx in order.items():
-        sealed = words[src].tolist()
+        mine = _seal_all(secret, mid, [(i, bufs[i]) for i in idx], checksum)
+        both = torch.cat([words[src], mine]).tolist()  # one host read per sender
+        sealed, local = both[: 2 * len(idx)], both[2 * len(idx):]
         for k, i in enumerate(idx):
-            expect = (sealed[2 * k], sealed[2 * k + 1])
-            if _seal(secret, mid, i, bufs[i], checksum) != expect:
+            if sealed[2 * k: 2 * k + 2] != local[2 * k: 2 * k + 2]:
                 t = transfers[i]
                 raise ChecksumError(
                     f"shard-direct: bytes [{t.start}, {t.stop}) of {t.name!r} from trainer "
@@ -236,25 +367,29 @@ class ShardStream:
         return iter(self._stream())
 
 
-def _gloo_endpoint(endpoint: dict[str, Any]) -> dict[str, Any]:
-    """`endpoint` (the `shard` transport's) as the gloo broadcast receivers read it."""
-    out = {**endpoint, "transport": "gloo"}
+def _inner_endpoint(endpoint: dict[str, Any]) -> dict[str, Any]:
+    """`endpoint` (a `shard` or `shard_nccl` transport's) as the broadcast receivers of
+    its backend read it."""
+    backend = "nccl" if endpoint.get("transport") == ShardNcclTransport.name else "gloo"
+    out = {**endpoint, "transport": backend}
     if isinstance(out.get("senders"), list):
-        out["senders"] = [{**ep, "transport": "gloo"} if isinstance(ep, dict) else ep
+        out["senders"] = [{**ep, "transport": backend} if isinstance(ep, dict) else ep
                           for ep in out["senders"]]
     return out
 
 
 class ShardSender(BroadcastSender):
-    """A trainer rank's half of the `shard` transport: its gloo broadcast group (sender
-    at rank 0, every engine worker after it); a manifest with a schedule is sent point
-    to point along it (`send_shards`), one without is broadcast (`BroadcastSender`)."""
+    """A trainer rank's half of the `shard` transport (`backend` "gloo") or of
+    `shard_nccl` ("nccl": its shards on its GPU): its broadcast group (sender at rank
+    0, every engine worker after it); a manifest with a schedule is sent point to point
+    along it (`send_shards`), one without is broadcast (`BroadcastSender`)."""
 
-    def __init__(self, **options: Any) -> None:
-        super().__init__("gloo", **options)
+    def __init__(self, backend: str = "gloo", **options: Any) -> None:
+        super().__init__(backend, **options)
 
     def endpoint(self) -> dict[str, Any]:
-        return {**super().endpoint(), "transport": ShardTransport.name}
+        name = ShardNcclTransport.name if self.backend == "nccl" else ShardTransport.name
+        return {**super().endpoint(), "transport": name}
 
     def send(self, manifest: Manifest, stream: Stream, abort: Abort) -> SendStats:
         if SCHEDULE_KEY not in manifest.meta:
@@ -275,6 +410,8 @@ class ShardSender(BroadcastSender):
         t0 = time.perf_counter()
         pg = self.pg
         try:
+            if self.device.type == "cuda":
+                torch.cuda.set_device(self.device)  # NCCL's batch runs on the current GPU
             sent = send_shards(pg, sched.transfers, src.rank, src.source,
                                senders=sched.senders, mid=manifest_id(manifest),
                                secret=self.secret, checksum=manifest.checksum,
@@ -289,21 +426,28 @@ class ShardSender(BroadcastSender):
 
 
 class ShardReceiver(Receiver):
-    """An engine worker's half of the `shard` transport: the gloo broadcast receiver of
-    every sender's group (`MultiReceiver`, or one `BroadcastReceiver` for one sender).
+    """An engine worker's half of the `shard` transport: the broadcast receiver of
+    every sender's group (`MultiReceiver`, or one `BroadcastReceiver` for one sender),
+    gloo with host buffers, or NCCL on the worker's GPU (`shard_nccl`).
     A manifest with a schedule is received point to point (`receive_shards`): this
     worker's transfers (engine rank = its group rank - 1) land in tensors of each
     checkpoint tensor's shape, where only the runs its loader reads are filled, and
     then go to the target as any update does (`Target.apply`: the copy plan writes the
     planned tensors, the loader takes the rest, verification as for every update). A
     bad digest raises `ChecksumError` before anything is applied. Memory: the staged
-    tensors, one model's bytes at most."""
+    tensors, one model's bytes at most (on the GPU for `shard_nccl`)."""
 
     def __init__(self, endpoint: dict[str, Any], rank: int, device: torch.device) -> None:
-        ep = _gloo_endpoint(endpoint)
-        cpu = torch.device("cpu")
+        ep = _inner_endpoint(endpoint)
+        if ep["transport"] != "nccl":
+            device = torch.device("cpu")
+        elif device.type != "cuda":
+            raise TransportError(f"the {ShardNcclTransport.name} transport receives on a CUDA"
+                                 f" device, not {device}")
+        self.device = device
         self.inner: MultiReceiver | BroadcastReceiver = (
-            MultiReceiver(ep, rank, cpu) if "senders" in ep else BroadcastReceiver(ep, rank, cpu))
+            MultiReceiver(ep, rank, device) if "senders" in ep
+            else BroadcastReceiver(ep, rank, device))
         self.rank = rank
         self.timeout_s = float(ep.get("timeout_s") or 120.0)
         self.secret = load_secret()  # this engine process's shared secret, if any
@@ -339,10 +483,13 @@ class ShardReceiver(Receiver):
         def dest(t: Transfer) -> torch.Tensor:
             buf = staged.get(t.name)
             if buf is None:  # zeros: bytes this rank's loader does not read stay defined
-                buf = staged[t.name] = torch.zeros(specs[t.name].nbytes, dtype=torch.uint8)
+                buf = staged[t.name] = torch.zeros(specs[t.name].nbytes, dtype=torch.uint8,
+                                                   device=self.device)
             return buf[t.start: t.stop]
 
         try:
+            if self.device.type == "cuda":
+                torch.cuda.set_device(self.device)  # NCCL's batch runs on the current GPU
             got = receive_shards(None, sched.transfers, me, dest, senders=sched.senders,
                                  mid=manifest_id(manifest), secret=self.secret,
                                  checksum=manifest.checksum, timeout_s=self.timeout_s,
@@ -379,3 +526,20 @@ class ShardTransport(Transport):
 
     def receiver(self, endpoint: dict[str, Any], rank: int, device: torch.device) -> Receiver:
         return ShardReceiver(endpoint, rank, device)
+
+
+class ShardNcclTransport(ShardTransport):
+    """Shard-direct over NCCL (issue 40): the `shard` transport with GPU tensors, its
+    groups NCCL, the ranges posted as one batch of point-to-point operations per group
+    (`send_shards`), digested on the device (`sum64`), and received straight into the
+    engine's GPU buffers. Chosen by name, `WeightSync("shard_nccl", senders=...)`, as
+    `nccl` is chosen next to `gloo`; a manifest without a schedule is broadcast over the
+    same NCCL groups with `nccl`'s bucket settings."""
+
+    name = "shard_nccl"
+    default_checksum = "sum64"
+    direct_min: ClassVar[int | None] = 1 << 62
+    default_bucket_bytes: ClassVar[int] = 1 << 30
+
+    def sender(self, **options: Any) -> Sender:
+        return ShardSender("nccl", **options)
