@@ -367,8 +367,8 @@ def push_rows(handle: Any, trainer: Callable[[int], Any], rounds: int, transport
             info = handle.info(120)[0]
             last = (info.get("verification") or {}).get("last") or {}
             plan = info.get("copy_plan") or {}
-            rows.append({"phase": phase, "seconds": round(wall, 3),
-                         "report_seconds": round(report.seconds, 3), "bytes": report.bytes,
+            rows.append({"phase": phase, "seconds": round(wall, 4),
+                         "report_seconds": round(report.seconds, 4), "bytes": report.bytes,
                          "layout": report.layout,
                          "apply_seconds": plan.get("seconds"),
                          "verification": {k: last.get(k) for k in (

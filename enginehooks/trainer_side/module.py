@@ -75,3 +75,21 @@ class StateDictAdapter(TrainerAdapter):
             for name, t in self.tensors.items():
                 self.produced += 1
                 yield name, self.to_wire(t, name)
+
+    def layout_key(self) -> str | None:
+        """Names in order, dtypes, shapes and devices of the mapping, and the wire dtypes:
+        `specs()` is a function of these alone, so a push of a mapping with the same key
+        (new values, the same layout: a training loop's state dict) reuses the plan."""
+        from enginehooks.core.dtypes import dtype_name
+        from enginehooks.core.layout import layout_key
+
+        tensors = [(n, dtype_name(t.dtype), list(t.shape)) for n, t in self.tensors.items()]
+        devices = sorted({str(t.device) for t in self.tensors.values()})
+        dtypes = {n: dtype_name(d) if d is not None else None for n, d in self.dtypes.items()}
+        return layout_key([type(self).__name__, tensors, devices,
+                           dtype_name(self.dtype) if self.dtype is not None else None,
+                           dtypes])
+
+    def reuse_plan(self, other: TrainerAdapter, specs: Sequence[TensorSpec]) -> bool:
+        """Nothing to take over: the specs are the key's names, shapes and wire dtypes."""
+        return type(other) is type(self)
