@@ -9,7 +9,7 @@ before each layout the test pushes d0 into it from here, so that each Megatron p
 something to change. One layout per family then runs again from d1: push, a few real
 optimizer steps (forward and backward through megatron's schedule, Adam), push: the
 outputs change and equal those of the engine freshly started from `save_pretrained` of
-the pushed weights (on vLLM; SGLang checks the layouts).
+the pushed weights (on vLLM; SGLang checks the layouts, one a day in CI: `todays_layouts`).
 
 The ranks run in the Megatron environment (scripts/setup-megatron-env.sh, or
 ENGINEHOOKS_MEGATRON_PYTHON); the engines in theirs (this test runs in the vLLM one and
@@ -127,7 +127,9 @@ def save_trained(d1: Path, tensors: Path, out: Path) -> Path:
     return save_reference(model, d1, out)
 
 
-def run_family(family: str, engine: str, work: Path) -> dict[str, Any]:
+def run_family(family: str, engine: str, work: Path,
+               layouts: tuple[str, ...] | None = None) -> dict[str, Any]:
+    """`layouts` (default: all of the family's) push, in order, into one server."""
     case = CASES[family]
     d0, d1 = checkpoints(family, work / "ckpt")
     trains = engine == "vllm"
@@ -138,7 +140,7 @@ def run_family(family: str, engine: str, work: Path) -> dict[str, Any]:
     with server(engine, d1, work / f"{engine}-d1.log") as srv:
         timings["server_d1_s"] = round(time.monotonic() - t0, 1)
         fresh = srv.generations()  # the oracle: the engine freshly loaded from d1
-        for layout in case.layouts:
+        for layout in layouts or case.layouts:
             push_checkpoint(engine, srv.url, d0, f"reset-{layout}")
             base = srv.generations()
             assert first_difference(base, fresh) is not None, "d0 and d1 generate alike"
@@ -206,6 +208,25 @@ def rotated(families: list[str]) -> list[str]:
     return [families[datetime.date.today().toordinal() % len(families)]]
 
 
+def todays_layouts(layouts: tuple[str, ...], day: int) -> tuple[str, ...]:
+    """The layouts SGLang takes today: one a day, in turn (each costs a Megatron ranks
+    run and a reset push, about 20 s of a 2-core CI); `ENGINEHOOKS_MEGATRON_FULL=1` runs
+    them all. What SGLang receives is the same whatever the layout (rank 0 sends the
+    gathered tensors in checkpoint names, the other rank follows), and every layout's
+    gathering is pushed into vLLM whenever its family's day comes there."""
+    if os.environ.get("ENGINEHOOKS_MEGATRON_FULL") == "1":
+        return layouts
+    return (layouts[day % len(layouts)],)
+
+
+def test_each_layout_pushes_into_sglang_within_two_days() -> None:
+    for case in CASES.values():
+        days = [todays_layouts(case.layouts, day) for day in range(len(case.layouts))]
+        assert all(len(d) == 1 for d in days) or \
+            os.environ.get("ENGINEHOOKS_MEGATRON_FULL") == "1"
+        assert {layout for d in days for layout in d} == set(case.layouts)
+
+
 @requires_vllm
 @requires_megatron
 @pytest.mark.vllm
@@ -227,4 +248,5 @@ def test_megatron_layouts_push_into_vllm_equal_fresh_load(family: str, tmp_path:
 # rotary_embedding forward_native), before any push; Llama and Qwen3-MoE start.
 @pytest.mark.parametrize("family", ["qwen3_moe"])
 def test_megatron_layouts_push_into_sglang_equal_fresh_load(family: str, tmp_path: Path) -> None:
-    print(family, run_family(family, "sglang", tmp_path))
+    layouts = todays_layouts(CASES[family].layouts, datetime.date.today().toordinal())
+    print(family, layouts, run_family(family, "sglang", tmp_path, layouts))
