@@ -119,11 +119,11 @@ def test_weightsync_shard_nccl_pushes_along_the_schedule_and_refuses_a_bad_byte(
         tmp_path: Path) -> None:
     base = {"dir": str(tmp_path), "master": f"127.0.0.1:{free_port()}", "seeds": [3, 4, 5],
             "timeout_s": TIMEOUT_S, "secret": SECRET, "corrupt": [1, 2],
-            "deadline_s": 3 * RUN_S - 10}
+            "deadline_s": 2 * RUN_S - 10}
     r0, r1, w0, w1 = run_modules("tests.gpu.shard_sync_gpu_rank",
                                  [{**base, "role": "trainer", "rank": r} for r in range(2)]
                                  + [{**base, "role": "engine", "rank": e} for e in range(2)],
-                                 ROOT, 3 * RUN_S, label="shard_sync_gpu")
+                                 ROOT, 2 * RUN_S, label="shard_sync_gpu")
     for r in (r0, r1, w0, w1):
         assert "error" not in r, r
     for i in (0, 1):

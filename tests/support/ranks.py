@@ -138,7 +138,7 @@ def run_modules(module: str, specs: list[dict[str, Any]], cwd: Path,
             f.close()
         result = []
         bad = []
-        for i, p in enumerate(procs):
+        for i in range(len(procs)):
             lines = outs[i].read_text(errors="replace").strip().splitlines()
             try:
                 result.append(json.loads(lines[-1]))
