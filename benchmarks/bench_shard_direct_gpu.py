@@ -27,6 +27,11 @@ a fresh load of the trainer's weights; the exit status is non-zero if one is not
     python benchmarks/bench_shard_direct_gpu.py --out benchmarks/results/shard-direct-gpu-h200x4.json
     python benchmarks/bench_shard_direct_gpu.py --smoke   # CPU, gloo, toy widths
 
+Each rank's stderr (timestamped progress lines; every thread's stack if it is stuck at
+the deadline) goes to $ENGINEHOOKS_GPU_LOGDIR/bench_shard-rank<i>.err when that is set;
+a failure puts the tail of every rank's stderr in the error. NCCL_DEBUG is left to the
+caller's environment.
+
 Writes OUT.json (rows, ratios, machine: device name, count, date) and OUT.log (the
 table). Without 4 GPUs it writes a JSON that says not run, and exits 0.
 """
@@ -135,14 +140,19 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--inter", type=int, default=11008)
     ap.add_argument("--vocab", type=int, default=8192)
     ap.add_argument("--experts", type=int, default=2)
-    ap.add_argument("--reps", type=int, default=5)
-    ap.add_argument("--timeout-s", type=float, default=120.0)
-    ap.add_argument("--deadline-s", type=float, default=170.0,
-                    help="the children are killed past this (the run stays under 3 min)")
+    ap.add_argument("--reps", type=int, default=3, help="timed pushes per row")
+    ap.add_argument("--pushes", type=int, default=None,
+                    help="total pushes (3 warm-ups included): sets --reps to pushes/3 - 1")
+    ap.add_argument("--timeout-s", type=float, default=60.0,
+                    help="each rank's bound on one NCCL wait")
+    ap.add_argument("--deadline-s", type=float, default=150.0,
+                    help="the children print their stacks and are killed past this")
     ap.add_argument("--out", type=Path, default=None, help="writes OUT.json and OUT.log")
     ap.add_argument("--smoke", action="store_true",
                     help="CPU: gloo, toy widths (this file's logic without GPUs)")
     args = ap.parse_args(argv)
+    if args.pushes is not None:
+        args.reps = max(1, args.pushes // len(MODES) - 1)
     if args.smoke:
         args.hidden, args.inter, args.vocab, args.layers, args.reps = 256, 768, 2048, 2, 2
     res: dict[str, Any] = {"benchmark": "bench_shard_direct_gpu",
@@ -167,7 +177,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         outs = run_modules("tests.gpu.shard_gpu_rank", [
             {"rank": r, "port": port, "seed": 5, "dims": dims, "timeout_s": args.timeout_s,
-             "pushes": pushes, "smoke": args.smoke} for r in range(4)], ROOT, args.deadline_s)
+             "pushes": pushes, "smoke": args.smoke, "deadline_s": args.deadline_s - 8}
+            for r in range(4)], ROOT, args.deadline_s, label="bench_shard")
         bad = [o for o in outs if "error" in o or any("error" in p for p in o["pushes"])]
         if bad:
             raise RuntimeError(json.dumps(bad)[:4000])

@@ -133,8 +133,15 @@ class ShardLanding:
 
     def __init__(self, plan: CopyPlan | None, specs: Sequence[TensorSpec],
                  transfers: Sequence[Transfer], me: int,
-                 tensors: Mapping[str, torch.Tensor], loader: Loader) -> None:
+                 tensors: Mapping[str, torch.Tensor], loader: Loader,
+                 device: torch.device | None = None) -> None:
         self.plan, self.tensors, self.loader = plan, tensors, loader
+        # staging on the destinations' device: over NCCL a receive buffer must be on the
+        # GPU (a host staging tensor was refused there before anything was posted, and the
+        # trainer ranks' sends then waited out their timeout)
+        if device is None:
+            device = next((t.device for t in tensors.values()), torch.device("cpu"))
+        self.device = device
         self.specs = {s.name: s for s in specs}
         mine: dict[str, list[Transfer]] = {}
         for t in transfers:
@@ -160,7 +167,8 @@ class ShardLanding:
                                         for t in ts):
                 self._direct[name] = runs
             else:
-                self._staged[name] = torch.empty(spec.nbytes, dtype=torch.uint8)
+                self._staged[name] = torch.empty(spec.nbytes, dtype=torch.uint8,
+                                                device=self.device)
 
     def dest(self, t: Transfer) -> torch.Tensor:
         """The 1-D uint8 tensor transfer `t`'s bytes are received into."""

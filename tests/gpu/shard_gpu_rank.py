@@ -52,6 +52,7 @@ from enginehooks.trainer_side.fsdp import FSDP2Shards
 from enginehooks.transports import shard_direct as sd
 from enginehooks.wire.schedule import ShardSchedule
 from enginehooks_testkit import tp_module as tp
+from tests.support.ranks import progress
 
 TRAINERS, ENGINES = 2, 2
 
@@ -122,6 +123,11 @@ def main(spec: dict[str, Any]) -> dict[str, Any]:
     if not smoke:
         torch.cuda.set_device(device)
     world = TRAINERS + ENGINES
+
+    def say(what: str) -> None:
+        progress(f"rank {rank}: {what}")
+
+    say(f"start ({backend}, {device})")
     store = dist.TCPStore("127.0.0.1", int(spec["port"]), world, rank == 0,
                           timeout=_dt.timedelta(seconds=timeout_s))
     # NCCL's own timeout past ours: our wait (a polled CUDA event) reports a dead peer
@@ -129,7 +135,9 @@ def main(spec: dict[str, Any]) -> dict[str, Any]:
                             timeout=_dt.timedelta(seconds=2 * timeout_s + 60),
                             device_id=None if smoke else device)
     dist.all_reduce(torch.zeros(1, device=device))  # every rank in the first collective
-    trainers = dist.new_group(list(range(TRAINERS)), backend=backend)
+    say("init done (world all_reduce)")
+    trainers = dist.new_group(list(range(TRAINERS)), backend=backend)  # every rank calls it
+    say("trainer group formed")
     # the checkpoint, built on the host (the same bytes in every process)
     full_model = tp.TinyFull(int(spec["seed"]), dims)
     full_cpu = {n: t.detach() for n, t in full_model.state_dict().items()}
@@ -146,12 +154,14 @@ def main(spec: dict[str, Any]) -> dict[str, Any]:
         fully_shard(model, mesh=DeviceMesh.from_group(trainers, device.type))
         del full_cpu, full_model
         shards = FSDP2Shards(model)
+        say("fully_shard done")
         if rank == 0:
             infos = [json.loads(store.get(f"info/{e}")) for e in range(ENGINES)]
             man = ShardPlanner(TRAINERS).manifest(specs, shards.holds(), [("tp", infos)],
                                                   weight_version=1, bucket_bytes=1 << 20,
                                                   checksum="sum64")
             store.set("manifest", man.to_json())
+            say(f"planned {len(ShardSchedule.of(man).transfers)} transfers")
     else:
         e = rank - TRAINERS
         with torch.device("meta"):
@@ -166,10 +176,12 @@ def main(spec: dict[str, Any]) -> dict[str, Any]:
             oracle = tp.TinyTP(e, ENGINES, dims)
         tp.load_weights(oracle, ((n, t.to(device)) for n, t in full_cpu.items()))
         del full_cpu, full_model
+        say("engine replica and oracle built")
     man = Manifest.from_json(store.get("manifest").decode())
     sched = ShardSchedule.of(man)
     mid = manifest_id(man)
     out["schedule_bytes"] = sum(t.nbytes for t in sched.transfers)
+    say(f"manifest read: {len(sched.transfers)} transfers, {out['schedule_bytes']} bytes")
     sizes = _raw_sizes(sched.transfers)
     raw_bufs: dict[int, torch.Tensor] = {}
     if any(p["mode"] == "raw" for p in pushes):  # one buffer per peer, made before timing
@@ -178,7 +190,8 @@ def main(spec: dict[str, Any]) -> dict[str, Any]:
             n = max([v for (s, d), v in sizes.items()
                      if (s == rank and d == p) or (s == p and d == rank - TRAINERS)] or [0])
             raw_bufs[p] = torch.empty(n, dtype=torch.uint8, device=device)
-    for push in pushes:
+    broken = False
+    for k, push in enumerate(pushes):
         mode, checksum = push["mode"], push.get("checksum", "sum64")
         secret = bytes.fromhex(push["secret"]) if push.get("secret") else None
         rec: dict[str, Any] = {"mode": mode, "checksum": checksum, "keyed": bool(secret)}
@@ -190,8 +203,11 @@ def main(spec: dict[str, Any]) -> dict[str, Any]:
         if rank >= TRAINERS and mode == "shard":
             landing = ShardLanding(cplan, man.tensors, sched.transfers, rank - TRAINERS,
                                    dict(named_tensors(engine)),
-                                   lambda items: tp.load_weights(engine, items))
+                                   lambda items: tp.load_weights(engine, items), device)
+        say(f"push {k} ({mode}, checksum {checksum}, keyed {bool(secret)}, pack_below "
+            f"{pack_below}): barrier")
         _barrier(device)
+        say(f"push {k}: start")
         t0 = time.perf_counter()
         try:
             if mode == "raw":
@@ -225,13 +241,20 @@ def main(spec: dict[str, Any]) -> dict[str, Any]:
             with torch.no_grad():  # the next push lands in zeros again
                 for p in engine.parameters():
                     p.zero_()
+        say(f"push {k}: end in {rec['seconds']:.3f} s"
+            + (f": {rec['type']}: {rec['error']}" if "error" in rec else ""))
         if not spec.get("how"):
             rec.pop("how", None)
         out["pushes"].append(rec)
         if rec.get("type") not in (None, "ChecksumError"):
+            broken = True
             break  # the group's state is unknown after a transport error
     out["role"] = "trainer" if rank < TRAINERS else "engine"
+    if broken:  # no barrier, no teardown: a send still queued on NCCL's stream never ends
+        out["_exit_now"] = True
+        return out
     _barrier(device)
+    say("done")
     dist.destroy_process_group()
     return out
 

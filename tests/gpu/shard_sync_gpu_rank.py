@@ -47,6 +47,7 @@ from enginehooks.core.manifest import TensorSpec
 from enginehooks.engine.copy_plan import PlanState, record_plan
 from enginehooks.transports.base import Target
 from enginehooks_testkit import tp_module as tp
+from tests.support.ranks import progress
 
 WORKERS = 2
 
@@ -125,6 +126,7 @@ def engine_main(spec: dict[str, Any]) -> dict[str, Any]:
     folder = Path(spec["dir"])
     (folder / f"url-{e}.tmp").write_text(f"http://127.0.0.1:{server.server_address[1]}")
     os.replace(folder / f"url-{e}.tmp", folder / f"url-{e}")
+    progress(f"worker {e}: serving on {device}")
     end = time.monotonic() + float(spec["timeout_s"]) * 6
     while not (folder / "done").exists():
         if time.monotonic() > end:
@@ -162,6 +164,7 @@ def trainer_main(spec: dict[str, Any]) -> dict[str, Any]:
                             rank=rank, world_size=2,
                             timeout=_dt.timedelta(seconds=timeout_s * 4))
     dist.all_reduce(torch.zeros(1, device=device))
+    progress(f"trainer {rank}: init done on {device}")
     control = dist.new_group(backend="gloo")  # the senders' channel, apart from FSDP's
     sync = WeightSync("shard" if smoke else "shard_nccl",
                       senders=TrainerRanks(control, timeout_s=timeout_s), host="127.0.0.1",
@@ -185,13 +188,16 @@ def trainer_main(spec: dict[str, Any]) -> dict[str, Any]:
                         else seal_all)
         model = tp.TinyFull(int(seed)).to(device)
         fully_shard(model, mesh=DeviceMesh.from_group(dist.group.WORLD, device.type))
+        progress(f"trainer {rank}: push {i} start")
         try:
             report = sync.push(model, version=f"v{i}")
+            progress(f"trainer {rank}: push {i} end")
             out["reports"].append({"ok": True, "bytes": report.bytes,
                                    "schedule": report.sender.get("schedule")})
             last_ok = i
         except Exception as err:
             traceback.print_exc()
+            progress(f"trainer {rank}: push {i} failed: {type(err).__name__}")
             out["reports"].append({"ok": False, "error": str(err)[:2000],
                                    "type": type(err).__name__})
     sd._seal_all = seal_all

@@ -27,7 +27,10 @@ equals the last good push bit for bit).
 On one GPU: the device seals (`_seal_all`: `sum64` per range on the GPU) equal the host's.
 
 Every wait is bounded (`run_modules` kills the ranks past its timeout; each rank's NCCL
-waits are polled CUDA events against `TIMEOUT_S`).
+waits are polled CUDA events against `TIMEOUT_S`). A stuck rank prints every thread's
+stack to stderr before it is killed (`faulthandler`, `spec_main`), each rank writes
+timestamped progress lines there, and a failure shows the tail of every rank's stderr;
+the files stay under $ENGINEHOOKS_GPU_LOGDIR when it is set.
 """
 
 from __future__ import annotations
@@ -43,7 +46,9 @@ from tests.support.ranks import free_port, run_modules
 
 pytestmark = [pytest.mark.gpu, pytest.mark.timeout(300)]
 
-TIMEOUT_S = 60
+TIMEOUT_S = 45
+#: the four processes' wall time (start, CUDA and NCCL init, three pushes of a small model)
+RUN_S = 130
 DIMS = {"vocab": 2048, "hidden": 256, "inter": 768, "layers": 2, "experts": 4}
 SECRET = "ab" * 16
 
@@ -79,7 +84,8 @@ def test_two_fsdp2_ranks_feed_a_tp2_replica_over_nccl_bit_exact_then_a_bad_byte_
               {"mode": "shard", "checksum": "sum64", "corrupt": 1}]
     t0, t1, e0, e1 = run_modules("tests.gpu.shard_gpu_rank", [
         {"rank": r, "port": port, "seed": 5, "dims": DIMS, "timeout_s": TIMEOUT_S,
-         "pushes": pushes, "how": True} for r in range(4)], ROOT, TIMEOUT_S * 4)
+         "pushes": pushes, "how": True, "deadline_s": RUN_S - 10} for r in range(4)],
+        ROOT, RUN_S, label="shard_gpu")
     for r in (t0, t1, e0, e1):
         assert "error" not in r, r
         assert len(r["pushes"]) == 3, r
@@ -112,11 +118,12 @@ def test_two_fsdp2_ranks_feed_a_tp2_replica_over_nccl_bit_exact_then_a_bad_byte_
 def test_weightsync_shard_nccl_pushes_along_the_schedule_and_refuses_a_bad_byte(
         tmp_path: Path) -> None:
     base = {"dir": str(tmp_path), "master": f"127.0.0.1:{free_port()}", "seeds": [3, 4, 5],
-            "timeout_s": TIMEOUT_S, "secret": SECRET, "corrupt": [1, 2]}
+            "timeout_s": TIMEOUT_S, "secret": SECRET, "corrupt": [1, 2],
+            "deadline_s": 2 * RUN_S - 10}
     r0, r1, w0, w1 = run_modules("tests.gpu.shard_sync_gpu_rank",
                                  [{**base, "role": "trainer", "rank": r} for r in range(2)]
                                  + [{**base, "role": "engine", "rank": e} for e in range(2)],
-                                 ROOT, TIMEOUT_S * 6)
+                                 ROOT, 2 * RUN_S, label="shard_sync_gpu")
     for r in (r0, r1, w0, w1):
         assert "error" not in r, r
     for i in (0, 1):
