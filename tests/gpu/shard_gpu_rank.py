@@ -54,6 +54,7 @@ from enginehooks.wire.schedule import ShardSchedule
 from enginehooks_testkit import tp_module as tp
 from tests.support.ranks import progress
 
+#: trainer ranks (FSDP2) and engine ranks (one TP replica); set per run by `main`
 TRAINERS, ENGINES = 2, 2
 
 
@@ -114,6 +115,9 @@ def _raw(rank: int, sizes: dict[tuple[int, int], int], device: torch.device,
 
 
 def main(spec: dict[str, Any]) -> dict[str, Any]:
+    global TRAINERS, ENGINES
+    # the topology (default 2 -> 2; "trainers": 1, "engines": 1 on a 2-GPU host)
+    TRAINERS, ENGINES = int(spec.get("trainers", 2)), int(spec.get("engines", 2))
     rank = int(spec["rank"])
     timeout_s = float(spec["timeout_s"])
     dims = tp.Dims(**spec.get("dims", {}))

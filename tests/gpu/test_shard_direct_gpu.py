@@ -141,3 +141,34 @@ def test_weightsync_shard_nccl_pushes_along_the_schedule_and_refuses_a_bad_byte(
     assert r1["reports"][2]["ok"] is False
     for w in (w0, w1):
         assert w["equal"] is True, w  # the last good push, bit for bit: nothing applied
+
+
+@pytest.mark.skipif((torch.cuda.device_count() if torch.cuda.is_available() else 0) < 2,
+                    reason="needs 2 CUDA GPUs (1 trainer rank, 1 engine rank)")
+def test_one_fsdp2_rank_feeds_one_engine_rank_over_nccl_then_a_bad_byte_is_refused() -> None:
+    """The same path on a 2-GPU host: one FSDP2 rank (GPU 0) sends along the schedule to
+    the one rank of a TP=1 replica (GPU 1) over NCCL: batched point to point, device
+    seals, landing in the engine's GPU parameters; bit-exact, each byte once, and a byte
+    flipped after sealing is a `ChecksumError` naming its tensor (the protective line:
+    the receiver's digest compare)."""
+    port = free_port()
+    pushes = [{"mode": "shard", "checksum": "sum64"},
+              {"mode": "shard", "checksum": "sum64", "secret": SECRET, "pack_below": 4096},
+              {"mode": "shard", "checksum": "sum64", "corrupt": 0}]
+    t0, e0 = run_modules("tests.gpu.shard_gpu_rank", [
+        {"rank": r, "port": port, "seed": 5, "dims": DIMS, "timeout_s": TIMEOUT_S,
+         "pushes": pushes, "how": True, "deadline_s": RUN_S - 10, "trainers": 1,
+         "engines": 1} for r in range(2)], ROOT, RUN_S, label="shard_gpu_2")
+    for r in (t0, e0):
+        assert "error" not in r, r
+        assert len(r["pushes"]) == 3, r
+    for i in (0, 1):
+        p = e0["pushes"][i]
+        assert "error" not in p and p["equal"] is True, p
+        assert p["direct"] > p["received"] / 2, p
+        assert t0["pushes"][i]["sent"] == p["received"] == t0["schedule_bytes"], (t0, p)
+        assert t0["model_bytes"] <= p["received"] <= 1.02 * t0["model_bytes"], p
+    flipped = t0["pushes"][2]["corrupted"]
+    p = e0["pushes"][2]
+    assert len(flipped) == 1 and p.get("type") == "ChecksumError", p
+    assert f"of {flipped[0]!r} from trainer rank 0" in p["error"], p
