@@ -374,6 +374,9 @@ def push_rows(handle: Any, trainer: Callable[[int], Any], rounds: int, transport
             info = handle.info(120)[0]
             last = (info.get("verification") or {}).get("last") or {}
             plan = info.get("copy_plan") or {}
+            # the first worker's own stats of this update (`EngineSide.receive`)
+            workers = report.replicas[0].stats.get("workers") if report.replicas else None
+            worker = workers[0] if isinstance(workers, list) and workers else {}
             rows.append({"phase": phase, "seconds": round(wall, 4),
                          "report_seconds": round(report.seconds, 4), "bytes": report.bytes,
                          "layout": report.layout,
@@ -382,10 +385,9 @@ def push_rows(handle: Any, trainer: Callable[[int], Any], rounds: int, transport
                          "phases_ms": {
                              "trainer": {k: round(v * 1e3, 3) for k, v in report.phases.items()},
                              "sender": report.sender.get("phases_ms"),
-                             "receiver": (report.replicas[0].stats.get("phases_ms")
-                                          if report.replicas else None),
-                             "receiver_seconds": (report.replicas[0].stats.get("seconds")
-                                                  if report.replicas else None)},
+                             "receiver": worker.get("phases_ms"),
+                             "receiver_ms": (round(worker["seconds"] * 1e3, 3)
+                                             if "seconds" in worker else None)},
                          "apply_seconds": plan.get("seconds"),
                          "verification": {k: last.get(k) for k in (
                              "ok", "outcome", "how", "digest", "digest_bytes", "landed_bytes",
