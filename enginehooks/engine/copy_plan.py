@@ -163,6 +163,10 @@ class CopyPlan:
     #: a write the plan cannot reproduce that is not any one tensor's (the loader
     #: touched the model after the last tensor): the whole plan stays off.
     global_reason: str | None = None
+    #: `full_copy`'s answers: name -> (the route it was derived from, the step or None);
+    #: a receiver asks for every tensor of every update
+    _full: dict[str, tuple[Route | None, Step | None]] = field(
+        default_factory=dict, repr=False, compare=False)
 
     def planned(self) -> list[str]:
         return [n for n, r in self.routes.items() if r.planned]
@@ -194,6 +198,14 @@ class CopyPlan:
         order, into a contiguous whole destination tensor of the same dtype): a
         receiver can then receive the bytes straight into the destination."""
         r = self.routes.get(name)
+        hit = self._full.get(name)
+        if hit is not None and hit[0] is r:
+            return hit[1]
+        step = self._full_copy(r)
+        self._full[name] = (r, step)
+        return step
+
+    def _full_copy(self, r: Route | None) -> Step | None:
         if r is None or not r.planned:
             return None
         # a write of no element (vLLM's embedding fills its vocabulary padding, which
