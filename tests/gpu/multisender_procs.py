@@ -33,12 +33,14 @@ import threading
 import time
 import traceback
 from collections.abc import Iterable
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
+
+from tests.support.json_http import JsonHandler
 
 ROOT = Path(__file__).resolve().parents[2]
 MASK64 = (1 << 64) - 1
@@ -280,18 +282,7 @@ def replica_main(spec: dict[str, Any]) -> None:
     module = build_model(spec["specs"], device, seed=None)
     engine = LocalEngine(module, name=spec["name"], device=device)
 
-    class Handler(BaseHTTPRequestHandler):
-        def log_message(self, format: str, *args: Any) -> None:
-            pass
-
-        def _send(self, code: int, body: Any) -> None:
-            data = json.dumps(body).encode()
-            self.send_response(code)
-            self.send_header("Content-Type", "application/json")
-            self.send_header("Content-Length", str(len(data)))
-            self.end_headers()
-            self.wfile.write(data)
-
+    class Handler(JsonHandler):
         def do_GET(self) -> None:
             self._send(200 if self.path == "/health" else 404, {"ok": self.path == "/health"})
 

@@ -36,7 +36,7 @@ import threading
 import time
 import traceback
 from collections.abc import Iterator
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
@@ -47,6 +47,7 @@ from enginehooks.core.manifest import TensorSpec
 from enginehooks.engine.copy_plan import PlanState, record_plan
 from enginehooks.transports.base import Target
 from enginehooks_testkit import tp_module as tp
+from tests.support.json_http import JsonHandler
 from tests.support.ranks import progress
 
 WORKERS = 2
@@ -95,18 +96,7 @@ def engine_main(spec: dict[str, Any]) -> dict[str, Any]:
     target = GpuTPTarget(e, specs, device)
     side = EngineSide(TPBinding(target, specs))  # type: ignore[arg-type]
 
-    class Handler(BaseHTTPRequestHandler):
-        def log_message(self, format: str, *args: Any) -> None:
-            pass
-
-        def _send(self, code: int, body: Any) -> None:
-            data = json.dumps(body).encode()
-            self.send_response(code)
-            self.send_header("Content-Type", "application/json")
-            self.send_header("Content-Length", str(len(data)))
-            self.end_headers()
-            self.wfile.write(data)
-
+    class Handler(JsonHandler):
         def do_POST(self) -> None:
             body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
             if device.type == "cuda":  # a worker's threads run on its GPU
