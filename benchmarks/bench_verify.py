@@ -389,8 +389,12 @@ def push_rows(handle: Any, trainer: Callable[[int], Any], rounds: int, transport
                              "receiver_ms": (round(worker["seconds"] * 1e3, 3)
                                              if "seconds" in worker else None)},
                          "apply_seconds": plan.get("seconds"),
+                         # the engine side's apply: before the load, the load, the
+                         # landed names, the post-load step, the verification (ms)
+                         "apply_phases_ms": plan.get("phases_ms"),
                          "verification": {k: last.get(k) for k in (
-                             "ok", "outcome", "how", "digest", "digest_bytes", "landed_bytes",
+                             "ok", "outcome", "how", "settled", "digest", "digest_bytes",
+                             "landed_bytes",
                              "shadow_bytes",
                              "compared", "probed", "unverified", "repaired", "error", "seconds",
                              "shadow_kind", "shadow_units", "shadow_why",

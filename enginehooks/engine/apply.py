@@ -311,28 +311,40 @@ class ApplyTarget(Target, ABC):
         if self.plan.plan is not None:
             update.dtypes = {n: lay.dtype for n, lay in self.plan.plan.layouts.items()}
 
-        t0, c0 = time.perf_counter(), time.thread_time()
+        clock = time.perf_counter
+        t0, c0 = clock(), time.thread_time()
         self.begin()
         self._digests = digests
         try:
             if routes:
                 update.routes = self.routes = self.writable(routes)
+            t1 = clock()
             self.load(self._stream(tensors, update))
+            t2 = clock()
             other_cpu, extra = self.session_stats()
         finally:
             self.live, self.routes, self._digests = None, {}, None
             self.end()
         if update.routes:
             self.plan.applied += 1
+        t3 = clock()
         landed = self.landed(update.fed)
+        t4 = clock()
         self.after_load(model, landed)
+        t5 = clock()
         # wall and this thread's CPU seconds (the latter is what the apply costs when
-        # other processes share the cores)
-        self.plan.last = {"seconds": round(time.perf_counter() - t0, 4),
+        # other processes share the cores); where the wall went (ms): before the load
+        # (the emptied walk, `begin`, `writable`), the load (the transport's stream
+        # included), the landed names, the post-load step, the verification
+        self.plan.last = {"seconds": round(t5 - t0, 4),
                           "cpu_seconds": round(time.thread_time() - c0 + other_cpu, 4),
                           "planned_last": update.planned,
                           "loader_last": len(update.fed) - update.planned, **extra}
         self._record_and_verify(model, update, landed, checking, verify, recording)
+        self.plan.last["phases_ms"] = {
+            k: round(v * 1e3, 3) for k, v in (("before", t1 - t0), ("load", t2 - t1),
+                                              ("landed", t4 - t3), ("after_load", t5 - t4),
+                                              ("verify", clock() - t5))}
         last = self.verifier.last
         if verify and last is not None and isinstance(last.get("seconds"), dict):
             # what verification cost while the update streamed (in the apply's time)
@@ -354,8 +366,9 @@ class ApplyTarget(Target, ABC):
                 self.write_planned(name, t, route)
                 if update.digests is not None:
                     t0 = time.perf_counter()
-                    dests = {st.dest for st in route.steps}
-                    if dests <= update.emptied:
+                    # (on a GPU nothing is emptied: no set built per tensor there)
+                    dests = {st.dest for st in route.steps} if update.emptied else None
+                    if dests and dests <= update.emptied:
                         update.digests.unproved.update(dests)
                     else:
                         update.digests.add(route.steps, t, update.dtypes, name)

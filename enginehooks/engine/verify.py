@@ -44,6 +44,7 @@ import logging
 import os
 import time
 import types
+import weakref
 from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -61,6 +62,7 @@ from enginehooks.engine.shadow import (
     shadow_mode,
 )
 from enginehooks.engine.walk import (
+    Structure,
     live_tensors,
     modules_by_name,
     tensors_by_name,
@@ -333,6 +335,9 @@ class Verdict:
     shadow_peak_bytes: int | None = None
     #: where the time went: digests, building the shadow, comparing (and repairing)
     seconds: dict[str, float] = field(default_factory=dict)
+    #: the verdict of the last update stood for this one (`Settled`): the same model
+    #: structure and landing addresses, and a re-read found every landed byte as received
+    settled: bool = False
 
     @property
     def how(self) -> str:
@@ -345,6 +350,7 @@ class Verdict:
                 "repaired": self.repaired[:50], "unreadable": self.unreadable[:50],
                 "how": self.how, "digest": self.digest, "digest_bytes": self.digest_bytes,
                 "landed_bytes": self.landed_bytes, "shadow_bytes": self.shadow_bytes,
+                "settled": self.settled,
                 "probed": self.probed[:50],
                 "unverified": self.unverified[:50], "shadow_kind": self.shadow_kind,
                 "shadow_units": self.shadow_units, "shadow_why": self.shadow_why,
@@ -380,6 +386,14 @@ class DigestCheck:
     _wired_dest: dict[str, str] = field(default_factory=dict)
     #: the launched re-reads (`reread`): per landing window, which buckets differ
     _rereads: list[tuple[torch.Tensor, list[Any]]] | None = None
+    #: runs digested here as they arrived (not proved by a receiver's landing)
+    digested: int = 0
+
+    def only_landed(self) -> bool:
+        """Whether a receiver's landing proves every run, whole destination by whole
+        destination, and nothing is unproved (what a `Settled` verdict can stand for)."""
+        return (not self.digested and not self.unproved and bool(self.runs)
+                and all(len(r) == 1 and r[0][2] == _WIRE for r in self.runs.values()))
 
     def landed_dests(self) -> set[str]:
         """Destinations a receiver's landing proves (`wire`)."""
@@ -453,6 +467,7 @@ class DigestCheck:
                 self.unproved.add(dest)
                 continue
             algo = digest_algorithm(b)
+            self.digested += 1
             want = self._device_term(b) if algo == DIGEST else None
             self.runs.setdefault(dest, []).append(
                 (d[0], d[1], algo, want if want is not None else _digest(algo, b)))
@@ -869,14 +884,19 @@ def verify_and_repair(live: torch.nn.Module, build_fresh: Callable[[], torch.nn.
     t0 = time.perf_counter()
     if digests is not None:
         digests.reread()  # the device re-reads the landings while the host walks
+    tw = time.perf_counter()
     # the walk of the live model every step below shares (once per verification)
     prepared = Prepared.of(live, landed)
     touched = prepared.touched
+    # where the digest path's time goes (10 us resolution): launching the re-read, the
+    # walk, the check (which waits for the re-read), the digest-only test
+    verdict.seconds["reread_launch"] = round(tw - t0, 5)
+    verdict.seconds["walk"] = round(time.perf_counter() - tw, 5)
     if digests is not None and (digests.runs or digests.unproved):
         tensors = prepared.tensors
         tc = time.perf_counter()
         good, bad = digests.check(tensors)
-        verdict.seconds["digest_check"] = round(time.perf_counter() - tc, 4)
+        verdict.seconds["digest_check"] = round(time.perf_counter() - tc, 5)
         if bad and isinstance(suspect, set):
             suspect.update(d.rpartition(".")[0] for d in bad)
         if bad and digests.uncopied:  # (no shadow can be complete without them)
@@ -893,14 +913,16 @@ def verify_and_repair(live: torch.nn.Module, build_fresh: Callable[[], torch.nn.
             log.warning("%s: %d planned copies do not hold the bytes received (%s): "
                         "comparing everything with a fresh load", engine, len(bad), bad[:8])
         else:
+            td = time.perf_counter()
             skip = digest_only_modules(live, landed, good, suspect, prepared)
+            verdict.seconds["digest_only"] = round(time.perf_counter() - td, 5)
             proved = [d for d in good if d.rpartition(".")[0] in skip]
             verdict.digest = len(proved)
             verdict.digest_bytes = sum(tensors[d].nbytes for d in proved)
             by_landing = digests.landed_dests()
             verdict.landed_bytes = sum(tensors[d].nbytes for d in proved if d in by_landing)
     t1 = time.perf_counter()
-    verdict.seconds["digest"] = round(t1 - t0, 4)
+    verdict.seconds["digest"] = round(t1 - t0, 5)
     if touched <= skip:
         verdict.shadow = False
         return verdict
@@ -1017,6 +1039,69 @@ def named_live(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
     yield from live_tensors(model).items()
 
 
+@dataclass
+class Settled:
+    """A digest-only verdict kept for the next update of the same layout.
+
+    In a training loop every update lands the same tensors at the same addresses, and
+    the model's structure does not change: the digest-only test (`digest_only_modules`)
+    and the check of each destination's address (`DigestCheck.check`) would give the
+    same answer push after push, and they are most of what verification costs on a GPU.
+    What this keeps is exactly what those answers depend on: the model's `Structure`
+    (every module and what it holds, by identity; every tensor's address, shape,
+    strides and dtype), the landed names, and every destination's landing address.
+    Where all of them are the same, only the bytes can differ: the re-read of the
+    landings (`DigestCheck._landed_changed`, the same launch the full path makes) is
+    then the whole verification. Anything else (a module an engine replaced or gave a
+    new attribute, a tensor moved, a destination landed elsewhere, a run digested
+    rather than landed, a re-read that differs) takes the full path."""
+
+    model: Any  # a weak reference to the live model
+    landed: frozenset[str]
+    runs: dict[str, list[tuple[int, int, str, int | torch.Tensor]]]
+    structure: Structure
+    digest: int
+    digest_bytes: int
+    landed_bytes: int
+
+    @staticmethod
+    def of(live: torch.nn.Module, landed: Collection[str], digests: DigestCheck,
+           verdict: Verdict) -> Settled | None:
+        """What a digest-only `verdict` (no shadow, nothing differed or unverified) on
+        `live` can be kept as; None where a re-read alone could not stand for it."""
+        if (verdict.shadow or verdict.mismatched or verdict.unverified or verdict.unreadable
+                or not digests.only_landed()):
+            return None
+        structure = Structure.of(live)
+        if structure is None:
+            return None
+        return Settled(weakref.ref(live), frozenset(landed), dict(digests.runs), structure,
+                       verdict.digest, verdict.digest_bytes, verdict.landed_bytes)
+
+    def verdict(self, live: torch.nn.Module, landed: Collection[str],
+                digests: DigestCheck) -> Verdict | None:
+        """This update's verdict where it is the settled one's (the same model, landed
+        names, landing addresses and structure, and a re-read that found every landed
+        byte as received); None where the full path must judge."""
+        t0 = time.perf_counter()
+        digests.reread()
+        t1 = time.perf_counter()
+        if (self.model() is not live or digests.digested or digests.unproved
+                or digests.runs != self.runs or frozenset(landed) != self.landed
+                or not self.structure.same(Structure.of(live))):
+            return None
+        t2 = time.perf_counter()
+        if digests._landed_changed():
+            return None  # the full path names what differs (and re-reads it again)
+        t3 = time.perf_counter()
+        return Verdict(digest=self.digest, digest_bytes=self.digest_bytes,
+                       landed_bytes=self.landed_bytes, shadow=False, settled=True,
+                       seconds={"reread_launch": round(t1 - t0, 5),
+                                "settled_check": round(t2 - t1, 5),
+                                "digest_check": round(t3 - t2, 5),
+                                "digest": round(t3 - t0, 5)})
+
+
 #: what `Verifier.state()["updates"]` counts, per outcome of an update
 OUTCOMES = ("verified", "repaired", "unverified", "failed")
 
@@ -1050,6 +1135,8 @@ class Verifier:
         self.digest_only_last = False
         #: modules that once differed from a fresh load: always compared on a shadow
         self.suspect: set[str] = set()
+        #: the last digest-only verdict, kept for the next update (`Settled`)
+        self.settled: Settled | None = None
 
     def wanted(self, requested: bool = False) -> bool:
         """Whether this update is verified; `requested`: the trainer asked
@@ -1071,10 +1158,19 @@ class Verifier:
             landed: Collection[str], digests: DigestCheck | None = None,
             stream_fresh: Callable[[Collection[str]], Iterator[Pass]] | None = None
             ) -> Verdict | None:
+        settled, self.settled = self.settled, None
+        verdict = None
+        if settled is not None and digests is not None and not self.suspect:
+            verdict = settled.verdict(live, landed, digests)
+            if verdict is not None:
+                self.settled = settled
         try:
-            verdict = verify_and_repair(live, build_fresh, landed, engine=self.engine,
-                                        digests=digests, suspect=self.suspect,
-                                        stream_fresh=stream_fresh)
+            if verdict is None:
+                verdict = verify_and_repair(live, build_fresh, landed, engine=self.engine,
+                                            digests=digests, suspect=self.suspect,
+                                            stream_fresh=stream_fresh)
+                if digests is not None and not self.suspect:
+                    self.settled = Settled.of(live, landed, digests, verdict)
         except WeightsMismatch as e:
             self.sticky, self.digest_only_last = True, False
             self.counts["failed"] += 1

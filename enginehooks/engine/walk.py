@@ -16,6 +16,8 @@ data it swapped, is seen on the next walk as torch would see it.
 
 from __future__ import annotations
 
+import operator
+
 import torch
 
 
@@ -70,3 +72,51 @@ def tensors_by_name(mods: list[tuple[str, torch.nn.Module]]) -> dict[str, torch.
 def live_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     """`tensors_by_name` of the whole model."""
     return tensors_by_name(modules_by_name(model))
+
+
+class Structure:
+    """What the digest-only verdict of an update depends on, read in one walk: every
+    module, child, parameter, buffer and attribute value by identity, and every
+    parameter's and buffer's address, shape, strides and dtype. Two equal structures
+    are the same model to `verify.digest_only_modules` and `DigestCheck.check`: the same
+    modules holding the same objects, the tensors still at the same addresses.
+
+    A module that holds a plain callable (a closure may capture a tensor, and a cell's
+    contents can change without any dict changing) has no structure (`of` is None):
+    nothing is kept for such a model."""
+
+    __slots__ = ("keys", "objects")
+
+    def __init__(self, objects: list[object], keys: list[object]) -> None:
+        self.objects, self.keys = objects, keys
+
+    @staticmethod
+    def of(model: torch.nn.Module) -> Structure | None:
+        objects: list[object] = []
+        keys: list[object] = []
+        stack: list[torch.nn.Module] = [model]
+        while stack:
+            m = stack.pop()
+            d = m.__dict__
+            values = d.values()
+            objects.append(m)
+            objects.extend(values)
+            if any(map(callable, values)) and any(
+                    callable(v) and not isinstance(v, torch.nn.Module) for v in values):
+                return None
+            for own in (d["_parameters"], d["_buffers"]):
+                if own:
+                    ts = own.values()
+                    objects.extend(ts)
+                    keys.extend([(t.data_ptr(), t.shape, t.stride(), t.dtype)
+                                 for t in ts if t is not None])
+            children = d["_modules"].values()
+            objects.extend(children)
+            stack.extend(c for c in children if c is not None)
+        return Structure(objects, keys)
+
+    def same(self, other: Structure | None) -> bool:
+        """Whether `other` is this structure: the same objects (by identity) and keys."""
+        return (other is not None and len(other.objects) == len(self.objects)
+                and all(map(operator.is_, self.objects, other.objects))
+                and self.keys == other.keys)

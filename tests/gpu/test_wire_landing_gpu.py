@@ -122,7 +122,7 @@ def _replica() -> tuple[Any, torch.nn.Module, dict[str, bool]]:
     the engine processing that changes what it was sent."""
     from enginehooks_testkit.inprocess_replica import inprocess_replica
 
-    fault = {"on": False}
+    fault: dict[str, Any] = {"on": False, "rebind": None}
 
     def build(dev: torch.device) -> torch.nn.Module:
         with dev:
@@ -132,6 +132,9 @@ def _replica() -> tuple[Any, torch.nn.Module, dict[str, bool]]:
         if fault["on"]:
             with torch.no_grad():
                 m.layers[1].weight.view(-1).view(torch.uint8)[77] ^= 4  # type: ignore[index]
+        if fault["rebind"] is not None:  # the engine serves another tensor from now on
+            m.layers[2].weight = torch.nn.Parameter(fault["rebind"], requires_grad=False)  # type: ignore[index]
+            fault["rebind"] = None
 
     handle, model = inprocess_replica(build, DEV, after_load=after_load)
     return handle, model, fault
@@ -177,6 +180,8 @@ def test_cuda_ipc_landings_prove_every_later_push_and_a_changed_byte_ends_it_tor
             equal()
         total = sum(p.nbytes for p in model.parameters())
         assert last()["how"] == "digest" and last()["landed_bytes"] == total, last()
+        # the steady state: the last verdict stands, after a re-read of every landing
+        assert last()["settled"] is True, last()
         fault["on"] = True
         with pytest.raises(EngineHooksError, match="do not hold the bytes received"):
             push(5)
@@ -185,5 +190,60 @@ def test_cuda_ipc_landings_prove_every_later_push_and_a_changed_byte_ends_it_tor
         push(6)
         equal()
         assert handle.side.state == "current" and last()["ok"] is True
+    finally:
+        sync.close()
+
+
+def test_a_settled_verdict_stands_only_for_the_same_structure(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Once an update was proved by digests alone, the next one of the same layout is
+    judged by a re-read of its landings, provided the model's structure is the same
+    (`verify.Settled`). An engine step that, after a later load, makes a layer serve
+    another tensor holding older bytes leaves every landing intact (the bytes landed
+    where the old tensor was): only the structure says the model changed. That update
+    must end torn, never `current`; the next one verifies on the full path and is
+    `current` with the trainer's bytes. Protective line: the `Structure` comparison in
+    `Settled.verdict` (without it the stale weight is reported verified)."""
+    from enginehooks import WeightSync
+
+    _fused_or_skip()
+    monkeypatch.setenv("ENGINEHOOKS_VERIFY", "always")
+    handle, model, fault = _replica()
+    trainer = Blocks().to(DEV)
+    sync = WeightSync(transport="cuda_ipc", checksum="sum64", bucket_bytes=1 << 18,
+                      timeout_s=120, device=DEV)
+    sync.add_replica(handle)
+
+    def last() -> dict[str, Any]:
+        return handle.side.info()["verification"]["last"]
+
+    def push(v: int) -> None:
+        with torch.no_grad():
+            for p in trainer.parameters():
+                p.copy_(torch.randn_like(p))
+        sync.push(trainer, version=v)
+        torch.cuda.synchronize()
+
+    try:
+        for v in range(1, 5):
+            push(v)
+        assert last()["settled"] is True, last()
+        stale = model.layers[2].weight.detach().clone()  # type: ignore[index]
+        fault["rebind"] = stale
+        with pytest.raises(EngineHooksError, match="do not hold the bytes received"):
+            push(5)
+        assert handle.side.state == "torn"
+        assert model.layers[2].weight.data_ptr() == stale.data_ptr()  # type: ignore[index]
+        push(6)
+        assert handle.side.state == "current" and last()["ok"] is True
+        assert last()["settled"] is False, last()  # the full path judged it
+        assert "shadow" in last()["how"], last()
+        for (n, a), b in zip(trainer.state_dict().items(), model.state_dict().values(),
+                             strict=True):
+            assert torch.equal(a, b), n
+        # the layer that differed is compared on a shadow from now on (`suspect`):
+        # nothing settles while it is
+        push(7)
+        assert last()["settled"] is False and "shadow" in last()["how"], last()
     finally:
         sync.close()

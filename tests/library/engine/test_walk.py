@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from enginehooks.engine.walk import live_tensors, modules_by_name, unique_modules
+from enginehooks.engine.walk import Structure, live_tensors, modules_by_name, unique_modules
 
 
 class Shared(torch.nn.Module):
@@ -53,3 +53,57 @@ def test_sees_a_swapped_parameter() -> None:
     model.c[0].weight = torch.nn.Parameter(torch.zeros(4))
     after = live_tensors(model)["c.0.weight"]
     assert after is model.c[0].weight and after is not before
+
+
+# -- Structure: what a settled verdict stands for (`verify.Settled`) ------------------------
+def _changes() -> list[tuple[str, object]]:
+    """(what an engine step might do after a load, the step) on a `Shared` model."""
+
+    def attr(m: Shared) -> None:
+        m.c[0].packed = m.c[0].weight.detach().clone()  # a derived tensor, kept aside
+
+    def rebind(m: Shared) -> None:
+        m.a.weight = torch.nn.Parameter(m.a.weight.detach().clone())
+
+    def swap_data(m: Shared) -> None:
+        m.c[0].weight.data = m.c[0].weight.detach().clone()  # same Parameter object
+
+    def transpose(m: Shared) -> None:
+        w = m.c[1].weight  # 4x4: the same address and shape, other strides
+        w.data = w.data.t()
+
+    def reinterpret(m: Shared) -> None:
+        m.scale.data = m.scale.data.view(torch.int32)  # the same bytes, another dtype
+
+    def replace_child(m: Shared) -> None:
+        m.c[0] = torch.nn.LayerNorm(4)
+
+    def add_buffer(m: Shared) -> None:
+        m.stats.register_buffer("total", torch.zeros(1))
+
+    def plain_value(m: Shared) -> None:
+        m.c[0].eps = 1e-3
+
+    return [("attr", attr), ("rebind", rebind), ("swap_data", swap_data),
+            ("transpose", transpose), ("reinterpret", reinterpret),
+            ("replace_child", replace_child), ("add_buffer", add_buffer),
+            ("plain_value", plain_value)]
+
+
+def test_a_structure_is_the_same_only_while_nothing_it_holds_changed() -> None:
+    """Two walks of an unchanged model are the same structure; each change an engine's
+    post-load step could make (a new attribute, a rebound or re-pointed parameter, a
+    transposed or reinterpreted view at the same address, a replaced child, a new
+    buffer, a changed plain value) makes it another. A held plain callable (a closure
+    may capture a tensor) leaves no structure at all."""
+    torch.manual_seed(0)
+    for what, change in _changes():
+        m = Shared()
+        before = Structure.of(m)
+        assert before is not None and before.same(Structure.of(m)), what
+        change(m)  # type: ignore[operator]
+        assert not before.same(Structure.of(m)), what
+    m = Shared()
+    m.c[1].hook = lambda x: x * m.a.weight  # type: ignore[assignment]
+    assert Structure.of(m) is None
+    assert not Structure.of(Shared()).same(None)  # type: ignore[union-attr]
