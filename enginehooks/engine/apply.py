@@ -294,6 +294,8 @@ class ApplyTarget(Target, ABC):
         if self.by_fresh_load:
             self._apply_by_fresh_load(tensors)
             return
+        clock = time.perf_counter
+        t0, c0 = clock(), time.thread_time()
         model = self.model()
         routes, self.routes = self.routes, {}
         checking = self.plan.state == "verifying" and bool(routes)
@@ -303,16 +305,17 @@ class ApplyTarget(Target, ABC):
         # the plan (judged against a fresh load in full)
         digests = DigestCheck() if verify and routes and not checking else None
         update = Update({}, keeping=verify or recording, digests=digests)
-        if digests is not None:
+        if digests is not None and self.verifier.settled is None:
             # destinations the engine's processing empties (vLLM CPU keeps a linear's
             # weight only in its prepacked handle): after apply they hold nothing a
-            # digest could check, so none is computed for them (the shadow compares them)
+            # digest could check, so none is computed for them (the shadow compares them).
+            # Not walked where the last verdict settled (`verify.Settled`): every
+            # destination then held what landed in it; one emptied since changes the
+            # structure, and that update takes the full path (torn if no copy was kept)
             update.emptied = {n for n, t in live_tensors(model).items() if t.numel() == 0}
         if self.plan.plan is not None:
             update.dtypes = {n: lay.dtype for n, lay in self.plan.plan.layouts.items()}
 
-        clock = time.perf_counter
-        t0, c0 = clock(), time.thread_time()
         self.begin()
         self._digests = digests
         try:

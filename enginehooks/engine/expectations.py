@@ -270,7 +270,11 @@ class LoaderExpectations(Expectations):
         engine's loader runs on meta tensors under a `ByteTracer`, which follows every
         tensor op by op into the parameter and buffer storage it is written to, whether
         through a `weight_loader` or a direct copy."""
-        todo = [s for s in specs if (s.name, s.dtype, tuple(s.shape)) not in self._cache]
+        cache = self._cache
+        keys = [(s.name, s.dtype, tuple(s.shape)) for s in specs]
+        todo = [s for s, k in zip(specs, keys, strict=True) if k not in cache]
+        if not todo:  # every push of a training loop: no skeleton needed (nor walked)
+            return {s.name: cache[k] for s, k in zip(specs, keys, strict=True)}
         model = self._ready()
         while todo:
             tracer = ByteTracer(model)

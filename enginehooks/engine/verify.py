@@ -44,7 +44,6 @@ import logging
 import os
 import time
 import types
-import weakref
 from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -1054,9 +1053,12 @@ class Settled:
     landings (`DigestCheck._landed_changed`, the same launch the full path makes) is
     then the whole verification. Anything else (a module an engine replaced or gave a
     new attribute, a tensor moved, a destination landed elsewhere, a run digested
-    rather than landed, a re-read that differs) takes the full path."""
+    rather than landed, a re-read that differs) takes the full path.
 
-    model: Any  # a weak reference to the live model
+    The structure holds the model's modules and tensors as they were at the last
+    verified update (identity needs the objects alive: an id can be reused); the next
+    update replaces it, so what an engine dropped meanwhile is released then."""
+
     landed: frozenset[str]
     runs: dict[str, list[tuple[int, int, str, int | torch.Tensor]]]
     structure: Structure
@@ -1075,7 +1077,7 @@ class Settled:
         structure = Structure.of(live)
         if structure is None:
             return None
-        return Settled(weakref.ref(live), frozenset(landed), dict(digests.runs), structure,
+        return Settled(frozenset(landed), dict(digests.runs), structure,
                        verdict.digest, verdict.digest_bytes, verdict.landed_bytes)
 
     def verdict(self, live: torch.nn.Module, landed: Collection[str],
@@ -1086,9 +1088,8 @@ class Settled:
         t0 = time.perf_counter()
         digests.reread()
         t1 = time.perf_counter()
-        if (self.model() is not live or digests.digested or digests.unproved
-                or digests.runs != self.runs or frozenset(landed) != self.landed
-                or not self.structure.same(Structure.of(live))):
+        if (digests.digested or digests.unproved or digests.runs != self.runs
+                or frozenset(landed) != self.landed or not self.structure.matches(live)):
             return None
         t2 = time.perf_counter()
         if digests._landed_changed():

@@ -77,46 +77,72 @@ def live_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 class Structure:
     """What the digest-only verdict of an update depends on, read in one walk: every
     module, child, parameter, buffer and attribute value by identity, and every
-    parameter's and buffer's address, shape, strides and dtype. Two equal structures
-    are the same model to `verify.digest_only_modules` and `DigestCheck.check`: the same
-    modules holding the same objects, the tensors still at the same addresses.
+    parameter's and buffer's address, shape, strides and dtype. A model `matches` a
+    structure while it is the same model to `verify.digest_only_modules` and
+    `DigestCheck.check`: the same modules holding the same objects, the tensors still
+    at the same addresses.
 
     A module that holds a plain callable (a closure may capture a tensor, and a cell's
     contents can change without any dict changing) has no structure (`of` is None):
     nothing is kept for such a model."""
 
-    __slots__ = ("keys", "objects")
+    __slots__ = ("entries", "keys", "root")
 
-    def __init__(self, objects: list[object], keys: list[object]) -> None:
-        self.objects, self.keys = objects, keys
+    def __init__(self, root: torch.nn.Module,
+                 entries: list[tuple[torch.nn.Module, tuple[object, ...]]],
+                 keys: list[object]) -> None:
+        self.root, self.entries, self.keys = root, entries, keys
 
     @staticmethod
     def of(model: torch.nn.Module) -> Structure | None:
-        objects: list[object] = []
-        keys: list[object] = []
+        """Per module, depth first: the module and what it holds (`_held`); then every
+        tensor's address, shape, strides and dtype."""
+        entries = []
         stack: list[torch.nn.Module] = [model]
         while stack:
             m = stack.pop()
-            d = m.__dict__
-            values = d.values()
-            objects.append(m)
-            objects.extend(values)
+            values = m.__dict__.values()
             if any(map(callable, values)) and any(
                     callable(v) and not isinstance(v, torch.nn.Module) for v in values):
                 return None
-            for own in (d["_parameters"], d["_buffers"]):
-                if own:
-                    ts = own.values()
-                    objects.extend(ts)
-                    keys.extend([(t.data_ptr(), t.shape, t.stride(), t.dtype)
-                                 for t in ts if t is not None])
-            children = d["_modules"].values()
-            objects.extend(children)
-            stack.extend(c for c in children if c is not None)
-        return Structure(objects, keys)
+            entries.append((m, _held(m)))
+            stack.extend(c for c in reversed(m._modules.values()) if c is not None)
+        return Structure(model, entries, _keys(entries))
 
-    def same(self, other: Structure | None) -> bool:
-        """Whether `other` is this structure: the same objects (by identity) and keys."""
-        return (other is not None and len(other.objects) == len(self.objects)
-                and all(map(operator.is_, self.objects, other.objects))
-                and self.keys == other.keys)
+    def matches(self, model: torch.nn.Module) -> bool:
+        """Whether `model` is still this structure. Module by module, from the root:
+        the same attribute values, parameters, buffers and children (by identity; the
+        children being the same, the modules walked are the model's own), then the same
+        tensor keys."""
+        if model is not self.root:
+            return False
+        is_ = operator.is_
+        for m, held in self.entries:
+            now = _held(m)
+            if len(now) != len(held) or not all(map(is_, now, held)):
+                return False
+        return _keys(self.entries) == self.keys
+
+
+def _held(m: torch.nn.Module) -> tuple[object, ...]:
+    """What a module holds, in one tuple: its attribute values, then its parameters,
+    buffers and children (a marker before each group, so that nothing moves from one
+    group to another unseen)."""
+    d = m.__dict__
+    return (*d.values(), _PARAMS, *d["_parameters"].values(), _BUFFERS,
+            *d["_buffers"].values(), _CHILDREN, *d["_modules"].values())
+
+
+_PARAMS, _BUFFERS, _CHILDREN = object(), object(), object()
+
+
+def _keys(entries: list[tuple[torch.nn.Module, tuple[object, ...]]]) -> list[object]:
+    """Every parameter's and buffer's (address, shape, strides, dtype)."""
+    out: list[object] = []
+    for m, _ in entries:
+        d = m.__dict__
+        for own in (d["_parameters"], d["_buffers"]):
+            if own:
+                out.extend([(t.data_ptr(), t.shape, t.stride(), t.dtype)
+                            for t in own.values() if t is not None])
+    return out

@@ -100,10 +100,12 @@ def test_a_structure_is_the_same_only_while_nothing_it_holds_changed() -> None:
     for what, change in _changes():
         m = Shared()
         before = Structure.of(m)
-        assert before is not None and before.same(Structure.of(m)), what
+        assert before is not None and before.matches(m), what
         change(m)  # type: ignore[operator]
-        assert not before.same(Structure.of(m)), what
+        assert not before.matches(m), what
+        after = Structure.of(m)
+        assert after is not None and after.matches(m), what
     m = Shared()
+    assert not Structure.of(m).matches(Shared())  # type: ignore[union-attr]
     m.c[1].hook = lambda x: x * m.a.weight  # type: ignore[assignment]
     assert Structure.of(m) is None
-    assert not Structure.of(Shared()).same(None)  # type: ignore[union-attr]
