@@ -24,6 +24,7 @@ There is no per-architecture table here: what transformers cannot map raises a c
 
 from __future__ import annotations
 
+import logging
 import re
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
@@ -32,6 +33,9 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from enginehooks.core.errors import ManifestError
+from enginehooks.core.view_trace import ViewOf, trace_views
+
+log = logging.getLogger("enginehooks.checkpoint_format")
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
@@ -59,6 +63,10 @@ class Group:
     #: the plan saw transformers' conversion hand back the group's own tensors (same
     #: objects, same names): converting it is skipped on every push
     identity: bool = False
+    #: per output, the view of one source it is (`core/view_trace.py`), where the plan
+    #: traced every output to one; with `traced`, the source shapes those views assume
+    views: tuple[ViewOf, ...] | None = None
+    traced: tuple[tuple[str, tuple[int, ...]], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -126,6 +134,11 @@ class CheckpointFormat:
     def __init__(self, model: Any, identity: Callable[[str], object] | None = None) -> None:
         self.hf = pretrained_model(model)
         self.identity = identity
+        #: groups whose traced views matched the conversion's real output once (by the
+        #: group's id, with the group, so that a reused id cannot pass), and those
+        #: whose did not (converted as they are from then on)
+        self._proved: dict[int, Group] = {}
+        self._refused: dict[int, Group] = {}
 
     def plan(self, sources: Sequence[Source]) -> LayoutPlan:
         """Group `sources` (module layout, in state-dict order) and describe the
@@ -156,11 +169,24 @@ class CheckpointFormat:
 
     def _group(self, names: Sequence[str], kept: Mapping[str, torch.Tensor]) -> Group:
         """One group, planned on meta tensors; `identity` when the conversion returned
-        exactly the tensors it was given (nothing renamed, split, fused or viewed)."""
+        exactly the tensors it was given (nothing renamed, split, fused or viewed);
+        else `views` where every tensor it returns is a view of one it was given."""
         given = {n: kept[n] for n in names}
         out = self._revert(dict(given))
         same = set(out) == set(given) and all(out[n] is given[n] for n in out)
-        return Group(tuple(names), _described(out), identity=same)
+        if same:
+            return Group(tuple(names), _described(out), identity=True)
+        fresh = {n: torch.empty(t.shape, dtype=t.dtype, device="meta") for n, t in given.items()}
+        try:
+            found = trace_views(self._revert, fresh)
+        except Exception:  # the conversion is run as it is, every push
+            found = {}
+        views = tuple(v for n in out if (v := found.get(n)) is not None
+                      and v.sizes == tuple(out[n].shape) and fresh[v.source].dtype == out[n].dtype)
+        if len(views) != len(out) or list(found) != list(out):
+            return Group(tuple(names), _described(out))
+        return Group(tuple(names), _described(out), views=views,
+                     traced=tuple((n, tuple(t.shape)) for n, t in fresh.items()))
 
     def convert(self, group: Group, tensors: Mapping[str, torch.Tensor]
                 ) -> list[tuple[str, torch.Tensor]]:
@@ -173,8 +199,34 @@ class CheckpointFormat:
             raise ManifestError(f"the trainer produced no tensor for {missing[:4]}")
         if group.identity:  # proved by the plan: no conversion call per push
             return [(o.name, tensors[o.name]) for o in group.outputs]
+        viewed = self._viewed(group, tensors)
+        if viewed is not None and self._proved.get(id(group)) is group:
+            return viewed
         out = self._revert({n: tensors[n] for n in group.sources})
-        return [(o.name, out[o.name]) for o in group.outputs]
+        real = [(o.name, out[o.name]) for o in group.outputs]
+        if viewed is not None:
+            # the first time: the traced views must be what the conversion gave
+            if all(a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b)
+                   for (_, a), (_, b) in zip(viewed, real, strict=True)):
+                self._proved[id(group)] = group
+                return viewed
+            self._refused[id(group)] = group
+            log.warning("the traced views of %s differ from transformers' conversion; it "
+                        "is run on every push", group.sources[:2])
+        return real
+
+    def _viewed(self, group: Group, tensors: Mapping[str, torch.Tensor]
+                ) -> list[tuple[str, torch.Tensor]] | None:
+        """The group's checkpoint tensors as the traced views of `tensors` (no copy, no
+        conversion call), where every source is contiguous in the traced shape."""
+        if group.views is None or self._refused.get(id(group)) is group:
+            return None
+        for name, shape in group.traced:
+            t = tensors.get(name)
+            if t is None or tuple(t.shape) != shape or not t.is_contiguous():
+                return None
+        return [(o.name, v.of(tensors[v.source]))
+                for o, v in zip(group.outputs, group.views, strict=True)]
 
     def _revert(self, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         from transformers.core_model_loading import revert_weight_conversion

@@ -577,9 +577,11 @@ class DigestCheck:
         rereads, self._rereads = self._rereads or [], None  # a later check reads anew
         changed: set[str] = set()
         for differs, lds in rereads:
-            for k in differs.nonzero().flatten().tolist():
-                for ld in lds:
-                    changed.update(ld.by_bucket.get(k, ()))
+            # one copy to the host (a bucket a flag): no kernel to find the few that differ
+            for k, d in enumerate(differs.tolist()):
+                if d:
+                    for ld in lds:
+                        changed.update(ld.by_bucket.get(k, ()))
         return changed
 
 
