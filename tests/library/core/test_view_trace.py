@@ -122,9 +122,8 @@ def _moe(tmp: Path) -> Any:
 
 
 def test_moe_experts_are_views_of_the_fused_tensor_push_after_push(tmp_path: Path) -> None:
-    from tests.library.core.test_checkpoint_format import saved
-
     from enginehooks.trainer_side import ModuleAdapter
+    from tests.library.core.test_checkpoint_format import saved
 
     model = _moe(tmp_path)
     want = saved(model, tmp_path)
@@ -153,9 +152,8 @@ def test_a_traced_view_that_differs_from_the_conversion_is_refused(tmp_path: Pat
     refused (converted by transformers on every push)."""
     import dataclasses
 
-    from tests.library.core.test_checkpoint_format import saved
-
     from enginehooks.trainer_side import ModuleAdapter
+    from tests.library.core.test_checkpoint_format import saved
 
     model = _moe(tmp_path)
     want = saved(model, tmp_path)
