@@ -674,15 +674,18 @@ class Unpacker:
         m = self.manifest
         mode = os.environ.get("ENGINEHOOKS_FUSED_UNPACK", "auto")
         # verification re-reads what lands here instead of digesting each tensor again
-        # (`WireLanding`): then landing pays wherever it applies
+        # (`WireLanding`): then this lands every bucket it applies to, and where the
+        # fused launch is the slower way (a few large pieces), it lands them `split`:
+        # a copy per piece (as unpacking would) and one digest pass over the bucket
+        # that sums the landed pieces apart from the rest (as the fused launch does)
         witness = (self.target is not None and dig is not None and mode != "0"
                    and self.target.landing_wanted())
-        if witness:
-            mode = "1"
+        pays = mode == "1" or fused_landing_pays(len(self._per_bucket[index]),
+                                                 m.buckets[index].nbytes)
+        split = witness and not pays
         if (self.into is None or m.checksum not in ("sum64", None) or buf.device.type != "cuda"
                 or m.buckets[index].direct or buf.data_ptr() % 4 or mode == "0"
-                or (mode != "1" and not fused_landing_pays(len(self._per_bucket[index]),
-                                                           m.buckets[index].nbytes))):
+                or not (pays or witness)):
             return None
         from enginehooks.core import fused_copy
 
@@ -691,6 +694,7 @@ class Unpacker:
         base, nbytes = buf.data_ptr(), m.buckets[index].nbytes
         placed: dict[int, torch.Tensor] = {}
         copies: list[tuple[int, int, int, int]] = []  # src, dst, nbytes, word
+        views: list[tuple[torch.Tensor, torch.Tensor, Any]] = []  # `split`: (bytes, into, piece)
         own: list[bool] = []  # per copy: into the target's own tensor (a whole one)
         spans: list[tuple[int, int, bool]] = []  # every destination's bytes; placed or not
         for pos, (entry, piece) in enumerate(self._per_bucket[index]):
@@ -720,6 +724,8 @@ class Unpacker:
                 continue
             placed[pos] = whole
             copies.append((base + piece.offset, dst, piece.nbytes, piece.offset // 4))
+            if split:
+                views.append((buf[piece.offset:piece.offset + piece.nbytes], whole, piece))
             own.append(len(entry.pieces) == 1)
             spans.append((dst, dst + piece.nbytes, True))
         if not placed or _overlap(spans):
@@ -748,9 +754,14 @@ class Unpacker:
         with torch.cuda.device(buf.device):
             stager = fused_copy.stager_for(buf.device)
             a = np.asarray(copies, dtype=np.int64)
+            if split:  # the copies as unpacking makes them, the landed pieces' terms
+                # read from the bucket in one digest-only launch (the same sums)
+                for got, whole, piece in views:
+                    flat = whole.view(-1).view(torch.uint8)
+                    flat[piece.start:piece.start + piece.nbytes].copy_(got)
             fused_copy.launch(fused_copy.build(a[:, 0], a[:, 1], a[:, 2], a[:, 3],
                                                slot.astype(np.int64), buf.device, stager),
-                              digests, copy=True)
+                              digests, copy=not split)
             if reads:
                 r = np.asarray(reads, dtype=np.int64)
                 z = np.zeros(len(r), dtype=np.int64)

@@ -28,29 +28,51 @@ def _fused_or_skip() -> None:
         pytest.skip("the fused kernel does not run here (no Triton)")
 
 
-def test_a_landed_bucket_is_proved_by_one_reread_and_a_changed_byte_is_named() -> None:
+@pytest.mark.parametrize("how", ["fused", "split"])
+def test_a_landed_bucket_is_proved_by_one_reread_and_a_changed_byte_is_named(how: str) -> None:
     """The receiver half of `nccl` (`Unpacker.land`, as `receive_in_order` calls it) with
     a target that wants landings. The target is a stand-in for `ApplyTarget`'s two
     methods (its plumbing is run end to end by the cuda_ipc test below and by
     `benchmarks/bench_verify.py` on the device); the Unpacker and `DigestCheck` are real.
+    `fused`: small pieces, landed by the fused copy-and-digest launch; `split`: buckets
+    of a few large pieces, where that launch is the slower way, landed by a copy per
+    piece and a digest pass that sums the landed pieces apart.
     Protective lines: `DigestCheck._landed_changed` (without it the flipped byte is
     proved) and the address check in `DigestCheck.check` (without it the moved
     destination is proved by the landing's bytes elsewhere)."""
-    from enginehooks.core.buckets import Unpacker, buffer_bytes, pack, read_trailer
+    from enginehooks.core.buckets import (
+        Unpacker,
+        buffer_bytes,
+        fused_landing_pays,
+        pack,
+        read_trailer,
+    )
     from enginehooks.core.manifest import TensorSpec, plan
     from enginehooks.engine.copy_plan import Step, View
     from enginehooks.engine.verify import DigestCheck
 
     _fused_or_skip()
     g = torch.Generator().manual_seed(5)
-    sent = {"a": torch.randn(256, 128, generator=g).to(torch.bfloat16),
-            "b": torch.randn(64, 33, generator=g),
-            "odd": torch.randn(7, 3, generator=g).to(torch.bfloat16),  # 42 bytes: not landed
-            "big": torch.randn(1024, 700, generator=g).to(torch.bfloat16),  # split: not landed
-            "c": torch.randn(300, 211, generator=g)}
+    if how == "fused":
+        sent = {"a": torch.randn(256, 128, generator=g).to(torch.bfloat16),
+                "b": torch.randn(64, 33, generator=g),
+                "odd": torch.randn(7, 3, generator=g).to(torch.bfloat16),  # 42 bytes: not landed
+                "big": torch.randn(1024, 700, generator=g).to(torch.bfloat16),  # split: not landed
+                "c": torch.randn(300, 211, generator=g)}
+        bucket = 1 << 19
+    else:  # pieces of 24-28 MiB, two to a 64 MiB bucket
+        sent = {"a": torch.randn(7168, 2048, generator=g).to(torch.bfloat16),
+                "b": torch.randn(3584, 2048, generator=g),
+                "odd": torch.randn(7, 3, generator=g).to(torch.bfloat16),
+                "big": torch.randn(24576, 2048, generator=g).to(torch.bfloat16),  # split
+                "c": torch.randn(3072, 2048, generator=g)}
+        bucket = 64 << 20
     specs = [TensorSpec(n, str(t.dtype).removeprefix("torch."), tuple(t.shape))
              for n, t in sent.items()]
-    m = plan(specs, weight_version=1, bucket_bytes=1 << 19, checksum="sum64")
+    m = plan(specs, weight_version=1, bucket_bytes=bucket, checksum="sum64")
+    pays = [fused_landing_pays(sum(1 for e in m.tensors for p in e.pieces if p.bucket == k),
+                               b.nbytes) for k, b in enumerate(m.buckets) if not b.direct]
+    assert pays and all(pays) == (how == "fused") and any(pays) == (how == "fused"), pays
     dests = {n: torch.zeros_like(t, device=DEV) for n, t in sent.items()}
     dtypes = {n: t.dtype for n, t in sent.items()}
     check = DigestCheck()
