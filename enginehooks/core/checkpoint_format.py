@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import logging
 import re
+import weakref
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -36,6 +37,11 @@ from enginehooks.core.errors import ManifestError
 from enginehooks.core.view_trace import ViewOf, trace_views
 
 log = logging.getLogger("enginehooks.checkpoint_format")
+
+#: per model, per group (its sources and the shapes traced): the views proved equal to
+#: transformers' conversion, or None where they differed (`CheckpointFormat.convert`)
+_PROOFS: weakref.WeakKeyDictionary[Any, dict[Any, tuple[ViewOf, ...] | None]] = (
+    weakref.WeakKeyDictionary())
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
@@ -202,12 +208,25 @@ class CheckpointFormat:
         viewed = self._viewed(group, tensors)
         if viewed is not None and self._proved.get(id(group)) is group:
             return viewed
+        # a plan made again for the same model (a new adapter, the full path) traces the
+        # same views: proved once per model, not once per plan
+        key = (group.sources, group.traced)
+        kept = _PROOFS.get(self.hf)
+        if viewed is not None and kept is not None and key in kept:
+            if kept[key] == group.views:
+                self._proved[id(group)] = group
+                return viewed
+            if kept[key] is None:  # refused before: converted as it is
+                self._refused[id(group)] = group
+                viewed = None
         out = self._revert({n: tensors[n] for n in group.sources})
         real = [(o.name, out[o.name]) for o in group.outputs]
         if viewed is not None:
             # the first time: the traced views must be what the conversion gave
-            if all(a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b)
-                   for (_, a), (_, b) in zip(viewed, real, strict=True)):
+            same = all(a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b)
+                       for (_, a), (_, b) in zip(viewed, real, strict=True))
+            _PROOFS.setdefault(self.hf, {})[key] = group.views if same else None
+            if same:
                 self._proved[id(group)] = group
                 return viewed
             self._refused[id(group)] = group

@@ -1105,6 +1105,17 @@ class Settled:
                                 "digest": round(t3 - t0, 5)})
 
 
+def _settle(live: torch.nn.Module, landed: Collection[str], digests: DigestCheck,
+            verdict: Verdict) -> Settled | None:
+    """`Settled.of`, or None where the model cannot be read for it (the verdict stands;
+    the next update takes the full path)."""
+    try:
+        return Settled.of(live, landed, digests, verdict)
+    except Exception as e:  # a module whose dicts are not torch's: nothing kept
+        log.debug("nothing settles for this model: %s: %s", type(e).__name__, e)
+        return None
+
+
 #: what `Verifier.state()["updates"]` counts, per outcome of an update
 OUTCOMES = ("verified", "repaired", "unverified", "failed")
 
@@ -1163,17 +1174,17 @@ class Verifier:
             ) -> Verdict | None:
         settled, self.settled = self.settled, None
         verdict = None
-        if settled is not None and digests is not None and not self.suspect:
-            verdict = settled.verdict(live, landed, digests)
-            if verdict is not None:
-                self.settled = settled
         try:
+            if settled is not None and digests is not None and not self.suspect:
+                verdict = settled.verdict(live, landed, digests)
+                if verdict is not None:
+                    self.settled = settled
             if verdict is None:
                 verdict = verify_and_repair(live, build_fresh, landed, engine=self.engine,
                                             digests=digests, suspect=self.suspect,
                                             stream_fresh=stream_fresh)
                 if digests is not None and not self.suspect:
-                    self.settled = Settled.of(live, landed, digests, verdict)
+                    self.settled = _settle(live, landed, digests, verdict)
         except WeightsMismatch as e:
             self.sticky, self.digest_only_last = True, False
             self.counts["failed"] += 1

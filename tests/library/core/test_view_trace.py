@@ -143,6 +143,24 @@ def test_moe_experts_are_views_of_the_fused_tensor_push_after_push(tmp_path: Pat
         experts = [t for n, t in streamed.items() if ".experts." in n]
         assert experts and all(t.untyped_storage().data_ptr() in storages for t in experts)
     assert all(fmt._proved.get(id(g)) is g for g in viewed)
+    # a new plan for the same model (another adapter, the full path) trusts the proof
+    # made for it: transformers' conversion runs only for groups without views
+    again = ModuleAdapter(model)
+    again.specs()
+    assert again._format is not fmt and again._layout is not None
+    calls: list[int] = []
+    inner = again._format._revert  # type: ignore[union-attr]
+
+    def spy(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        calls.append(len(state))
+        return inner(state)
+
+    again._format._revert = spy  # type: ignore[method-assign,union-attr]
+    streamed = dict(again.stream())
+    assert all(torch.equal(t, want[n]) for n, t in streamed.items())
+    assert any(g.views is not None for g in again._layout.groups)
+    others = [g for g in again._layout.groups if g.views is None and not g.identity]
+    assert len(calls) == len(others), (len(calls), len(others))
 
 
 def test_a_traced_view_that_differs_from_the_conversion_is_refused(tmp_path: Path) -> None:
