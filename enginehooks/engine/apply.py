@@ -118,6 +118,11 @@ class ApplyTarget(Target, ABC):
         self.by_fresh_load: list[str] = []  # this update: parameters only a fresh load fills
         self._digests: DigestCheck | None = None  # during `apply`: the update's digests
         self._expectations: LoaderExpectations | None = None
+        #: `destination`'s answers of the last update, per destination: (the live tensor,
+        #: its address, shape and strides then, the plan it was checked against, the
+        #: alias handed out, whose dtype is the tensor's then); reused while all hold
+        self._dests: dict[str, tuple[torch.Tensor, int, torch.Size, tuple[int, ...],
+                                     Any, torch.Tensor]] = {}
 
     # -- what an engine supplies ---------------------------------------------------------
     @abstractmethod
@@ -229,9 +234,19 @@ class ApplyTarget(Target, ABC):
         if step is None:
             return None
         t = live.get(step.dest)
-        if t is None or Layout.of(t) != plan.layouts.get(step.dest) or not t.is_contiguous():
+        if t is None:
             return None
-        return t.data
+        hit = self._dests.get(step.dest)
+        if (hit is not None and hit[0] is t and hit[4] is plan and hit[1] == t.data_ptr()
+                and hit[2] == t.shape and hit[3] == t.stride() and hit[5].dtype is t.dtype):
+            return hit[5]  # the same tensor where it was, checked against this plan then
+        if Layout.of(t) != plan.layouts.get(step.dest) or not t.is_contiguous():
+            return None
+        if hit is not None and hit[4] is not plan:
+            self._dests.clear()  # a new plan: nothing of the old one's is kept
+        alias = t.data
+        self._dests[step.dest] = (t, t.data_ptr(), t.shape, t.stride(), plan, alias)
+        return alias
 
     def landing_wanted(self) -> bool:
         return self._digests is not None

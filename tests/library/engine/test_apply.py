@@ -133,3 +133,52 @@ def test_a_broken_planned_push_tears_and_the_next_repairs(model_dirs: dict[str, 
     assert plan["state"] == "on" and plan["applied"] == 2, plan
     assert handle.info(30)[0]["state"] == "current"
     engine.close()
+
+
+def test_a_destination_is_handed_out_again_only_while_its_tensor_is_where_it_was(
+        model_dirs: dict[str, Path]) -> None:
+    """`ApplyTarget.destination` keeps its answer per destination between updates (its
+    check against the plan's layout costs microseconds a tensor: milliseconds for a
+    MoE's thousands). The same answer comes back only for the same tensor object at the
+    same address, shape, strides and dtype; a tensor re-pointed, reshaped or
+    reinterpreted in place is checked again (protective lines: each comparison in
+    `destination`)."""
+    from enginehooks.engine.walk import live_tensors
+
+    engine = MinimalEngine(model_dirs["llama"])
+    handle = engine.handle()
+    with WeightSync("gloo", bucket_bytes=16 << 10, timeout_s=60) as sync:
+        sync.add_replica(handle)
+        for v in (1, 2):  # record the plan, then prove it
+            sync.push(perturb(load_tiny(model_dirs["llama"]), seed=v), version=v)
+    target = handle.side.target  # type: ignore[attr-defined]
+    plan = target.plan.plan
+    assert plan is not None and target.plan.state == "on"
+    name = next(n for n in plan.routes if plan.full_copy(n) is not None
+                and len(plan.layouts[plan.full_copy(n).dest].sizes) == 2)
+    dest = plan.full_copy(name).dest
+
+    def ask() -> torch.Tensor | None:
+        target.routes = {name: plan.routes[name]}
+        target.live = live_tensors(target.model())
+        return target.destination(name)  # type: ignore[no-any-return]
+
+    try:
+        a = ask()
+        assert a is not None and ask() is a  # the same answer, kept
+        t = target.live[dest]
+        t.requires_grad_(False)  # (a served model's are; `.data` may then change dtype)
+        t.data = t.data.clone()  # re-pointed: the same object elsewhere
+        b = ask()
+        assert b is not None and b is not a and b.data_ptr() == t.data_ptr()
+        was = t.data
+        t.data = was.view(torch.int32)  # the same address and shape, another dtype
+        assert ask() is None
+        t.data = was.view(-1)  # the same address, another shape
+        assert ask() is None
+        t.data = was
+        c = ask()
+        assert c is not None and c.dtype == was.dtype and c.data_ptr() == was.data_ptr()
+    finally:
+        target.routes, target.live = {}, None
+        engine.close()
