@@ -39,7 +39,8 @@ def main() -> None:
     whole = "push[checksum=sum64] whole push / raw_device_copy"
     bars = [("before\n(1x H200)", _ratio(moe / "e2e-moe-before-view-trace.json", whole)),
             ("views\n(1x H200)", _ratio(moe / "e2e-moe-after-view-trace.json", whole)),
-            ("views, final\n(2x H200)", _ratio(final / "e2e-moe.json", whole))]
+            ("views\n(2x H200)", _ratio(final / "e2e-moe.json", whole)),
+            ("final code\n(1x H200)", _ratio(moe / "e2e-moe-final.json", whole))]
     ver = RESULTS / "verify"
     added = [
         ("cuda_ipc, s12\n(1x H200)", _added(ver / "gpu-2026-11-28-s12-h200x1-prepared"
@@ -48,12 +49,14 @@ def main() -> None:
                                                   / "bv-cuda_ipc.json", "module-cuda:0-cuda_ipc")),
         ("cuda_ipc, final\n(2x H200)", _added(final / "bench_verify-gpu.json",
                                                "module-cuda:0-cuda_ipc")),
+        ("cuda_ipc, final\n(1x H200)", _added(ver / "gpu-2026-11-28-s13-h200x1"
+                                               / "bv-cuda_ipc-final.json", "module-cuda:0-cuda_ipc")),
         ("nccl, s12\n(2x H200)", _added(ver / "gpu-2026-11-28-s12-h200x2-prepared"
                                          / "bv-nccl.json", "module-cuda:0-nccl")),
         ("nccl, final\n(2x H200)", _added(final / "bench_verify-gpu.json", "module-cuda:0-nccl")),
     ]
-    fig, (a, b) = plt.subplots(1, 2, figsize=(12, 4.2))
-    a.bar([x for x, _ in bars], [y for _, y in bars], color=["#999", "#4a7", "#4a7"])
+    fig, (a, b) = plt.subplots(1, 2, figsize=(13, 4.4))
+    a.bar([x for x, _ in bars], [y for _, y in bars], color=["#999", "#4a7", "#4a7", "#2a5"])
     a.axhline(0.6, color="#c33", ls="--", lw=1, label="target 0.6")
     a.set_ylabel("whole push / raw device copy (same run)")
     a.set_title("MoE, colocated FSDP2 -> replica, sum64")
@@ -61,7 +64,7 @@ def main() -> None:
     for i, (_, y) in enumerate(bars):
         a.text(i, y + 0.01, f"{y:.3f}", ha="center")
     b.bar([x for x, _ in added], [y for _, y in added],
-          color=["#999", "#4a7", "#4a7", "#999", "#4a7"])
+          color=["#999", "#4a7", "#4a7", "#4a7", "#999", "#4a7"])
     b.axhline(10, color="#c33", ls="--", lw=1, label="target +10 %")
     b.set_ylabel("verified push: added time, % of unverified")
     b.set_title("verify every update, 1 GB module replica, prepared layout")
