@@ -123,6 +123,7 @@ class BucketEntry:
 #: carried layout digest and the new version.
 MID_MEMO = "_enginehooks_mid"
 SHAPE_MEMO = "_enginehooks_shape"
+SPECS_MEMO = "_enginehooks_specs"
 
 
 @dataclass(frozen=True)
@@ -151,7 +152,13 @@ class Manifest:
         return out
 
     def specs(self) -> list[TensorSpec]:
-        return [t.spec for t in self.tensors]
+        """Each tensor's spec, in order (a new list; the specs are made once per layout:
+        a MoE manifest has thousands, and a receiver asks every push)."""
+        memo = self.__dict__.get(SPECS_MEMO)
+        if memo is None:
+            memo = tuple(t.spec for t in self.tensors)
+            self.__dict__[SPECS_MEMO] = memo  # frozen dataclass: a memo, not a field
+        return list(memo)
 
     # -- serialisation -------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:

@@ -94,6 +94,50 @@ class Update:
             self.seconds["keep"] += time.perf_counter() - t0
 
 
+class _Writable:
+    """`ApplyTarget.writable`'s answer for one update, kept for the next: that answer
+    depends only on the routes offered (the same names, the same `Route` objects), the
+    plan, and each destination's live tensor and its layout. While every destination is
+    the same tensor object at the same address, shape, strides and dtype, the answer is
+    the same, and the next update needs no `Layout` per destination (a MoE has
+    thousands: ~2.6 us each, every push)."""
+
+    __slots__ = ("dests", "keys", "names", "plan", "routes", "steps", "tensors")
+
+    def __init__(self, names: tuple[str, ...], steps: tuple[Route, ...], plan: Any,
+                 routes: dict[str, Route], dests: list[str],
+                 tensors: list[torch.Tensor]) -> None:
+        self.names, self.steps, self.plan, self.routes = names, steps, plan, routes
+        self.dests, self.tensors = dests, tensors
+        self.keys = _tensor_keys(tensors)
+
+    @staticmethod
+    def of(offered: dict[str, Route], out: dict[str, Route], live: Mapping[str, torch.Tensor],
+           plan: Any) -> _Writable | None:
+        dests = list(dict.fromkeys(st.dest for r in offered.values() for st in r.steps))
+        if plan is None or any(d not in live for d in dests):
+            return None  # (an answer that depends on a missing tensor is not kept)
+        return _Writable(tuple(offered), tuple(offered.values()), plan, out, dests,
+                         [live[d] for d in dests])
+
+    def holds(self, offered: dict[str, Route], live: Mapping[str, torch.Tensor],
+              plan: Any) -> bool:
+        import operator
+
+        if plan is not self.plan or tuple(offered) != self.names:
+            return False
+        if not all(map(operator.is_, offered.values(), self.steps)):
+            return False
+        now = [live.get(d) for d in self.dests]
+        if not all(map(operator.is_, now, self.tensors)):
+            return False
+        return _tensor_keys(self.tensors) == self.keys
+
+
+def _tensor_keys(tensors: list[torch.Tensor]) -> list[tuple[Any, ...]]:
+    return [(t.data_ptr(), t.shape, t.stride(), t.dtype) for t in tensors]
+
+
 class ApplyTarget(Target, ABC):
     """Applies an update with the engine's own loader, or, once a copy plan is recorded
     and verified, writes the planned tensors straight into the engine's tensors and
@@ -123,6 +167,8 @@ class ApplyTarget(Target, ABC):
         #: alias handed out, whose dtype is the tensor's then); reused while all hold
         self._dests: dict[str, tuple[torch.Tensor, int, torch.Size, tuple[int, ...],
                                      Any, torch.Tensor]] = {}
+        #: `writable`'s answer of the last update, while it holds (`_Writable`)
+        self._writable: _Writable | None = None
 
     # -- what an engine supplies ---------------------------------------------------------
     @abstractmethod
@@ -213,11 +259,17 @@ class ApplyTarget(Target, ABC):
         (inside a session the tensors are in the loader's layout; one that is not
         goes to the loader)."""
         live = live_tensors(self.model())
-        layouts = self.plan.plan.layouts if self.plan.plan is not None else {}
+        plan = self.plan.plan
+        layouts = plan.layouts if plan is not None else {}
         self.live = live
-        return {n: r for n, r in routes.items()
-                if all(st.dest in live and Layout.of(live[st.dest]) == layouts.get(st.dest)
-                       for st in r.steps)}
+        kept = self._writable
+        if kept is not None and kept.holds(routes, live, plan):
+            return kept.routes  # the same routes into the same tensors, held in place
+        out = {n: r for n, r in routes.items()
+               if all(st.dest in live and Layout.of(live[st.dest]) == layouts.get(st.dest)
+                      for st in r.steps)}
+        self._writable = _Writable.of(routes, out, live, plan)
+        return out
 
     def write_planned(self, name: str, t: torch.Tensor, route: Route) -> None:
         """Write planned `name` through its route. Default: replayed into the live tensors."""
