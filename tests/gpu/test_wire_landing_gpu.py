@@ -162,6 +162,37 @@ def _replica() -> tuple[Any, torch.nn.Module, dict[str, bool]]:
     return handle, model, fault
 
 
+class _Pushes:
+    """A trainer pushing over `cuda_ipc` into a fresh `_replica()`, new weights each push."""
+
+    def __init__(self) -> None:
+        from enginehooks import WeightSync
+
+        self.handle, self.model, self.fault = _replica()
+        self.trainer = Blocks().to(DEV)
+        self.sync = WeightSync(transport="cuda_ipc", checksum="sum64", bucket_bytes=1 << 18,
+                               timeout_s=120, device=DEV)
+        self.sync.add_replica(self.handle)
+
+    def last(self) -> dict[str, Any]:
+        return self.handle.side.info()["verification"]["last"]  # type: ignore[no-any-return]
+
+    def push(self, v: int) -> None:
+        with torch.no_grad():
+            for p in self.trainer.parameters():
+                p.copy_(torch.randn_like(p))
+        self.sync.push(self.trainer, version=v)
+        torch.cuda.synchronize()
+
+    def equal(self) -> None:
+        for (n, a), b in zip(self.trainer.state_dict().items(),
+                             self.model.state_dict().values(), strict=True):
+            assert torch.equal(a, b), n
+
+    def close(self) -> None:
+        self.sync.close()
+
+
 def test_cuda_ipc_landings_prove_every_later_push_and_a_changed_byte_ends_it_torn(
         monkeypatch: pytest.MonkeyPatch) -> None:
     """Pushes over `cuda_ipc` (single copy) into a real `ApplyTarget` with verification on
@@ -171,31 +202,11 @@ def test_cuda_ipc_landings_prove_every_later_push_and_a_changed_byte_ends_it_tor
     update torn (no host copy was kept for a shadow), never `current`, and the next
     update keeps copies, verifies on a shadow and is `current` again. Protective line:
     `DigestCheck._landed_changed` (without it the changed byte is reported verified)."""
-    from enginehooks import WeightSync
-
     _fused_or_skip()
     monkeypatch.setenv("ENGINEHOOKS_VERIFY", "always")
-    handle, model, fault = _replica()
-    trainer = Blocks().to(DEV)
-    sync = WeightSync(transport="cuda_ipc", checksum="sum64", bucket_bytes=1 << 18,
-                      timeout_s=120, device=DEV)
-    sync.add_replica(handle)
-
-    def last() -> dict[str, Any]:
-        return handle.side.info()["verification"]["last"]
-
-    def push(v: int) -> None:
-        with torch.no_grad():
-            for p in trainer.parameters():
-                p.copy_(torch.randn_like(p))
-        sync.push(trainer, version=v)
-        torch.cuda.synchronize()
-
-    def equal() -> None:
-        for (n, a), b in zip(trainer.state_dict().items(), model.state_dict().values(),
-                             strict=True):
-            assert torch.equal(a, b), n
-
+    run = _Pushes()
+    handle, model, fault, push, last, equal = (run.handle, run.model, run.fault, run.push,
+                                               run.last, run.equal)
     try:
         for v in range(1, 5):  # record the plan, check it on a shadow, then steady state
             push(v)
@@ -213,7 +224,7 @@ def test_cuda_ipc_landings_prove_every_later_push_and_a_changed_byte_ends_it_tor
         equal()
         assert handle.side.state == "current" and last()["ok"] is True
     finally:
-        sync.close()
+        run.close()
 
 
 def test_a_settled_verdict_stands_only_for_the_same_structure(
@@ -226,26 +237,11 @@ def test_a_settled_verdict_stands_only_for_the_same_structure(
     must end torn, never `current`; the next one verifies on the full path and is
     `current` with the trainer's bytes. Protective line: the `Structure` comparison in
     `Settled.verdict` (without it the stale weight is reported verified)."""
-    from enginehooks import WeightSync
-
     _fused_or_skip()
     monkeypatch.setenv("ENGINEHOOKS_VERIFY", "always")
-    handle, model, fault = _replica()
-    trainer = Blocks().to(DEV)
-    sync = WeightSync(transport="cuda_ipc", checksum="sum64", bucket_bytes=1 << 18,
-                      timeout_s=120, device=DEV)
-    sync.add_replica(handle)
-
-    def last() -> dict[str, Any]:
-        return handle.side.info()["verification"]["last"]
-
-    def push(v: int) -> None:
-        with torch.no_grad():
-            for p in trainer.parameters():
-                p.copy_(torch.randn_like(p))
-        sync.push(trainer, version=v)
-        torch.cuda.synchronize()
-
+    run = _Pushes()
+    handle, model, fault, push, last, equal = (run.handle, run.model, run.fault, run.push,
+                                               run.last, run.equal)
     try:
         for v in range(1, 5):
             push(v)
@@ -260,12 +256,10 @@ def test_a_settled_verdict_stands_only_for_the_same_structure(
         assert handle.side.state == "current" and last()["ok"] is True
         assert last()["settled"] is False, last()  # the full path judged it
         assert "shadow" in last()["how"], last()
-        for (n, a), b in zip(trainer.state_dict().items(), model.state_dict().values(),
-                             strict=True):
-            assert torch.equal(a, b), n
+        equal()
         # the layer that differed is compared on a shadow from now on (`suspect`):
         # nothing settles while it is
         push(7)
         assert last()["settled"] is False and "shadow" in last()["how"], last()
     finally:
-        sync.close()
+        run.close()

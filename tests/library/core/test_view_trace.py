@@ -121,16 +121,24 @@ def _moe(tmp: Path) -> Any:
     return model_of("qwen3_moe", tmp)
 
 
-def test_moe_experts_are_views_of_the_fused_tensor_push_after_push(tmp_path: Path) -> None:
+def _planned_moe(tmp: Path) -> tuple[Any, dict[str, torch.Tensor], Any, Any, Any]:
+    """(model, what `save_pretrained` writes, its adapter, planned: format, layout)."""
     from enginehooks.trainer_side import ModuleAdapter
     from tests.library.core.test_checkpoint_format import saved
 
-    model = _moe(tmp_path)
-    want = saved(model, tmp_path)
+    model = _moe(tmp)
+    want = saved(model, tmp)
     adapter = ModuleAdapter(model)
     adapter.specs()
     fmt, layout = adapter._format, adapter._layout
     assert fmt is not None and layout is not None
+    return model, want, adapter, fmt, layout
+
+
+def test_moe_experts_are_views_of_the_fused_tensor_push_after_push(tmp_path: Path) -> None:
+    from enginehooks.trainer_side import ModuleAdapter
+
+    model, want, adapter, fmt, layout = _planned_moe(tmp_path)
     viewed = [g for g in layout.groups if g.views is not None]
     assert viewed, "no group of a MoE was traced to views"
     state = model.state_dict()
@@ -170,15 +178,7 @@ def test_a_traced_view_that_differs_from_the_conversion_is_refused(tmp_path: Pat
     refused (converted by transformers on every push)."""
     import dataclasses
 
-    from enginehooks.trainer_side import ModuleAdapter
-    from tests.library.core.test_checkpoint_format import saved
-
-    model = _moe(tmp_path)
-    want = saved(model, tmp_path)
-    adapter = ModuleAdapter(model)
-    adapter.specs()
-    fmt, layout = adapter._format, adapter._layout
-    assert fmt is not None and layout is not None
+    _model, want, adapter, fmt, layout = _planned_moe(tmp_path)
     i, g = next((i, g) for i, g in enumerate(layout.groups) if g.views is not None)
     views = list(g.views or ())
     a = next(k for k, o in enumerate(g.outputs) if o.name.endswith("experts.0.gate_proj.weight"))
