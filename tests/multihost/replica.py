@@ -20,7 +20,7 @@ import os
 import sys
 import threading
 import time
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
@@ -30,6 +30,7 @@ from enginehooks.engine.contract import verb_of
 from enginehooks.engine.local import LocalEngine, _checkpoint_specs, _LocalBinding
 from enginehooks.engine.side import EngineSide
 from enginehooks.engine.targets import ModuleTarget
+from tests.support.json_http import JsonHandler
 
 
 class RemoteModule(EngineHandle):
@@ -79,27 +80,19 @@ def serve(model_dir: str, host: str, port: int, state_file: str) -> None:
     engine.side = EngineSide(_Publishing(engine.target, _checkpoint_specs(model),
                                          Path(state_file)))
 
-    class Handler(BaseHTTPRequestHandler):
-        def log_message(self, format: str, *args: Any) -> None:
+    class Handler(JsonHandler):
+        def log_message(self, format: str, *args: Any) -> None:  # this harness keeps its log
             sys.stderr.write(f"[replica] {time.time():.3f} {format % args}\n")
-
-        def _answer(self, code: int, body: Any) -> None:
-            data = json.dumps(body).encode()
-            self.send_response(code)
-            self.send_header("Content-Type", "application/json")
-            self.send_header("Content-Length", str(len(data)))
-            self.end_headers()
-            self.wfile.write(data)
 
         def do_GET(self) -> None:
             if self.path == "/health":
-                self._answer(200, {"ok": True})
+                self._send(200, {"ok": True})
             else:
-                self._answer(404, {"error": self.path})
+                self._send(404, {"error": self.path})
 
         def do_POST(self) -> None:
             if self.path != "/rpc":
-                self._answer(404, {"error": self.path})
+                self._send(404, {"error": self.path})
                 return
             body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
             sys.stderr.write(f"[replica] {time.time():.3f} {body['method']} from "
@@ -107,11 +100,11 @@ def serve(model_dir: str, host: str, port: int, state_file: str) -> None:
             try:
                 result = engine.side.call(verb_of(body["method"]), *body["args"])
             except Exception as e:
-                self._answer(500, {"error": f"{type(e).__name__}: {e}"})
+                self._send(500, {"error": f"{type(e).__name__}: {e}"})
                 return
             # OSError: the trainer gave up on this call (a failed push)
             with contextlib.suppress(OSError):
-                self._answer(200, {"results": [result]})
+                self._send(200, {"results": [result]})
 
     server = ThreadingHTTPServer((host, port), Handler)
     server.daemon_threads = True
