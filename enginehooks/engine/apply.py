@@ -50,7 +50,7 @@ from enginehooks.engine.expectations import (
 from enginehooks.engine.shadow import Pass, ShadowParts, mark_loaded, stream
 from enginehooks.engine.transplant import transplant
 from enginehooks.engine.verify import DigestCheck, Verifier, readable_tensors
-from enginehooks.engine.walk import live_tensors
+from enginehooks.engine.walk import live_tensors, tensor_keys
 from enginehooks.transports.base import Target
 
 __all__ = ["ApplyBinding", "ApplyTarget", "Update"]
@@ -109,7 +109,7 @@ class _Writable:
                  tensors: list[torch.Tensor]) -> None:
         self.names, self.steps, self.plan, self.routes = names, steps, plan, routes
         self.dests, self.tensors = dests, tensors
-        self.keys = _tensor_keys(tensors)
+        self.keys = tensor_keys(tensors)
 
     @staticmethod
     def of(offered: dict[str, Route], out: dict[str, Route], live: Mapping[str, torch.Tensor],
@@ -131,11 +131,7 @@ class _Writable:
         now = [live.get(d) for d in self.dests]
         if not all(map(operator.is_, now, self.tensors)):
             return False
-        return _tensor_keys(self.tensors) == self.keys
-
-
-def _tensor_keys(tensors: list[torch.Tensor]) -> list[tuple[Any, ...]]:
-    return [(t.data_ptr(), t.shape, t.stride(), t.dtype) for t in tensors]
+        return tensor_keys(self.tensors) == self.keys
 
 
 class ApplyTarget(Target, ABC):
@@ -163,10 +159,10 @@ class ApplyTarget(Target, ABC):
         self._digests: DigestCheck | None = None  # during `apply`: the update's digests
         self._expectations: LoaderExpectations | None = None
         #: `destination`'s answers of the last update, per destination: (the live tensor,
-        #: its address, shape and strides then, the plan it was checked against, the
-        #: alias handed out, whose dtype is the tensor's then); reused while all hold
-        self._dests: dict[str, tuple[torch.Tensor, int, torch.Size, tuple[int, ...],
-                                     Any, torch.Tensor]] = {}
+        #: its `tensor_keys` then, the plan it was checked against, the alias handed
+        #: out); reused while all hold
+        self._dests: dict[str, tuple[torch.Tensor, list[tuple[object, ...]], Any,
+                                     torch.Tensor]] = {}
         #: `writable`'s answer of the last update, while it holds (`_Writable`)
         self._writable: _Writable | None = None
 
@@ -289,15 +285,14 @@ class ApplyTarget(Target, ABC):
         if t is None:
             return None
         hit = self._dests.get(step.dest)
-        if (hit is not None and hit[0] is t and hit[4] is plan and hit[1] == t.data_ptr()
-                and hit[2] == t.shape and hit[3] == t.stride() and hit[5].dtype is t.dtype):
-            return hit[5]  # the same tensor where it was, checked against this plan then
+        if hit is not None and hit[0] is t and hit[2] is plan and tensor_keys((t,)) == hit[1]:
+            return hit[3]  # the same tensor where it was, checked against this plan then
         if Layout.of(t) != plan.layouts.get(step.dest) or not t.is_contiguous():
             return None
-        if hit is not None and hit[4] is not plan:
+        if hit is not None and hit[2] is not plan:
             self._dests.clear()  # a new plan: nothing of the old one's is kept
         alias = t.data
-        self._dests[step.dest] = (t, t.data_ptr(), t.shape, t.stride(), plan, alias)
+        self._dests[step.dest] = (t, tensor_keys((t,)), plan, alias)
         return alias
 
     def landing_wanted(self) -> bool:

@@ -17,6 +17,7 @@ data it swapped, is seen on the next walk as torch would see it.
 from __future__ import annotations
 
 import operator
+from collections.abc import Iterable
 
 import torch
 
@@ -136,13 +137,20 @@ def _held(m: torch.nn.Module) -> tuple[object, ...]:
 _PARAMS, _BUFFERS, _CHILDREN = object(), object(), object()
 
 
+def tensor_keys(tensors: Iterable[torch.Tensor | None]) -> list[tuple[object, ...]]:
+    """Each tensor's (address, shape, strides, dtype), `None`s skipped: what a tensor
+    kept by identity must still have for an answer about it to stand (`Structure`, and
+    `engine/apply.py`'s kept destinations and writable routes). `.data = ...` keeps the
+    object and may change any of them."""
+    return [(t.data_ptr(), t.shape, t.stride(), t.dtype) for t in tensors if t is not None]
+
+
 def _keys(entries: list[tuple[torch.nn.Module, tuple[object, ...]]]) -> list[object]:
-    """Every parameter's and buffer's (address, shape, strides, dtype)."""
+    """Every parameter's and buffer's `tensor_keys`."""
     out: list[object] = []
     for m, _ in entries:
         d = m.__dict__
         for own in (d["_parameters"], d["_buffers"]):
             if own:
-                out.extend([(t.data_ptr(), t.shape, t.stride(), t.dtype)
-                            for t in own.values() if t is not None])
+                out.extend(tensor_keys(own.values()))
     return out
