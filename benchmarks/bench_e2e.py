@@ -214,25 +214,38 @@ def push_facts(report: Any) -> dict[str, Any]:
     the path (planned / prepared), the sender's and each replica worker's phases."""
     workers = [w for res in report.replicas for w in (res.stats or {}).get("workers") or []]
     return {"rpcs": report.rpcs, "layout": report.layout,
+            "doorbells": report.sender.get("doorbells"),
             "sender_phases_ms": dict(report.sender.get("phases_ms") or {}),
             "replica_phases_ms": [dict(w.get("phases_ms") or {}) for w in workers],
             "replica_seconds": [w.get("seconds") for w in workers]}
 
 
+def _medians(rows: list[dict[str, float]]) -> dict[str, float]:
+    """Per key, the median over `rows` (a key a row lacks counts as 0)."""
+    names = sorted({k for r in rows for k in r})
+    return {k: statistics.median(r.get(k, 0.0) for r in rows) for k in names}
+
+
 def phases_ms(reports: list[dict[str, Any]]) -> dict[str, Any]:
-    """`phases_ms` of a benchmark row: the trainer's push phases, medians in ms, the
-    trainer-side total outside them; the sender's and replicas' transport phases of the
-    last push."""
-    names = sorted({k for r in reports for k in r["phases"]})
-    trainer = {k: statistics.median(r["phases"].get(k, 0.0) for r in reports) * 1e3
-               for k in names}
+    """`phases_ms` of a benchmark row, medians in ms over the timed pushes: the trainer's
+    push phases and the trainer-side total outside them, the sender's and each replica
+    worker's transport phases, each worker's receive time."""
+    trainer = {k: v * 1e3 for k, v in _medians([r["phases"] for r in reports]).items()}
     if all("seconds" in r for r in reports):
         trainer["outside_phases"] = statistics.median(
             r["seconds"] - sum(r["phases"].values()) for r in reports) * 1e3
-    last = reports[-1]
-    return {"trainer": trainer, "sender": last.get("sender_phases_ms", {}),
-            "replica": last.get("replica_phases_ms", []),
-            "replica_receive_ms": [s * 1e3 for s in last.get("replica_seconds", []) if s]}
+    workers = max(len(r.get("replica_phases_ms", [])) for r in reports)
+    return {"trainer": trainer,
+            "sender": _medians([r.get("sender_phases_ms", {}) for r in reports]),
+            "replica": [_medians([r["replica_phases_ms"][w] for r in reports
+                                  if len(r.get("replica_phases_ms", [])) > w])
+                        for w in range(workers)],
+            "replica_receive_ms": [
+                statistics.median([r["replica_seconds"][w] * 1e3 for r in reports
+                                   if len(r.get("replica_seconds", [])) > w
+                                   and r["replica_seconds"][w]] or [0.0])
+                for w in range(max(len(r.get("replica_seconds", [])) for r in reports))],
+            "doorbells": reports[-1].get("doorbells")}
 
 
 def free_port() -> int:
@@ -254,6 +267,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--bucket-mib", type=int, default=None,
                     help="bucket size (default: the transport's default_bucket_bytes)")
     ap.add_argument("--checksums", nargs="+", default=["sum64", "none"])
+    ap.add_argument("--window-mib", type=int, default=None,
+                    help="cuda_ipc: bytes per doorbell window (`window_bytes`; default none)")
+    ap.add_argument("--window-tensors", type=int, default=None,
+                    help="cuda_ipc: tensors per doorbell window (`window_tensors`; 0: no "
+                    "bound; default the transport's WINDOW_TENSORS)")
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--warmup", type=int, default=1)
     ap.add_argument("--out", type=Path, default=None)
@@ -290,7 +308,9 @@ def main(argv: list[str] | None = None) -> int:
         ad.specs()
         full = {n: t.clone() for n, t in ad.stream()}
     nbytes = sum(t.numel() * t.element_size() for t in full.values())
-    res: dict[str, Any] = {"config": {**cfg, "bucket_mib": args.bucket_mib, "reps": args.reps},
+    res: dict[str, Any] = {"config": {**cfg, "bucket_mib": args.bucket_mib, "reps": args.reps,
+                                      "window_mib": args.window_mib,
+                                      "window_tensors": args.window_tensors},
                            "tensors": len(full), "bytes": nbytes, "items": {}}
 
     def med(fn: Any) -> dict[str, Any]:
@@ -318,12 +338,18 @@ def main(argv: list[str] | None = None) -> int:
     del full
     torch.cuda.empty_cache()
     version = 0
+    transport_options: dict[str, Any] = {}
+    if args.window_mib:
+        transport_options["window_bytes"] = args.window_mib << 20
+    if args.window_tensors is not None:
+        transport_options["window_tensors"] = args.window_tensors
     try:
         for cs in args.checksums:
             sync = WeightSync(transport="cuda_ipc",
                               bucket_bytes=args.bucket_mib << 20 if args.bucket_mib else None,
                               timeout_s=600, device=device,
-                              checksum=None if cs == "none" else cs)
+                              checksum=None if cs == "none" else cs,
+                              transport_options=transport_options)
             sync.add_replica(replica)
             replica.zero()  # this mode's pushes must write every byte
             reports: list[dict[str, Any]] = []

@@ -52,6 +52,7 @@ from __future__ import annotations
 import base64
 import bisect
 import ctypes
+import functools
 import json
 import os
 import threading
@@ -292,6 +293,14 @@ class _TableCache:
         self.by_bucket[k] = (tuple(np.array(a) for a in key), batch)
         return batch
 _MASK = (1 << 64) - 1
+#: single copy: tensors per doorbell window by default (`CudaIpcSender(window_tensors=)`).
+#: Each tensor costs both sides host time (the sender's stream and checks, the engine's
+#: destinations and its target's loop), a few microseconds, so an update of thousands of
+#: tensors spent most of its time on hosts while the GPU idled: cut into windows, the
+#: engine copies one while the sender walks the next. An update of fewer than twice this
+#: many stays one doorbell (a window costs a round trip). Measured with
+#: `benchmarks/bench_e2e.py --window-tensors` (docs/transports.md).
+WINDOW_TENSORS = 512
 
 
 @dataclass
@@ -356,16 +365,133 @@ def _layout(manifest: Manifest) -> _Layout:
     return lay
 
 
+def doorbell_windows(manifest: Manifest, window_bytes: int | None,
+                     window_tensors: int | None) -> list[tuple[int, int]]:
+    """Consecutive bucket ranges, one doorbell each: a window closes at the end of the
+    bucket that brings it to `window_tensors` tensors (counted where they start), or
+    before the bucket that would take it past `window_bytes`. With neither bound, or
+    fewer than twice `window_tensors` tensors and no byte bound, the whole update."""
+    n = len(manifest.buckets)
+    if window_bytes is None and (window_tensors is None
+                                 or len(manifest.tensors) < 2 * window_tensors):
+        return [(0, n)]
+    starts = _layout(manifest).starts_in
+    out: list[tuple[int, int]] = []
+    start = used = count = 0
+    for k, b in enumerate(manifest.buckets):
+        if k > start and window_bytes is not None and used + b.nbytes > window_bytes:
+            out.append((start, k))
+            start, used, count = k, 0, 0
+        used += b.nbytes
+        count += len(starts[k])
+        if window_tensors is not None and count >= window_tensors and k + 1 < n:
+            out.append((start, k + 1))
+            start, used, count = k + 1, 0, 0
+    out.append((start, n))
+    return out
+
+
+def _arrived(store: Any, key: str) -> bool:
+    """Whether `key` is in the store now (no wait); True where the store cannot say,
+    so that the caller goes on to its own wait, which reports the failure."""
+    try:
+        return bool(store.check([key]))
+    except Exception:
+        return True
+
+
+class _Dests:
+    """Each tensor's destination in the engine's target, where the bytes can land as
+    they are (same dtype and shape, contiguous, 4-byte aligned, on this GPU), resolved
+    bucket by bucket in order (a tensor with the bucket it starts in): `dests` (the
+    tensors), `dptr` (their addresses), `has` (one was found), `lazy` (cut across
+    buckets with none: rejoined in a tensor of its own once its first bucket arrives).
+
+    Thousands of tensors take milliseconds of host time here (a call into the target
+    each), so the receiver resolves ahead while it would otherwise wait: for a doorbell,
+    and while a window's copy runs on the device (`ahead`), and only what a window
+    needs right before its launch (`through`)."""
+
+    #: tensors resolved between two looks at whether to stop (`ahead`): a look costs a
+    #: store round trip or an event query
+    CHUNK = 256
+
+    def __init__(self, lay: _Layout, into: Callable[[str], torch.Tensor | None] | None,
+                 memo: dict[str, int], device: torch.device) -> None:
+        self.lay, self.into, self.memo, self.devidx = lay, into, memo, device.index
+        T = len(lay.tensors)
+        self.dests: list[torch.Tensor | None] = [None] * T
+        self.dptr = np.zeros(T, dtype=np.int64)
+        self.has = np.zeros(T, dtype=bool)
+        self.lazy = np.zeros(T, dtype=bool)
+        self.upto = 0  # buckets whose starting tensors are resolved
+        self.seconds = 0.0
+
+    @property
+    def done(self) -> bool:
+        return self.upto >= len(self.lay.starts_in)
+
+    def restart(self) -> None:
+        """Resolve again from the first bucket (the target offers destinations now)."""
+        self.upto = 0
+        self.dests = [None] * len(self.dests)
+        self.has[:] = False
+        self.lazy[:] = False
+
+    def ahead(self, stop: Callable[[], bool]) -> None:
+        """Resolve bucket after bucket until `stop()` (asked every `CHUNK` tensors)."""
+        starts = self.lay.starts_in
+        while not self.done and not stop():
+            k, count = self.upto, 0
+            while k < len(starts) and count < self.CHUNK:
+                count += len(starts[k])
+                k += 1
+            self.through(k)
+
+    def through(self, end: int) -> None:
+        """Resolve every tensor that starts in a bucket before `end`."""
+        if end <= self.upto:
+            return
+        c0 = time.perf_counter()
+        lay, into, memo, devidx = self.lay, self.into, self.memo, self.devidx
+        tensors, dts, split = lay.tensors, lay.dtypes, lay.split
+        dests, dptr, has, lazy = self.dests, self.dptr, self.has, self.lazy
+        for k in range(self.upto, end):
+            for i in lay.starts_in[k]:
+                e = tensors[i]
+                d = into(e.name) if into is not None else None
+                p = d.data_ptr() if d is not None else 1
+                if d is not None and memo.get(e.name) == p and d.dtype is dts[i] and (
+                        d.shape == e.shape and d.is_contiguous()):
+                    pass  # the same memory as the last push, checked then
+                elif (p % 4 == 0 and d is not None and d.dtype is dts[i]
+                        and d.is_cuda and d.get_device() == devidx
+                        and d.shape == e.shape and d.is_contiguous()):
+                    memo[e.name] = p
+                else:
+                    lazy[i] = split[i]  # rejoined in a tensor of its own; else views
+                    continue
+                dests[i] = d
+                has[i] = True
+                dptr[i] = p
+        self.upto = end
+        self.seconds += time.perf_counter() - c0
+
+
 class CudaIpcSender(ColocatedSender):
     transport_name = "cuda_ipc"
 
     def __init__(self, *, single_copy: bool = True, window_bytes: int | None = None,
-                 **options: Any) -> None:
+                 window_tensors: int | None = WINDOW_TENSORS, **options: Any) -> None:
         super().__init__(**options)
         self.single_copy = bool(single_copy)
-        # single copy: bytes per doorbell (None: the whole update, one doorbell per push);
-        # bounds how many of the stream's temporaries the sender holds until acked
+        # single copy: a doorbell's window closes (at a bucket's end) once it holds
+        # `window_bytes` bytes or `window_tensors` tensors (None: no bound of that kind;
+        # neither: the whole update is one doorbell). Bytes bound how many of the
+        # stream's temporaries the sender holds until acked; tensors let the engine copy
+        # one window while the sender walks the next (`WINDOW_TENSORS`)
         self.window_bytes = None if window_bytes is None else max(1, int(window_bytes))
+        self.window_tensors = None if not window_tensors else max(1, int(window_tensors))
         self._bases: list[int] = []  # sorted allocation bases seen
         self._allocs: dict[int, tuple[int, int]] = {}  # base -> (size, id)
         self._announce: list[dict[str, Any]] = []
@@ -475,20 +601,7 @@ class CudaIpcSender(ColocatedSender):
         return self._arr
 
     def _windows(self, manifest: Manifest) -> list[tuple[int, int]]:
-        """Consecutive bucket ranges, one doorbell each: the whole update unless
-        `window_bytes` bounds what the sender holds until it is acked."""
-        n = len(manifest.buckets)
-        if self.window_bytes is None:
-            return [(0, n)]
-        out: list[tuple[int, int]] = []
-        start = used = 0
-        for k, b in enumerate(manifest.buckets):
-            if k > start and used + b.nbytes > self.window_bytes:
-                out.append((start, k))
-                start, used = k, 0
-            used += b.nbytes
-        out.append((start, n))
-        return out
+        return doorbell_windows(manifest, self.window_bytes, self.window_tensors)
 
     def _send_refs(self, manifest: Manifest, stream: Stream, abort: Abort) -> SendStats:
         fused = _fused()
@@ -731,9 +844,14 @@ class CudaIpcReceiver(ColocatedReceiver):
         n = len(manifest.buckets)
         if self.store is None or self._broken or n == 0:
             return super().stream(manifest, into)
-        # Where every tensor lands is resolved before the first message arrives: that loop
-        # (a call into the target per tensor) then overlaps the trainer's stream.
-        pre = self._resolve(manifest, into) if _fused().available(self.device) else None
+        # Where tensors land is resolved while the first message is awaited: that loop
+        # (a call into the target per tensor) overlaps the trainer's stream, and stops
+        # once the doorbell is there (the rest is resolved window by window).
+        pre = None
+        if _fused().available(self.device):
+            pre = _Dests(_layout(manifest), into, self._dest_ok, self.device)
+            key = self.channel.key("ready", self.seq + 1, 0, EVERY_RECEIVER)
+            pre.ahead(lambda: _arrived(self._store(), key))
         # The sender says which way this update travels in its first ready message.
         try:
             # verified (a message there that does not verify is ignored: `_genuine`)
@@ -783,45 +901,9 @@ class CudaIpcReceiver(ColocatedReceiver):
         self._base_by_id[aid], self._size_by_id[aid] = ptr, size
         self._known[aid] = True
 
-    def _resolve(self, manifest: Manifest, into: Callable[[str], torch.Tensor | None] | None
-                 ) -> tuple[list[torch.Tensor | None], np.ndarray, np.ndarray, np.ndarray, float]:
-        """Each tensor's destination in the target, where the bytes can land as they are
-        (same dtype and shape, contiguous, on this GPU): (tensors, addresses, has one,
-        needs a rejoin tensor once its first bucket arrives, seconds taken)."""
-        c0 = time.perf_counter()
-        lay = _layout(manifest)
-        T = len(lay.tensors)
-        dests: list[torch.Tensor | None] = [None] * T
-        dptr = np.zeros(T, dtype=np.int64)
-        has = np.zeros(T, dtype=bool)
-        lazy = np.zeros(T, dtype=bool)
-        devidx = self.device.index
-        tensors, dts, memo, split = lay.tensors, lay.dtypes, self._dest_ok, lay.split
-        for i in range(T):
-            e = tensors[i]
-            if not e.pieces:
-                continue
-            d = into(e.name) if into is not None else None
-            p = d.data_ptr() if d is not None else 1
-            if d is not None and memo.get(e.name) == p and d.dtype is dts[i] and (
-                    d.shape == e.shape and d.is_contiguous()):
-                pass  # the same memory as the last push, checked then
-            elif (p % 4 == 0 and d is not None and d.dtype is dts[i]
-                    and d.is_cuda and d.get_device() == devidx
-                    and d.shape == e.shape and d.is_contiguous()):
-                memo[e.name] = p
-            else:
-                lazy[i] = split[i]  # rejoined in a tensor of its own; else views
-                continue
-            dests[i] = d
-            has[i] = True
-            dptr[i] = p
-        return dests, dptr, has, lazy, time.perf_counter() - c0
-
     def _stream_refs(
         self, manifest: Manifest, into: Callable[[str], torch.Tensor | None] | None,
-        pre: tuple[list[torch.Tensor | None], np.ndarray, np.ndarray, np.ndarray, float]
-        | None = None,
+        pre: _Dests | None = None,
     ) -> Generator[tuple[str, torch.Tensor], None, None]:
         fused = _fused()
         if not fused.available(self.device):
@@ -844,21 +926,26 @@ class CudaIpcReceiver(ColocatedReceiver):
         witness = (target.wire_landed if target is not None and target.landing_wanted()
                    else None)
         landed_sums = digests[:n]
-        dests, dptr, has, lazy, took = pre if pre is not None else self._resolve(manifest, into)
-        if pre is not None and into is not None and not has.any():
+        res = pre if pre is not None else _Dests(lay, into, self._dest_ok, dev)
+        if into is not None and res.upto and not res.has.any():
             # a target that offers destinations only while its apply runs (an engine's
             # `ApplyTarget` once its copy plan is verified): asked again, now that it does
-            dests, dptr, has, lazy, again = self._resolve(manifest, into)
-            took += again
+            res.restart()
+        dests, dptr, has, lazy = res.dests, res.dptr, res.has, res.lazy
         w = 0  # the doorbell (window of buckets) being served; its ack is `ack/<w>`
-        ph = self.phases = {"ready": 0.0, "dests": took, "launch": 0.0, "target": 0.0,
+        ph = self.phases = {"ready": 0.0, "dests": res.seconds, "launch": 0.0, "target": 0.0,
                             "sync": 0.0, "final": 0.0}
+        res.seconds = 0.0
+        store = self._store()
         clock = time.perf_counter
         _Driver.get_driver().context(dev)
         try:
             with torch.cuda.device(dev):
                 b0 = 0  # the first bucket of window w
                 while b0 < n:
+                    if not res.done:  # resolved while this doorbell is awaited
+                        res.ahead(functools.partial(
+                            _arrived, store, self.channel.key("ready", seq, w, EVERY_RECEIVER)))
                     c0 = clock()
                     msg = self._ready(seq, w, mid)
                     ph["ready"] += clock() - c0
@@ -887,6 +974,7 @@ class CudaIpcReceiver(ColocatedReceiver):
                             f"doorbell {w}: a piece refers to bytes outside the trainer's "
                             f"allocations it announced")
                     src = self._base_by_id[aid] + off
+                    res.through(b1)  # every tensor that starts in this window
                     c0 = clock()
                     for k in range(b0, b1):
                         for i in lay.starts_in[k]:  # split tensors without a destination
@@ -938,11 +1026,17 @@ class CudaIpcReceiver(ColocatedReceiver):
                     del views
                     c3 = clock()
                     ph["target"] += c3 - c2
+                    if not res.done:  # the next windows' destinations, while this one copies
+                        copied = torch.cuda.Event()
+                        copied.record()
+                        res.ahead(copied.query)
+                        c3 = clock()
                     # the copies out of the trainer's memory are done: ack the doorbell
                     torch.cuda.current_stream(dev).synchronize()
                     self._ack(seq, w)
                     ph["sync"] += clock() - c3
                     w, b0 = w + 1, b1
+                ph["dests"] += res.seconds
                 c0 = clock()
                 final = self._ready(seq, w, mid)
                 want = final.get("digests")

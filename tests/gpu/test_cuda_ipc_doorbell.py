@@ -47,11 +47,15 @@ def same(a: nn.Module, b: nn.Module) -> None:
         assert torch.equal(x, y), n
 
 
-@pytest.mark.parametrize("window_bytes", [None, 1 << 17])
+@pytest.mark.parametrize("options", [{}, {"window_bytes": 1 << 17}, {"window_tensors": 2}],
+                         ids=["default", "bytes", "tensors"])
 def test_one_doorbell_per_push_lands_bit_exact(monkeypatch: pytest.MonkeyPatch,
-                                               window_bytes: int | None) -> None:
+                                               options: dict[str, int]) -> None:
     """Acks the sender waits for per push: one per doorbell plus the final digest ack;
-    the whole update is one doorbell unless `window_bytes` cuts it."""
+    the whole update is one doorbell unless `window_bytes` or `window_tensors` cuts it
+    (a model of 6 tensors is below the default's count). Cut, the engine resolves the
+    later windows' destinations while it waits and while a window copies (`_Dests`):
+    every window still lands bit for bit."""
     waits: list[int] = []
     real = CudaIpcSender._wait_acks
 
@@ -60,7 +64,7 @@ def test_one_doorbell_per_push_lands_bit_exact(monkeypatch: pytest.MonkeyPatch,
         real(self, seq, index, abort)
 
     monkeypatch.setattr(CudaIpcSender, "_wait_acks", counting)
-    trainer, replica, sync, _ = pair(window_bytes=window_bytes)
+    trainer, replica, sync, _ = pair(**options)
     try:
         for v in range(3):
             with torch.no_grad():
@@ -70,7 +74,7 @@ def test_one_doorbell_per_push_lands_bit_exact(monkeypatch: pytest.MonkeyPatch,
             sync.push(trainer, version=v)
             torch.cuda.synchronize()
             same(trainer, replica)
-            if window_bytes is None:
+            if not options:
                 assert waits == [0, 1], waits
             else:
                 assert len(waits) >= 3 and waits == list(range(len(waits))), waits
