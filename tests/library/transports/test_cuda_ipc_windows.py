@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 
 from enginehooks.core.manifest import TensorSpec, plan
-from enginehooks.transports.cuda_ipc import WINDOW_TENSORS, _layout, doorbell_windows
+from enginehooks.transports.cuda_ipc import WINDOW_TENSORS, WINDOWS, _layout, doorbell_windows
 
 
 def manifest(shapes: list[int], bucket_bytes: int) -> Any:
@@ -18,9 +18,9 @@ def manifest(shapes: list[int], bucket_bytes: int) -> Any:
 
 
 def windows(m: Any, window_bytes: int | None = None,
-            window_tensors: int | None = WINDOW_TENSORS) -> list[tuple[int, int]]:
-    """The sender's windows with its defaults (`CudaIpcSender(window_bytes=None,
-    window_tensors=WINDOW_TENSORS)`)."""
+            window_tensors: int | None = None) -> list[tuple[int, int]]:
+    """The sender's windows, with its defaults (`CudaIpcSender(window_bytes=None,
+    window_tensors=None)`)."""
     return doorbell_windows(m, window_bytes, window_tensors)
 
 
@@ -33,7 +33,15 @@ def covers(ws: list[tuple[int, int]], n: int) -> bool:
 def test_fewer_than_twice_the_default_tensors_are_one_doorbell() -> None:
     m = manifest([256] * (2 * WINDOW_TENSORS - 1), bucket_bytes=4096)
     assert windows(m) == [(0, len(m.buckets))]
-    assert windows(m, window_tensors=None) == [(0, len(m.buckets))]
+    assert windows(m, window_tensors=0) == [(0, len(m.buckets))]
+
+
+@pytest.mark.parametrize("count", [2 * WINDOW_TENSORS, 7863])
+def test_many_tensors_are_the_default_number_of_windows(count: int) -> None:
+    m = manifest([64] * count, bucket_bytes=4096)  # 16 tensors a bucket
+    ws = windows(m)
+    assert covers(ws, len(m.buckets)) and len(ws) == WINDOWS, ws
+    assert windows(m, window_tensors=0) == [(0, len(m.buckets))]  # 0: no bound by count
 
 
 @pytest.mark.parametrize("cap", [1, 3, 7, 64])
@@ -44,9 +52,6 @@ def test_windows_close_at_a_bucket_end_once_they_hold_the_tensor_count(cap: int)
     ws = windows(m, window_tensors=cap)
     assert covers(ws, n)
     counts = [sum(len(starts[k]) for k in range(a, b)) for a, b in ws]
-    if len(m.tensors) < 2 * cap:
-        assert ws == [(0, n)]
-        return
     for (a, b), c in zip(ws[:-1], counts[:-1], strict=True):
         # each closed window reached the count only with its last bucket
         assert c >= cap and c - len(starts[b - 1]) < cap, (a, b, c)
