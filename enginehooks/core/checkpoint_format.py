@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from enginehooks.core.errors import ManifestError
-from enginehooks.core.view_trace import ViewOf, trace_views
+from enginehooks.core.view_trace import ViewBatch, ViewOf, trace_views
 
 log = logging.getLogger("enginehooks.checkpoint_format")
 
@@ -145,6 +145,8 @@ class CheckpointFormat:
         #: whose did not (converted as they are from then on)
         self._proved: dict[int, Group] = {}
         self._refused: dict[int, Group] = {}
+        #: per group with views, how they are made (`view_trace.ViewBatch`)
+        self._batches: dict[int, tuple[Group, ViewBatch]] = {}
 
     def plan(self, sources: Sequence[Source]) -> LayoutPlan:
         """Group `sources` (module layout, in state-dict order) and describe the
@@ -244,8 +246,10 @@ class CheckpointFormat:
             t = tensors.get(name)
             if t is None or tuple(t.shape) != shape or not t.is_contiguous():
                 return None
-        return [(o.name, v.of(tensors[v.source]))
-                for o, v in zip(group.outputs, group.views, strict=True)]
+        hit = self._batches.get(id(group))
+        if hit is None or hit[0] is not group:
+            hit = self._batches[id(group)] = (group, ViewBatch(group.views))
+        return [(o.name, v) for o, v in zip(group.outputs, hit[1].of(tensors), strict=True)]
 
     def _revert(self, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         from transformers.core_model_loading import revert_weight_conversion

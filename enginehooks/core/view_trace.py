@@ -22,6 +22,7 @@ conversion's real output the first time it is used.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -45,6 +46,45 @@ class ViewOf:
 
     def of(self, t: torch.Tensor) -> torch.Tensor:
         return t.as_strided(self.sizes, self.strides, t.storage_offset() + self.offset)
+
+
+class ViewBatch:
+    """A group's `ViewOf`s made with few calls per push: views of one source with the
+    same sizes and strides whose offsets step evenly (a fused tensor's experts) are one
+    `as_strided` with a leading dimension, `unbind` into its views (~0.45 us a view
+    against ~1.15 us for an `as_strided` each, thousands of views a push). The views
+    are the same (offset, sizes, strides) either way; the rest are made one by one."""
+
+    def __init__(self, views: tuple[ViewOf, ...]) -> None:
+        self.count = len(views)
+        families: dict[tuple[str, tuple[int, ...], tuple[int, ...]], list[tuple[int, int]]] = {}
+        for pos, v in enumerate(views):
+            families.setdefault((v.source, v.sizes, v.strides), []).append((v.offset, pos))
+        #: (source, first offset, step, sizes, strides, output positions by offset)
+        self.runs: list[tuple[str, int, int, tuple[int, ...], tuple[int, ...], list[int]]] = []
+        self.single: list[tuple[int, ViewOf]] = []
+        for (source, sizes, strides), members in families.items():
+            members.sort()
+            offs = [o for o, _ in members]
+            step = offs[1] - offs[0] if len(offs) > 1 else 0
+            if step > 0 and all(b - a == step for a, b in itertools.pairwise(offs)):
+                self.runs.append((source, offs[0], step, sizes, strides,
+                                  [p for _, p in members]))
+            else:
+                self.single.extend((p, views[p]) for _, p in members)
+
+    def of(self, tensors: Mapping[str, torch.Tensor]) -> list[torch.Tensor]:
+        """Every view, in the group's output order."""
+        out: list[Any] = [None] * self.count
+        for source, first, step, sizes, strides, positions in self.runs:
+            t = tensors[source]
+            stacked = t.as_strided((len(positions), *sizes), (step, *strides),
+                                   t.storage_offset() + first)
+            for p, v in zip(positions, stacked.unbind(0), strict=True):
+                out[p] = v
+        for p, view in self.single:
+            out[p] = view.of(tensors[view.source])
+        return out
 
 
 @dataclass(frozen=True)

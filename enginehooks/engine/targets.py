@@ -9,7 +9,7 @@ plugins, so what it measures is the code the engines run.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 
 import torch
 from torch import nn
@@ -48,6 +48,11 @@ class ModuleTarget(Target):
     def destination(self, name: str) -> torch.Tensor | None:
         t = self.tensors.get(name)
         return t.data if t is not None and t.is_contiguous() else None
+
+    def destinations(self, names: Sequence[str]) -> list[torch.Tensor | None]:
+        get = self.tensors.get
+        return [t.data if t is not None and t.is_contiguous() else None
+                for t in map(get, names)]
 
     def apply(self, tensors: Iterator[tuple[str, torch.Tensor]]) -> None:
         self.received = []

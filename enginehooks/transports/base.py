@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import threading
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
@@ -52,6 +52,11 @@ class Target(ABC):
         layout: receivers then rejoin a tensor cut across buckets straight into it,
         with no full-size temporary. None (the default): a temporary is used."""
         return None
+
+    def destinations(self, names: Sequence[str]) -> list[torch.Tensor | None]:
+        """`destination` of each of `names`, in order: receivers ask for thousands at
+        once (an MoE's experts), where a call per name costs microseconds each."""
+        return [self.destination(n) for n in names]
 
     def landing_wanted(self) -> bool:
         """Whether this update proves what receivers land in `destination`s from their

@@ -53,12 +53,13 @@ import base64
 import bisect
 import ctypes
 import functools
+import itertools
 import json
 import os
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Generator
+from collections.abc import Callable, Generator, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar, cast
 
@@ -328,6 +329,12 @@ class _Layout:
     hi: list[int]
     starts_in: list[list[int]]
     ends_in: list[list[int]]
+    #: per tensor: its name and shape (what the sender checks the stream against)
+    names: list[str]
+    shapes: list[tuple[int, ...]]
+    #: per tensor, the first bucket it or a tensor before it starts in (non-decreasing:
+    #: a tensor without pieces takes its predecessor's), for searching window ends
+    first_run: np.ndarray
 
 
 def _total_bytes(manifest: Manifest) -> int:
@@ -364,7 +371,10 @@ def _layout(manifest: Manifest) -> _Layout:
         p_b=buckets,
         lo=np.searchsorted(buckets, ks, side="left").tolist(),
         hi=np.searchsorted(buckets, ks, side="right").tolist(),
-        starts_in=starts_in, ends_in=ends_in)
+        starts_in=starts_in, ends_in=ends_in, names=[e.name for e in ts],
+        shapes=[tuple(e.shape) for e in ts],
+        first_run=np.maximum.accumulate(np.maximum(np.asarray(first, dtype=np.int64), 0))
+        if ts else np.zeros(0, dtype=np.int64))
     if memo is not None:
         memo["_enginehooks_layout"] = lay  # frozen dataclass: a memo, not a field
     return lay
@@ -426,9 +436,10 @@ class _Dests:
     #: store round trip or an event query
     CHUNK = 256
 
-    def __init__(self, lay: _Layout, into: Callable[[str], torch.Tensor | None] | None,
-                 memo: dict[str, int], device: torch.device) -> None:
-        self.lay, self.into, self.memo, self.devidx = lay, into, memo, device.index
+    def __init__(self, lay: _Layout,
+                 into: Callable[[Sequence[str]], list[torch.Tensor | None]] | None,
+                 device: torch.device) -> None:
+        self.lay, self.into, self.devidx = lay, into, device.index
         T = len(lay.tensors)
         self.dests: list[torch.Tensor | None] = [None] * T
         self.dptr = np.zeros(T, dtype=np.int64)
@@ -459,33 +470,46 @@ class _Dests:
             self.through(k)
 
     def through(self, end: int) -> None:
-        """Resolve every tensor that starts in a bucket before `end`."""
+        """Resolve every tensor that starts in a bucket before `end`: the target asked
+        for all of them at once (`Target.destinations`), checked as lists; where one
+        fails, tensor by tensor."""
         if end <= self.upto:
             return
         c0 = time.perf_counter()
-        lay, into, memo, devidx = self.lay, self.into, self.memo, self.devidx
-        tensors, dts, split = lay.tensors, lay.dtypes, lay.split
-        dests, dptr, has, lazy = self.dests, self.dptr, self.has, self.lazy
-        for k in range(self.upto, end):
-            for i in lay.starts_in[k]:
-                e = tensors[i]
-                d = into(e.name) if into is not None else None
-                p = d.data_ptr() if d is not None else 1
-                if d is not None and memo.get(e.name) == p and d.dtype is dts[i] and (
-                        d.shape == e.shape and d.is_contiguous()):
-                    pass  # the same memory as the last push, checked then
-                elif (p % 4 == 0 and d is not None and d.dtype is dts[i]
-                        and d.is_cuda and d.get_device() == devidx
-                        and d.shape == e.shape and d.is_contiguous()):
-                    memo[e.name] = p
-                else:
-                    lazy[i] = split[i]  # rejoined in a tensor of its own; else views
-                    continue
-                dests[i] = d
-                has[i] = True
-                dptr[i] = p
+        lay, devidx = self.lay, self.devidx
+        idx = [i for k in range(self.upto, end) for i in lay.starts_in[k]]
         self.upto = end
+        if self.into is None or not idx:
+            self.seconds += time.perf_counter() - c0
+            return
+        ds = self.into([lay.names[i] for i in idx])
+        ptrs = [d.data_ptr() if d is not None else 1 for d in ds]
+        if (None not in ds
+                and [d.dtype for d in ds] == [lay.dtypes[i] for i in idx]  # type: ignore[union-attr]
+                and [d.shape for d in ds] == [lay.shapes[i] for i in idx]  # type: ignore[union-attr]
+                and all(d.is_contiguous() for d in ds)  # type: ignore[union-attr]
+                and [d.get_device() for d in ds] == [devidx] * len(ds)  # type: ignore[union-attr]
+                and not any(p % 4 for p in ptrs)):
+            at = np.asarray(idx, dtype=np.int64)
+            self.has[at] = True
+            self.dptr[at] = ptrs
+            for i, d in zip(idx, ds, strict=True):
+                self.dests[i] = d
+        else:
+            for i, d, p in zip(idx, ds, ptrs, strict=True):
+                self._one(i, d, p)
         self.seconds += time.perf_counter() - c0
+
+    def _one(self, i: int, d: torch.Tensor | None, p: int) -> None:
+        lay = self.lay
+        if (p % 4 == 0 and d is not None and d.dtype is lay.dtypes[i]
+                and d.is_cuda and d.get_device() == self.devidx
+                and d.shape == lay.shapes[i] and d.is_contiguous()):
+            self.dests[i] = d
+            self.has[i] = True
+            self.dptr[i] = p
+        else:
+            self.lazy[i] = lay.split[i]  # rejoined in a tensor of its own; else views
 
 
 class CudaIpcSender(ColocatedSender):
@@ -583,6 +607,30 @@ class CudaIpcSender(ColocatedSender):
         if t.data_ptr() % 16:
             t = t.clone()
         return t
+
+    def _sources(self, lay: _Layout, got: list[tuple[str, torch.Tensor]], i0: int, i1: int,
+                 devidx: int) -> list[torch.Tensor]:
+        """The stream's tensors `i0..` of the manifest (`got`: what it yielded), each
+        as it is read in place: contiguous, 16-byte aligned, on this GPU (`_source` where
+        one is not). Checked a window at a time, as lists (a check per tensor in a loop
+        costs the sender a few microseconds each, thousands of times a push); a window
+        that fails is checked tensor by tensor, which names the first that differs."""
+        k = len(got)
+        if i0 + k < i1:
+            raise ManifestError(
+                f"stream ended before tensor {lay.tensors[i0 + k].name!r} of the manifest")
+        ts = [t for _, t in got]
+        if ([name for name, _ in got] != lay.names[i0:i0 + k]
+                or [t.dtype for t in ts] != lay.dtypes[i0:i0 + k]
+                or [t.shape for t in ts] != lay.shapes[i0:i0 + k]):
+            for entry, (name, t) in zip(lay.tensors[i0:i0 + k], got, strict=True):
+                check_tensor(entry, name, t)
+        if (all(map(torch.Tensor.is_contiguous, ts))
+                and [t.get_device() for t in ts] == [devidx] * k
+                and not any(t.data_ptr() % 16 for t in ts)):
+            return ts
+        return [t if (t.is_contiguous() and t.get_device() == devidx
+                      and not t.data_ptr() % 16) else self._source(t) for t in ts]
 
     def _locate_many(self, src: np.ndarray, nbytes: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """(allocation ids, offsets) of many device addresses at once."""
@@ -695,45 +743,41 @@ class CudaIpcSender(ColocatedSender):
             self._wait_acks(seq, w, abort)
             ph["wait_acks"] += clock() - c0
             main.wait_stream(dstream)  # the digest reads are ordered before any reuse
-            for k in range(*windows[w]):
-                held.pop(k, None)
+            held.pop(w, None)
 
+        # window w needs the stream's tensors [ends[w - 1], ends[w]) (every tensor that
+        # starts in its buckets); a tensor is held until the window of its last bucket
+        # is acked
+        ends = np.searchsorted(lay.first_run, [b1 for _, b1 in windows], side="left")
+        ends[-1] = len(lay.tensors)
+        win_of = np.zeros(n, dtype=np.int64)
+        for w, (b0, b1) in enumerate(windows):
+            win_of[b0:b1] = w
+        last = np.asarray(lay.last, dtype=np.int64)
+        held_by = np.where(last >= 0, win_of[np.maximum(last, 0)], -1)
         try:
             it = iter(stream)
-            first, last, dtypes = lay.first, lay.last, lay.dtypes
-            current = 0  # buckets before this one have all their tensors
-            w_next = 0  # the next window to publish
-            for i, entry in enumerate(lay.tensors):
+            i0 = 0
+            for w in range(n_win):
+                i1 = int(ends[w])
                 c0 = clock()
-                try:
-                    name, t = next(it)
-                    ph["produce"] += clock() - c0
-                except StopIteration:
-                    raise ManifestError(
-                        f"stream ended before tensor {entry.name!r} of the manifest") from None
-                if name != entry.name or t.dtype is not dtypes[i] or t.shape != entry.shape:
-                    check_tensor(entry, name, t)
-                p = t.data_ptr()
-                if p % 16 or not t.is_cuda or t.get_device() != devidx or not t.is_contiguous():
-                    t = self._source(t)
-                    p = t.data_ptr()
-                ptrs[i] = p
-                fb = first[i]
-                if fb > current:  # buckets before fb have all their tensors
-                    current = fb
-                    while w_next < n_win and windows[w_next][1] <= current:
-                        publish(w_next)
-                        w_next += 1
-                if last[i] >= 0:
-                    held.setdefault(last[i], []).append(t)
-                del t
+                got = list(itertools.islice(it, i1 - i0))
+                ph["produce"] += clock() - c0
+                ts = self._sources(lay, got, i0, i1, devidx)
+                ptrs[i0:i1] = [t.data_ptr() for t in ts]
+                keep = held_by[i0:i1]
+                if (keep == w).all():
+                    held[w] = ts
+                else:  # empties hold nothing; a tensor cut across windows, until its last
+                    for j in np.nonzero(keep >= 0)[0].tolist():
+                        held.setdefault(int(keep[j]), []).append(ts[j])
+                del got, ts
+                publish(w)
+                i0 = i1
             leftover = next(it, None)
             if leftover is not None:
                 raise ManifestError(
                     f"stream yielded {leftover[0]!r}, which the manifest does not plan")
-            while w_next < n_win:
-                publish(w_next)
-                w_next += 1
 
             def send_final(final: list[int] | None) -> None:
                 nonlocal published
@@ -803,7 +847,6 @@ class CudaIpcReceiver(ColocatedReceiver):
         self._tables = _TableCache()
         #: the target while `deliver` runs (its `wire_landed`)
         self._witness: Target | None = None
-        self._dest_ok: dict[str, int] = {}  # name -> address checked as a destination
 
     def connect(self) -> None:
         torch.cuda.set_device(self.device)
@@ -859,7 +902,7 @@ class CudaIpcReceiver(ColocatedReceiver):
         # once the doorbell is there (the rest is resolved window by window).
         pre = None
         if _fused().available(self.device):
-            pre = _Dests(_layout(manifest), into, self._dest_ok, self.device)
+            pre = _Dests(_layout(manifest), self._into_many(into), self.device)
             key = self.channel.key("ready", self.seq + 1, 0, EVERY_RECEIVER)
             pre.ahead(lambda: _arrived(self._store(), key))
         # The sender says which way this update travels in its first ready message.
@@ -877,6 +920,17 @@ class CudaIpcReceiver(ColocatedReceiver):
 
     def _ready(self, seq: int, index: int, mid: int) -> dict[str, Any]:
         return self._ready_message(seq, index, mid)
+
+    def _into_many(self, into: Callable[[str], torch.Tensor | None] | None
+                   ) -> Callable[[Sequence[str]], list[torch.Tensor | None]] | None:
+        """`into` for many names at once: the target's own `destinations` where `into`
+        is its `destination` (what `deliver` passes), else a call per name."""
+        target = self._witness
+        if into is None:
+            return None
+        if target is not None and into == target.destination:
+            return target.destinations
+        return lambda names: [into(n) for n in names]
 
     def _open_allocs(self, msg: dict[str, Any]) -> None:
         epoch = int(msg["epoch"])
@@ -936,7 +990,7 @@ class CudaIpcReceiver(ColocatedReceiver):
         witness = (target.wire_landed if target is not None and target.landing_wanted()
                    else None)
         landed_sums = digests[:n]
-        res = pre if pre is not None else _Dests(lay, into, self._dest_ok, dev)
+        res = pre if pre is not None else _Dests(lay, self._into_many(into), dev)
         if into is not None and res.upto and not res.has.any():
             # a target that offers destinations only while its apply runs (an engine's
             # `ApplyTarget` once its copy plan is verified): asked again, now that it does

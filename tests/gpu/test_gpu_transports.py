@@ -14,6 +14,7 @@ import subprocess
 import sys
 import zlib
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -21,6 +22,7 @@ import torch
 from enginehooks.core.manifest import TensorSpec, plan
 from enginehooks.plugins import get_transport
 from enginehooks.transports.base import Abort
+from enginehooks.transports.cuda_ipc import _layout
 
 ROOT = Path(__file__).resolve().parent.parent
 pytestmark = pytest.mark.gpu
@@ -108,9 +110,10 @@ receiver.close()
 
 
 def run_push(transport: str, receiver_devices: list[str], pushes: int = 3,
-             mode: str = "dest", **options: object) -> None:
+             mode: str = "dest", as_sent: Any = None, **options: object) -> None:
     """Push `pushes` versions (checksum none / sum64 / crc32 in turn) to receivers on
-    `receiver_devices` and check every tensor of every push bit for bit."""
+    `receiver_devices` and check every tensor of every push bit for bit. `as_sent(ws)`:
+    the tensors as the stream yields them (same values)."""
     device = torch.device("cuda", 0)
     torch.cuda.set_device(device)
     sender = get_transport(transport).sender(host="127.0.0.1", port=0, timeout_s=60,
@@ -136,7 +139,8 @@ def run_push(transport: str, receiver_devices: list[str], pushes: int = 3,
         for v, m in enumerate(manifests):
             ws = make_weights(v, device)
             expected.append(crcs(ws))
-            stats = sender.send(m, iter(ws.items()), Abort())
+            sent = as_sent(ws) if as_sent is not None else ws
+            stats = sender.send(m, iter(sent.items()), Abort())
             assert stats.buckets == len(m.buckets)
         for p in procs:
             out, err = p.communicate(timeout=120)
@@ -168,6 +172,59 @@ def test_cuda_ipc_target_without_destination_bit_exact_several_pushes() -> None:
     """Single copy into a target that has no destination(): it copies from views of the
     trainer's memory itself; pushes 0-1 go by handle, push 2 (crc32) packed."""
     run_push("cuda_ipc", ["cuda:0"], mode="nodest")
+
+
+def awkward(ws: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The same values as tensors single copy cannot read in place: a transposed
+    (non-contiguous) one, one on the host, one 2 bytes off a 16-byte boundary."""
+    out = dict(ws)
+    t = ws["layers.0.mlp.up.weight"]
+    out["layers.0.mlp.up.weight"] = t.t().contiguous().t()
+    assert not out["layers.0.mlp.up.weight"].is_contiguous()
+    out["layers.0.norm.weight"] = ws["layers.0.norm.weight"].cpu()
+    q = ws["layers.0.attn.qkv.bias"]
+    off = torch.empty(q.numel() + 1, dtype=q.dtype, device=q.device)[1:]
+    off.copy_(q)
+    assert off.data_ptr() % 16
+    out["layers.0.attn.qkv.bias"] = off
+    return out
+
+
+@gpus(1)
+@pytest.mark.parametrize("window_tensors", [0, 2])
+def test_cuda_ipc_single_copy_lands_sources_it_must_copy_first(window_tensors: int) -> None:
+    """The sender checks a window's tensors as lists and reads them in place; a
+    non-contiguous, host or misaligned one among them is copied first (`_sources`), in
+    one doorbell or several (`window_tensors`), and every push lands bit for bit."""
+    run_push("cuda_ipc", ["cuda:0"], as_sent=awkward, window_tensors=window_tensors)
+
+
+@gpus(1)
+def test_cuda_ipc_single_copy_refuses_a_stream_out_of_order_or_short() -> None:
+    """A window's tensors checked as lists (`CudaIpcSender._sources`, called directly:
+    a push needs receivers, and this is the check before anything is published): two
+    tensors swapped fail the list check, and the check tensor by tensor names the first;
+    a stream that ends inside the window names the tensor it lacks."""
+    from enginehooks.core.errors import ManifestError
+
+    device = torch.device("cuda", 0)
+    sender = get_transport("cuda_ipc").sender(host="127.0.0.1", port=0, timeout_s=10,
+                                              device=device)
+    lay = _layout(plan(SPECS, weight_version=1, bucket_bytes=BUCKET, checksum="sum64"))
+    items = list(make_weights(1, device).items())
+    check = sender._sources  # type: ignore[attr-defined]
+    try:
+        assert len(check(lay, items[:4], 0, 4, device.index)) == 4
+        swapped = [items[0], items[2], items[1], items[3]]
+        with pytest.raises(ManifestError, match=(
+                r"stream yielded 'layers\.0\.attn\.qkv\.bias' where the manifest expects "
+                r"'layers\.0\.attn\.qkv\.weight'")):
+            check(lay, swapped, 0, 4, device.index)
+        with pytest.raises(ManifestError, match=(
+                r"stream ended before tensor 'layers\.0\.mlp\.up\.weight' of the manifest")):
+            check(lay, items[:3], 0, 4, device.index)
+    finally:
+        sender.close()
 
 
 @gpus(1)

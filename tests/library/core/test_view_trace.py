@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 import torch
 
-from enginehooks.core.view_trace import ViewOf, trace_views
+from enginehooks.core.view_trace import ViewBatch, ViewOf, trace_views
 
 Op = Callable[[torch.Tensor], torch.Tensor]
 
@@ -193,3 +193,33 @@ def test_a_traced_view_that_differs_from_the_conversion_is_refused(tmp_path: Pat
         for name, t in streamed.items():
             assert torch.equal(t, want[name]), name
     assert fmt._refused.get(id(wrong)) is wrong and id(wrong) not in fmt._proved
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_view_batches_are_the_same_views_as_one_by_one(seed: int) -> None:
+    """`ViewBatch` makes evenly stepped views of one source as one strided tensor cut
+    by `unbind`: generated groups (families with even and uneven steps, several sources,
+    shuffled order) give views of the same storage, offset, sizes and strides as
+    `ViewOf.of`, in the group's order."""
+    rng = random.Random(seed)
+    src = {"a": torch.arange(4096, dtype=torch.float32),
+           "b": torch.arange(1982, dtype=torch.float32)[7:].reshape(25, 79)}
+    views: list[ViewOf] = []
+    for name in src:
+        for _ in range(rng.randint(1, 3)):
+            sizes = (rng.randint(1, 6), rng.randint(1, 8))
+            strides = (sizes[1] + rng.randint(0, 3), 1)
+            step, first = rng.randint(1, 60), rng.randint(0, 20)
+            even = rng.random() < 0.7
+            for k in range(rng.randint(1, 9)):
+                off = first + k * step + (0 if even else rng.randint(0, 5))
+                views.append(ViewOf(name, off, sizes, strides))
+    rng.shuffle(views)
+    batch = ViewBatch(tuple(views))
+    assert batch.runs, "no family stepped evenly"
+    for v, got in zip(views, batch.of(src), strict=True):
+        want = v.of(src[v.source])
+        assert got.untyped_storage().data_ptr() == want.untyped_storage().data_ptr()
+        assert (got.storage_offset(), got.shape, got.stride()) == (
+            want.storage_offset(), want.shape, want.stride())
+        assert torch.equal(got, want)
