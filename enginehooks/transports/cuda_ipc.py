@@ -484,7 +484,7 @@ class _Dests:
             return
         ds = self.into([lay.names[i] for i in idx])
         ptrs = [d.data_ptr() if d is not None else 1 for d in ds]
-        if (None not in ds
+        if (all(d is not None for d in ds)  # (`None in ds` would compare tensors by value)
                 and [d.dtype for d in ds] == [lay.dtypes[i] for i in idx]  # type: ignore[union-attr]
                 and [d.shape for d in ds] == [lay.shapes[i] for i in idx]  # type: ignore[union-attr]
                 and all(d.is_contiguous() for d in ds)  # type: ignore[union-attr]
