@@ -270,8 +270,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--window-mib", type=int, default=None,
                     help="cuda_ipc: bytes per doorbell window (`window_bytes`; default none)")
     ap.add_argument("--window-tensors", type=int, default=None,
-                    help="cuda_ipc: tensors per doorbell window (`window_tensors`; 0: no "
-                    "bound; default the transport's WINDOW_TENSORS)")
+                    help="cuda_ipc: tensors per doorbell window (`window_tensors`; "
+                    "default none: one doorbell per push)")
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--warmup", type=int, default=1)
     ap.add_argument("--out", type=Path, default=None)

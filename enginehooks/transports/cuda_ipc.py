@@ -294,19 +294,14 @@ class _TableCache:
         self.by_bucket[k] = (tuple(np.array(a) for a in key), batch)
         return batch
 _MASK = (1 << 64) - 1
-#: single copy, by default (`CudaIpcSender(window_tensors=None)`): an update of at least
-#: twice `WINDOW_TENSORS` tensors is cut into `WINDOWS` doorbell windows of equal tensor
-#: counts (at bucket ends). Each tensor costs both sides host time (the sender's stream
-#: and checks, the engine's destinations and its target's loop), a few microseconds, so
-#: an update of thousands of tensors spent most of its time on hosts while the GPU
-#: idled; cut into windows, the engine resolves and copies one while the sender walks
-#: the next. A window costs round trips, and more windows measured slower: MoE widths,
-#: 1968 tensors, 3-4 windows 12-14 ms against 15-19 ms in one doorbell and 17 ms in six
-#: (one run of three was the other way, 17.5 against 16.2); 7863 tensors, 4 windows
-#: 57 ms, 12 windows 61 ms, one doorbell 74 ms (1x H200, `bench_e2e.py --window-tensors`,
-#: docs/transports.md).
-WINDOW_TENSORS = 512
-WINDOWS = 4
+#: Why a push is one doorbell by default, though `window_tensors` can cut it by tensor
+#: count (each tensor costs both sides host time, and in windows the engine resolves and
+#: copies one while the sender walks the next): measured on 1x H200 (`bench_e2e.py
+#: --arch qwen3_moe --window-tensors`, docs/transports.md), windows paid while the host
+#: work per tensor was high (7863 MoE tensors: 4 windows 57 ms, 12 windows 61 ms, one
+#: doorbell 74 ms) and no longer once it was checked as lists (`_sources`, `_Dests`):
+#: 47.6 ms in 4 windows against 46.4 ms in one, and 1968 tensors 16.9 ms in 3 against
+#: 14.95 ms in one.
 
 
 @dataclass
@@ -384,17 +379,11 @@ def doorbell_windows(manifest: Manifest, window_bytes: int | None,
                      window_tensors: int | None) -> list[tuple[int, int]]:
     """Consecutive bucket ranges, one doorbell each: a window closes at the end of the
     bucket that brings it to `window_tensors` tensors (counted where they start), or
-    before the bucket that would take it past `window_bytes`. `window_tensors` None:
-    the default (`WINDOWS` windows where the update has at least twice `WINDOW_TENSORS`
-    tensors); 0: no bound by count. With no bound, the whole update."""
-    n, count_all = len(manifest.buckets), len(manifest.tensors)
-    if window_tensors is None:
-        window_tensors = (-(-count_all // WINDOWS) if count_all >= 2 * WINDOW_TENSORS
-                          else 0)
-    if not window_tensors:
-        window_tensors = None
-        if window_bytes is None:
-            return [(0, n)]
+    before the bucket that would take it past `window_bytes` (None: no bound of that
+    kind). With neither, the whole update: one doorbell."""
+    n = len(manifest.buckets)
+    if window_bytes is None and window_tensors is None:
+        return [(0, n)]
     starts = _layout(manifest).starts_in
     out: list[tuple[int, int]] = []
     start = used = count = 0
@@ -520,12 +509,13 @@ class CudaIpcSender(ColocatedSender):
         super().__init__(**options)
         self.single_copy = bool(single_copy)
         # single copy: a doorbell's window closes (at a bucket's end) once it holds
-        # `window_bytes` bytes or `window_tensors` tensors (`doorbell_windows`; bytes
-        # None: no bound; tensors None: the measured default, 0: no bound). Bytes bound
-        # how many of the stream's temporaries the sender holds until acked; tensors let
-        # the engine copy one window while the sender walks the next (`WINDOWS`)
+        # `window_bytes` bytes or `window_tensors` tensors (`doorbell_windows`; None, the
+        # default: no bound of that kind, one doorbell per push). Bytes bound how many of
+        # the stream's temporaries the sender holds until acked; tensors let the engine
+        # copy one window while the sender walks the next (measured: see the note above
+        # `doorbell_windows`)
         self.window_bytes = None if window_bytes is None else max(1, int(window_bytes))
-        self.window_tensors = None if window_tensors is None else max(0, int(window_tensors))
+        self.window_tensors = None if not window_tensors else max(1, int(window_tensors))
         self._bases: list[int] = []  # sorted allocation bases seen
         self._allocs: dict[int, tuple[int, int]] = {}  # base -> (size, id)
         self._announce: list[dict[str, Any]] = []
