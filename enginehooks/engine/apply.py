@@ -65,8 +65,12 @@ class Update:
     `routes` are the planned tensors writable in this update (`ApplyTarget.writable`)."""
 
     def __init__(self, routes: Mapping[str, Route], keeping: bool,
-                 digests: DigestCheck | None = None) -> None:
+                 digests: DigestCheck | None = None,
+                 specs: dict[str, tuple[torch.dtype, torch.Size, TensorSpec]] | None = None
+                 ) -> None:
         self.routes = routes
+        #: name -> (dtype, shape, its spec), kept by the target across updates (`feed`)
+        self.specs = specs if specs is not None else {}
         self.keeping = keeping
         #: digests of what planned plain copies received (verification by digest), and
         #: the dtype of each planned destination
@@ -82,7 +86,13 @@ class Update:
         self.emptied: set[str] = set()
 
     def feed(self, name: str, t: torch.Tensor) -> None:
-        self.fed.append(TensorSpec(name, dtype_name(t.dtype), tuple(t.shape)))
+        # the spec of the last update's tensor of this name where its dtype and shape are
+        # the same (a training loop): one `TensorSpec` per name, not per push
+        hit = self.specs.get(name)
+        if hit is None or hit[0] is not t.dtype or hit[1] != t.shape:
+            hit = self.specs[name] = (t.dtype, t.shape,
+                                      TensorSpec(name, dtype_name(t.dtype), tuple(t.shape)))
+        self.fed.append(hit[2])
 
     def keep(self, name: str, t: torch.Tensor, copy: torch.Tensor | None = None) -> None:
         """Keep a host copy of `t` if a shadow will be built; `copy` is one the engine
@@ -157,6 +167,8 @@ class ApplyTarget(Target, ABC):
         self.live: dict[str, torch.Tensor] | None = None  # during `apply`: name -> tensor
         self.by_fresh_load: list[str] = []  # this update: parameters only a fresh load fills
         self._digests: DigestCheck | None = None  # during `apply`: the update's digests
+        #: the spec of each tensor fed, by name (`Update.feed`)
+        self._fed_specs: dict[str, tuple[torch.dtype, torch.Size, TensorSpec]] = {}
         self._expectations: LoaderExpectations | None = None
         #: `destination`'s answers of the last update, per destination: (the live tensor,
         #: its `tensor_keys` then, the plan it was checked against, the alias handed
@@ -366,7 +378,7 @@ class ApplyTarget(Target, ABC):
         # planned plain copies are proved by digests, except on the first update through
         # the plan (judged against a fresh load in full)
         digests = DigestCheck() if verify and routes and not checking else None
-        update = Update({}, keeping=verify or recording, digests=digests)
+        update = Update({}, keeping=verify or recording, digests=digests, specs=self._fed_specs)
         if digests is not None and self.verifier.settled is None:
             # destinations the engine's processing empties (vLLM CPU keeps a linear's
             # weight only in its prepacked handle): after apply they hold nothing a
