@@ -294,14 +294,6 @@ class _TableCache:
         self.by_bucket[k] = (tuple(np.array(a) for a in key), batch)
         return batch
 _MASK = (1 << 64) - 1
-#: Why a push is one doorbell by default, though `window_tensors` can cut it by tensor
-#: count (each tensor costs both sides host time, and in windows the engine resolves and
-#: copies one while the sender walks the next): measured on 1x H200 (`bench_e2e.py
-#: --arch qwen3_moe --window-tensors`, docs/transports.md), windows paid while the host
-#: work per tensor was high (7863 MoE tensors: 4 windows 57 ms, 12 windows 61 ms, one
-#: doorbell 74 ms) and no longer once it was checked as lists (`_sources`, `_Dests`):
-#: 47.6 ms in 4 windows against 46.4 ms in one, and 1968 tensors 16.9 ms in 3 against
-#: 14.95 ms in one.
 
 
 @dataclass
@@ -380,7 +372,15 @@ def doorbell_windows(manifest: Manifest, window_bytes: int | None,
     """Consecutive bucket ranges, one doorbell each: a window closes at the end of the
     bucket that brings it to `window_tensors` tensors (counted where they start), or
     before the bucket that would take it past `window_bytes` (None: no bound of that
-    kind). With neither, the whole update: one doorbell."""
+    kind). With neither, the whole update: one doorbell.
+
+    Why one doorbell is the default, though cutting by tensor count lets the engine
+    resolve and copy one window while the sender walks the next: measured on 1x H200
+    (`bench_e2e.py --arch qwen3_moe --window-tensors`, docs/transports.md), windows
+    paid while the host work per tensor was high (7863 MoE tensors: 4 windows 57 ms,
+    12 windows 61 ms, one doorbell 74 ms) and no longer once it was checked as lists
+    (`CudaIpcSender._sources`, `_Dests`): 47.6 ms in 4 windows against 46.4 ms in one,
+    and 1968 tensors 16.9 ms in 3 against 14.95 ms in one."""
     n = len(manifest.buckets)
     if window_bytes is None and window_tensors is None:
         return [(0, n)]
@@ -512,8 +512,7 @@ class CudaIpcSender(ColocatedSender):
         # `window_bytes` bytes or `window_tensors` tensors (`doorbell_windows`; None, the
         # default: no bound of that kind, one doorbell per push). Bytes bound how many of
         # the stream's temporaries the sender holds until acked; tensors let the engine
-        # copy one window while the sender walks the next (measured: see the note above
-        # `doorbell_windows`)
+        # copy one window while the sender walks the next (measured: `doorbell_windows`)
         self.window_bytes = None if window_bytes is None else max(1, int(window_bytes))
         self.window_tensors = None if not window_tensors else max(1, int(window_tensors))
         self._bases: list[int] = []  # sorted allocation bases seen
