@@ -428,7 +428,9 @@ class _Dests:
     def __init__(self, lay: _Layout,
                  into: Callable[[Sequence[str]], list[torch.Tensor | None]] | None,
                  device: torch.device) -> None:
-        self.lay, self.into, self.devidx = lay, into, device.index
+        self.lay, self.into = lay, into
+        # `get_device()` of a tensor on this device (-1: the host's, where a test runs this)
+        self.devidx = device.index if device.type == "cuda" else -1
         T = len(lay.tensors)
         self.dests: list[torch.Tensor | None] = [None] * T
         self.dptr = np.zeros(T, dtype=np.int64)
@@ -492,7 +494,7 @@ class _Dests:
     def _one(self, i: int, d: torch.Tensor | None, p: int) -> None:
         lay = self.lay
         if (p % 4 == 0 and d is not None and d.dtype is lay.dtypes[i]
-                and d.is_cuda and d.get_device() == self.devidx
+                and d.get_device() == self.devidx
                 and d.shape == lay.shapes[i] and d.is_contiguous()):
             self.dests[i] = d
             self.has[i] = True
