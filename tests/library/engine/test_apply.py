@@ -38,6 +38,21 @@ def _plan(handle: Any) -> dict[str, Any]:
     return handle.info(30)[0]["copy_plan"]  # type: ignore[no-any-return]
 
 
+def _proved_plan(model_dir: Path) -> tuple[MinimalEngine, Any, Any]:
+    """(engine, its `ApplyTarget`, the copy plan) after two pushes: the plan recorded,
+    then proved on a fresh load ("on")."""
+    engine = MinimalEngine(model_dir)
+    handle = engine.handle()
+    with WeightSync("gloo", bucket_bytes=16 << 10, timeout_s=60) as sync:
+        sync.add_replica(handle)
+        for v in (1, 2):  # record the plan, then prove it
+            sync.push(perturb(load_tiny(model_dir), seed=v), version=v)
+    target = handle.side.target  # type: ignore[attr-defined]
+    plan = target.plan.plan
+    assert plan is not None and target.plan.state == "on"
+    return engine, target, plan
+
+
 def test_the_page_runs_as_written() -> None:
     """Every part the page promises is defined by its own code, at its own lines."""
     assert issubclass(page.TinyTarget, ApplyTarget)
@@ -145,15 +160,7 @@ def test_a_destination_is_handed_out_again_only_while_its_tensor_is_where_it_was
     `destination`)."""
     from enginehooks.engine.walk import live_tensors
 
-    engine = MinimalEngine(model_dirs["llama"])
-    handle = engine.handle()
-    with WeightSync("gloo", bucket_bytes=16 << 10, timeout_s=60) as sync:
-        sync.add_replica(handle)
-        for v in (1, 2):  # record the plan, then prove it
-            sync.push(perturb(load_tiny(model_dirs["llama"]), seed=v), version=v)
-    target = handle.side.target  # type: ignore[attr-defined]
-    plan = target.plan.plan
-    assert plan is not None and target.plan.state == "on"
+    engine, target, plan = _proved_plan(model_dirs["llama"])
     name = next(n for n in plan.routes if plan.full_copy(n) is not None
                 and len(plan.layouts[plan.full_copy(n).dest].sizes) == 2)
     dest = plan.full_copy(name).dest
@@ -191,15 +198,7 @@ def test_the_writable_routes_are_kept_only_while_every_destination_holds(
     for the same routes into the same tensor objects at the same address, shape,
     strides and dtype; a destination reshaped in place is checked again, and its route
     goes to the loader (protective line: the keys compared in `_Writable.holds`)."""
-    engine = MinimalEngine(model_dirs["llama"])
-    handle = engine.handle()
-    with WeightSync("gloo", bucket_bytes=16 << 10, timeout_s=60) as sync:
-        sync.add_replica(handle)
-        for v in (1, 2):
-            sync.push(perturb(load_tiny(model_dirs["llama"]), seed=v), version=v)
-    target = handle.side.target  # type: ignore[attr-defined]
-    plan = target.plan.plan
-    assert plan is not None and target.plan.state == "on"
+    engine, target, plan = _proved_plan(model_dirs["llama"])
     offered = {n: r for n, r in plan.routes.items() if r.planned}
     name = next(n for n in offered if plan.full_copy(n) is not None)
     dest = plan.full_copy(name).dest
