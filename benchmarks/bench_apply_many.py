@@ -5,8 +5,9 @@ the engine side spends per tensor (the receiver's unpack, the apply's bookkeepin
 copy plan's replay, verification's digests) is paid thousands of times, whatever the
 bytes. This measures it where no GPU is needed: a module replica (the real
 `ApplyTarget`, `ApplyBinding` and `EngineSide` around a plain torch model,
-`enginehooks_testkit.inprocess_replica`) of `--blocks` blocks of three small tensors
-and a norm bias (4 tensors a block, 16x16 fp32: the bytes are negligible), pushed over
+`enginehooks_testkit.inprocess_replica`) of `--blocks` of `bench_verify.Blocks`' blocks
+at width 16 (a norm's weight and bias, two 16x16 projections: 4 tensors a block, fp32,
+the bytes negligible), pushed over
 gloo in process, unverified and verified in turn (`bench_verify.push_rows`: steady
 pushes of the prepared layout only). Per kind: the push's median, the apply's phases
 (`apply_phases_ms`: before the load, the load with the transport's stream, the landed
@@ -32,26 +33,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import torch
 
 
-class Many(torch.nn.Module):
-    """`blocks` blocks of two 16x16 projections and a norm: 4 tensors a block."""
-
-    def __init__(self, blocks: int) -> None:
-        super().__init__()
-        self.layers = torch.nn.ModuleList()
-        for _ in range(blocks):
-            block = torch.nn.Module()
-            block.up = torch.nn.Linear(16, 16, bias=False)
-            block.down = torch.nn.Linear(16, 16, bias=False)
-            block.norm = torch.nn.LayerNorm(16)
-            self.layers.append(block)
-
-    def load_weights(self, weights: Any) -> None:
-        params = dict(self.named_parameters())
-        with torch.no_grad():
-            for name, t in weights:
-                params[name].copy_(t)
-
-
 def main(argv: list[str] | None = None) -> int:
     import bench_verify
     from bench_gloo_cpu import machine
@@ -66,7 +47,7 @@ def main(argv: list[str] | None = None) -> int:
 
     def build(device: torch.device) -> torch.nn.Module:
         with torch.device(device):
-            return Many(args.blocks).requires_grad_(False)
+            return bench_verify.Blocks(args.blocks, 16, 16, torch.float32)
 
     handle, _model = inprocess_replica(build, torch.device("cpu"), streamed_shadow=True)
     source = build(torch.device("cpu"))
