@@ -677,7 +677,7 @@ class CudaIpcSender(ColocatedSender):
         finished = threading.Event()
         watcher = self._watch(abort, seq, n + 1, finished)  # up to n + 1 doorbells' acks
         ptrs = np.zeros(len(lay.tensors), dtype=np.int64)
-        held: dict[int, list[torch.Tensor]] = {}
+        held: dict[int, list[torch.Tensor]] = {}  # window -> its tensors, until acked
         inflight: deque[int] = deque()
         stats = SendStats()
         published = 0
