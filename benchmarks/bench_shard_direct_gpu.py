@@ -14,6 +14,9 @@ placements). Rows, medians of `--reps` pushes after one warm-up each, interleave
   device, landing straight into the engine parameters where the plan is a plain copy,
   the rest replayed or loaded (`ShardLanding.finish`);
 - `shard_nodigest`: the same with no digest (what the digests cost);
+- `shard_per_range`: `shard` with both sides range by range (a `source`/`dest` call,
+  digest launch and copy per range), the path before `transports/shard_runs.py`'s
+  tables (one launch per peer on each side), for the same run's comparison;
 - `raw`: each trainer rank sends its bytes to each engine rank with plain NCCL
   send/recv (one batch per rank, one message per pair of the schedule's bytes for the
   pair, one buffer each side): no schedule walk, no digest, no landing.
@@ -54,7 +57,7 @@ from benchmarks.bench_multisender_gpu import machine  # noqa: E402
 from tests.gpu.multisender_procs import CHILD_ENV  # noqa: E402
 from tests.support.ranks import free_port, run_modules  # noqa: E402
 
-MODES = ("raw", "shard", "shard_nodigest")
+MODES = ("raw", "shard", "shard_nodigest", "shard_per_range")
 LOG: list[str] = []
 
 
@@ -66,6 +69,8 @@ def say(line: str) -> None:
 def _push(mode: str) -> dict[str, Any]:
     if mode == "shard_nodigest":
         return {"mode": "shard", "checksum": None, "row": mode}
+    if mode == "shard_per_range":  # both sides range by range, as before `shard_runs.py`
+        return {"mode": "shard", "checksum": "sum64", "row": mode, "tables": "none"}
     return {"mode": mode, "checksum": "sum64", "row": mode}
 
 
@@ -190,6 +195,8 @@ def main(argv: list[str] | None = None) -> int:
                          raw / res["rows"]["shard"]["seconds_median"],
                          "raw_over_shard_nodigest":
                          raw / res["rows"]["shard_nodigest"]["seconds_median"],
+                         "raw_over_shard_per_range":
+                         raw / res["rows"]["shard_per_range"]["seconds_median"],
                          "bytes_sent_over_model": res["schedule_bytes"] / res["model_bytes"]}
     except Exception as e:  # the table says what failed; the exit status too
         res["error"] = f"{type(e).__name__}: {e}"

@@ -153,6 +153,7 @@ class ShardLanding:
                 f" which engine rank {me}'s loader reads, unsent")
         self._direct: dict[str, list[tuple[int, int, torch.Tensor]]] = {}
         self._staged: dict[str, torch.Tensor] = {}
+        #: bytes of this rank's transfers that land straight in the parameters
         self.received_direct = 0
         for name, ts in mine.items():
             spec = self.specs[name]
@@ -166,6 +167,7 @@ class ShardLanding:
             if runs is not None and all(any(a <= t.start and t.stop <= b for a, b, _ in runs)
                                         for t in ts):
                 self._direct[name] = runs
+                self.received_direct += sum(t.nbytes for t in ts)
             else:
                 self._staged[name] = torch.empty(spec.nbytes, dtype=torch.uint8,
                                                 device=self.device)
@@ -176,9 +178,18 @@ class ShardLanding:
         if runs is not None:
             for a, b, raw in runs:
                 if a <= t.start and t.stop <= b:
-                    self.received_direct += t.nbytes
                     return raw[t.start - a: t.stop - a]
         return self._staged[t.name][t.start: t.stop]
+
+    def segments(self, name: str) -> list[tuple[int, int, torch.Tensor]]:
+        """Where tensor `name`'s bytes land, as (start, stop, 1-D uint8) segments: the
+        parameter runs of a pure copy, or the whole staging tensor
+        (`transports/shard_runs.Places`, what `dest` answers per transfer)."""
+        runs = self._direct.get(name)
+        if runs is not None:
+            return list(runs)
+        staged = self._staged.get(name)
+        return [] if staged is None else [(0, staged.numel(), staged)]
 
     def finish(self) -> dict[str, str]:
         """Replay the plan from the staged tensors, feed the rest to the loader; returns

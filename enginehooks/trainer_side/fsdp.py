@@ -354,6 +354,7 @@ class FSDP2Shards:
         self.local: dict[str, torch.Tensor] = {}
         self.specs: dict[str, tuple[torch.dtype, tuple[int, ...]]] = {}
         self._placement: dict[str, str] = {}
+        self._segments: dict[str, tuple[int, list[tuple[int, int, torch.Tensor]]]] = {}
         self.world, self.rank = 1, 0
         for name, t in state.items():
             wire = self.wire_dtype(t.dtype)
@@ -378,6 +379,8 @@ class FSDP2Shards:
         self.local = {fn(n): v for n, v in self.local.items()}
         self._placement = {fn(n): v for n, v in self._placement.items()}
         self.__dict__.pop("_mine", None)
+        self.__dict__.pop("_by_name", None)
+        self._segments.clear()
 
     def wire_dtype(self, dtype: torch.dtype) -> torch.dtype:
         return self.dtype if self.dtype is not None and dtype.is_floating_point else dtype
@@ -403,18 +406,39 @@ class FSDP2Shards:
         """This rank's bytes [t.start, t.stop) of tensor t.name (1-D uint8)."""
         from enginehooks.core.errors import ConfigError
 
-        mine = [s for s in self._held() if s.name == t.name]
-        if not (mine and mine[0].start <= t.start and t.stop <= mine[0].stop):
-            raise ConfigError(f"trainer rank {self.rank} holds no bytes [{t.start}, {t.stop})"
-                              f" of {t.name!r}")
-        local = self.local[t.name]
-        wire = self.specs[t.name][0]
+        for a, b, raw in self.segments(t.name):
+            if a <= t.start and t.stop <= b:
+                return raw[t.start - a: t.stop - a]
+        raise ConfigError(f"trainer rank {self.rank} holds no bytes [{t.start}, {t.stop})"
+                          f" of {t.name!r}")
+
+    def segments(self, name: str) -> list[tuple[int, int, torch.Tensor]]:
+        """This rank's bytes of tensor `name` as one segment (start, stop, 1-D uint8):
+        its local shard in the wire dtype, cast once until the shard changes
+        (`shard_runs.Places`: the sender finds every range's address from it without a
+        call per range)."""
+        from enginehooks.core.errors import ConfigError
+
+        local = self.local.get(name)
+        got = self._segments.get(name)
+        # a cast is a copy: made again once the shard changed in place (an optimizer
+        # step bumps its version counter), so a kept instance never sends stale bytes
+        if got is not None and local is not None and got[0] == local._version:
+            return got[1]
+        if not hasattr(self, "_by_name"):
+            self._by_name = {s.name: s for s in self._held()}
+        held = self._by_name.get(name)
+        if held is None or local is None:
+            return []
+        wire = self.specs[name][0]
+        version = local._version
         local = (local if local.dtype == wire else local.to(wire)).contiguous()
         raw = local.reshape(-1).view(torch.uint8)
-        if raw.numel() != mine[0].stop - mine[0].start:
-            raise ConfigError(f"{t.name}: this rank's shard has {raw.numel()} bytes, not the "
-                              f"{mine[0].stop - mine[0].start} that Shard(0) gives it")
-        return raw[t.start - mine[0].start: t.stop - mine[0].start]
+        if raw.numel() != held.stop - held.start:
+            raise ConfigError(f"{name}: this rank's shard has {raw.numel()} bytes, not the "
+                              f"{held.stop - held.start} that Shard(0) gives it")
+        self._segments[name] = (version, [(held.start, held.stop, raw)])
+        return self._segments[name][1]
 
     def _held(self) -> list[Slice]:
         if not hasattr(self, "_mine"):

@@ -60,6 +60,7 @@ from enginehooks.core.dtypes import torch_dtype
 from enginehooks.core.errors import ChecksumError, TransportError
 from enginehooks.core.manifest import Manifest
 from enginehooks.core.schedule import Transfer
+from enginehooks.transports import shard_runs
 from enginehooks.transports.base import (
     Abort,
     Receiver,
@@ -239,11 +240,54 @@ def _alone(msg: list[tuple[int, Transfer]], pack_below: int) -> bool:
     return len(msg) == 1 and msg[0][1].nbytes >= pack_below
 
 
+def _outgoing(dst: int, msgs: list[list[tuple[int, Transfer]]], bufs: list[torch.Tensor],
+              seals: torch.Tensor) -> list[torch.Tensor]:
+    """Engine rank `dst`'s messages (`msgs`: their transfers, `bufs`: their bytes) as
+    they are posted, after they were sealed: the seam where the fault tests flip a
+    byte on the wire (both paths pass through it)."""
+    return bufs
+
+
+def _compiled(transfers: Sequence[Transfer], walk: dict[int, list[list[tuple[int, Transfer]]]],
+              key: tuple[object, ...], pack_below: int) -> dict[int, shard_runs.PeerPlan]:
+    got = shard_runs.COMPILED.get(transfers, key)
+    if got is None:
+        got = shard_runs.compile_peers(walk, pack_below)
+        shard_runs.COMPILED.put(transfers, key, got)
+    return got
+
+
+def _walked(transfers: Sequence[Transfer], key: tuple[object, ...],
+            keep: Callable[[Transfer], bool], peer_of: Callable[[Transfer], int],
+            pack_below: int) -> dict[int, list[list[tuple[int, Transfer]]]]:
+    """`_walk`, from the compiled peers where this schedule was compiled before (the
+    walk is a Python pass over every transfer)."""
+    got = shard_runs.COMPILED.get(transfers, key)
+    if got is not None:
+        return {p: plan.msgs for p, plan in got.items()}
+    return _walk(transfers, keep, peer_of, pack_below)
+
+
+def _pack_per_range(msgs: list[list[tuple[int, Transfer]]],
+                    source: Callable[[Transfer], torch.Tensor], secret: bytes | None,
+                    mid: int, checksum: str | None, pack_below: int, cuda: bool
+                    ) -> tuple[list[torch.Tensor], torch.Tensor]:
+    """One engine rank's messages and seals, range by range (where the table path of
+    `shard_runs.pack_peer` is not taken; both give the same bytes)."""
+    bufs = [[(i, _checked(source(t), t, "source", cuda)) for i, t in msg] for msg in msgs]
+    # sealed before packing: the pack carries the bytes that were digested
+    seals = _seal_all(secret, mid, [x for msg in bufs for x in msg], checksum)
+    return [parts[0][1] if _alone(msg, pack_below)
+            else torch.cat([b for _, b in parts])  # packed on the bytes' device
+            for msg, parts in zip(msgs, bufs)], seals
+
+
 def send_shards(group: Any, transfers: Sequence[Transfer], me: int,
                 source: Callable[[Transfer], torch.Tensor], *, senders: int, mid: int,
                 secret: bytes | None = None, checksum: str | None = "xxh3",
                 timeout_s: float = 60.0, pack_below: int = PACK_BELOW,
-                peer: Peer | None = None, tagged: bool = True) -> int:
+                peer: Peer | None = None, tagged: bool = True,
+                places: shard_runs.Places | None = None) -> int:
     """Send trainer rank `me`'s transfers of `transfers` (the whole schedule, in its
     order): `source(t)` is the 1-D uint8 tensor of t's bytes (host memory over gloo, a
     CUDA device over NCCL: the group's backend decides). Per engine rank, in the order
@@ -252,31 +296,44 @@ def send_shards(group: Any, transfers: Sequence[Transfer], me: int,
     tag len(transfers)), then the seals (tag len(transfers) + 1). `tagged=False` sends
     every gloo message with tag 0 (as NCCL, which ignores tags: only the order
     matches). `peer(e)`: engine rank e's group and rank in it (module docstring).
-    Returns the bytes sent."""
+    `places`: the same bytes as segments per tensor; where given on a GPU, each engine
+    rank's ranges are packed and sealed in one launch (`shard_runs.py`), the same
+    messages and seals as `source`'s path. Returns the bytes sent."""
     to: Peer = peer if peer is not None else (lambda e: (group, senders + e))
     n = len(transfers)
-    walk = _walk(transfers, lambda t: t.src == me, lambda t: t.dst, pack_below)
+    key = ("send", me, pack_below)
+    walk = _walked(transfers, key, lambda t: t.src == me, lambda t: t.dst, pack_below)
     if not walk:
         return 0
     nccl = _is_nccl(to(next(iter(walk)))[0])
     ops: list[_Op] = []
     sent = 0
     device: torch.device | None = None
+    keep: list[Any] = []  # the table path's sources, alive until the sends are done
+    compiled = None
+    if places is not None and nccl and walk:
+        first = next(iter(walk.values()))[0][0][1]
+        dev = _checked(source(first), first, "source", nccl).device
+        if shard_runs.usable(dev, checksum):
+            compiled = _compiled(transfers, walk, key, pack_below)
     for dst, msgs in walk.items():
         pg, rank = to(dst)
-        bufs = [[(i, _checked(source(t), t, "source", nccl)) for i, t in msg] for msg in msgs]
-        # sealed before packing: the pack carries the bytes that were digested
-        seals = _seal_all(secret, mid, [x for msg in bufs for x in msg], checksum)
-        for msg, parts in zip(msgs, bufs):
-            if _alone(msg, pack_below):
-                buf, tag = parts[0][1], msg[0][0]
-            else:  # packed on the bytes' device
-                buf, tag = torch.cat([b for _, b in parts]), n
+        fast = (shard_runs.pack_peer(compiled[dst], places, dev, secret, mid, checksum)
+                if compiled is not None and places is not None else None)
+        if fast is not None:
+            bufs_out, seals, loc = fast
+            keep.append(loc)
+        else:
+            bufs_out, seals = _pack_per_range(msgs, source, secret, mid, checksum,
+                                              pack_below, nccl)
+        for msg, buf in zip(msgs, _outgoing(dst, msgs, bufs_out, seals)):
+            tag = msg[0][0] if _alone(msg, pack_below) else n
             ops.append((pg, rank, buf, tag if tagged else 0))
             sent += buf.numel()
         ops.append((pg, rank, seals, n + 1 if tagged else 0))
         device = seals.device
     _wait(_post(ops, send=True, batched=nccl), timeout_s, "send", device if nccl else None)
+    del keep
     return sent
 
 
@@ -284,17 +341,21 @@ def receive_shards(group: Any, transfers: Sequence[Transfer], me: int,
                    dest: Callable[[Transfer], torch.Tensor], *, senders: int, mid: int,
                    secret: bytes | None = None, checksum: str | None = "xxh3",
                    timeout_s: float = 60.0, pack_below: int = PACK_BELOW,
-                   peer: Peer | None = None, tagged: bool = True) -> int:
+                   peer: Peer | None = None, tagged: bool = True,
+                   places: shard_runs.Places | None = None) -> int:
     """Receive engine rank `me`'s transfers of `transfers` into `dest(t)` (a 1-D uint8
     contiguous tensor of t's size, where t's bytes should land: host memory over gloo,
     a CUDA device over NCCL; the packed ones are copied there from their message),
     then check every range's digest where it landed, in the order the sender sealed
     them: on a GPU with `sum64` on the device, each sender's seals and this side's
     digests read to the host once per sender. `peer(j)`: trainer rank j's group and
-    rank in it. Returns the bytes received."""
+    rank in it. `places`: the same destinations as segments per tensor; where given on
+    a GPU, each sender's pack is unpacked and every range digested in one launch
+    (`shard_runs.py`). Returns the bytes received."""
     frm: Peer = peer if peer is not None else (lambda j: (group, j))
     n = len(transfers)
-    walk = _walk(transfers, lambda t: t.dst == me, lambda t: t.src, pack_below)
+    key = ("receive", me, pack_below)
+    walk = _walked(transfers, key, lambda t: t.dst == me, lambda t: t.src, pack_below)
     if not walk:
         return 0
     nccl = _is_nccl(frm(next(iter(walk)))[0])
@@ -304,9 +365,27 @@ def receive_shards(group: Any, transfers: Sequence[Transfer], me: int,
     packs: list[tuple[list[tuple[int, Transfer]], torch.Tensor]] = []
     words: dict[int, torch.Tensor] = {}
     order: dict[int, list[int]] = {}  # src -> transfer indices, in the sender's seal order
+    landings: dict[int, shard_runs.Landing] = {}
     device = torch.device("cpu")
+    compiled = None
+    if places is not None and nccl:
+        first = next(iter(walk.values()))[0][0][1]
+        dev = _checked(dest(first), first, "destination", nccl).device
+        if shard_runs.usable(dev, checksum):
+            compiled = _compiled(transfers, walk, key, pack_below)
     for src, msgs in walk.items():
         pg, rank = frm(src)
+        fast = (shard_runs.receive_buffers(compiled[src], places, dev)
+                if compiled is not None and places is not None else None)
+        if fast is not None:
+            landings[src] = fast
+            device = fast.words.device
+            for msg, buf in zip(msgs, fast.msgs):
+                tag = msg[0][0] if _alone(msg, pack_below) else n
+                ops.append((pg, rank, buf, tag if tagged else 0))
+            got += int(compiled[src].nbytes.sum()) if compiled is not None else 0
+            ops.append((pg, rank, fast.words, n + 1 if tagged else 0))
+            continue
         for msg in msgs:
             for i, t in msg:
                 bufs[i] = _checked(dest(t), t, "destination", nccl)
@@ -323,6 +402,8 @@ def receive_shards(group: Any, transfers: Sequence[Transfer], me: int,
         words[src] = torch.empty(2 * len(order[src]), dtype=torch.int64, device=device)
         ops.append((pg, rank, words[src], n + 1 if tagged else 0))
     _wait(_post(ops, send=False, batched=nccl), timeout_s, "receive", device if nccl else None)
+    for landing in landings.values():
+        shard_runs.land_peer(landing, transfers, secret, mid, checksum)
     for msg, pack in packs:
         at = 0
         for i, t in msg:
@@ -351,6 +432,9 @@ class ShardSource(Protocol):
     def source(self, t: Transfer) -> torch.Tensor:
         """This rank's bytes [t.start, t.stop) of tensor t.name (1-D uint8)."""
         ...
+
+    # Optional: `segments(name)` (`shard_runs.Places`), the same bytes per tensor; a
+    # source that has it is sent on a GPU by one launch per engine rank.
 
 
 class ShardStream:
@@ -412,10 +496,12 @@ class ShardSender(BroadcastSender):
         try:
             if self.device.type == "cuda":
                 torch.cuda.set_device(self.device)  # NCCL's batch runs on the current GPU
+            places = src if callable(getattr(src, "segments", None)) else None
             sent = send_shards(pg, sched.transfers, src.rank, src.source,
                                senders=sched.senders, mid=manifest_id(manifest),
                                secret=self.secret, checksum=manifest.checksum,
-                               timeout_s=self.timeout_s, peer=lambda e: (pg, 1 + e))
+                               timeout_s=self.timeout_s, peer=lambda e: (pg, 1 + e),
+                               places=places)  # type: ignore[arg-type]
         except BaseException:
             self._break()  # the group's state is unknown: the next push forms it anew
             raise
@@ -423,6 +509,30 @@ class ShardSender(BroadcastSender):
         return SendStats(bytes=sent, buckets=0, seconds=time.perf_counter() - t0,
                          extra={"schedule": {"rank": src.rank, "bytes": sent,
                                              "transfers": mine}})
+
+
+class _Staging:
+    """A worker's staging tensors of one scheduled update, one per checkpoint tensor it
+    receives any of, made on first use (per transfer: `dest`; per tensor: `segments`,
+    `shard_runs.Places`). Zeros: bytes this rank's loader does not read stay defined."""
+
+    def __init__(self, sizes: dict[str, int], device: torch.device) -> None:
+        self.sizes, self.device = sizes, device
+        self.staged: dict[str, torch.Tensor] = {}
+
+    def _of(self, name: str) -> torch.Tensor:
+        buf = self.staged.get(name)
+        if buf is None:
+            buf = self.staged[name] = torch.zeros(self.sizes[name], dtype=torch.uint8,
+                                                  device=self.device)
+        return buf
+
+    def dest(self, t: Transfer) -> torch.Tensor:
+        return self._of(t.name)[t.start: t.stop]
+
+    def segments(self, name: str) -> list[tuple[int, int, torch.Tensor]]:
+        buf = self._of(name)
+        return [(0, buf.numel(), buf)]
 
 
 class ShardReceiver(Receiver):
@@ -478,22 +588,16 @@ class ShardReceiver(Receiver):
                                  f"the groups of {len(groups)}")
         me = self.rank - 1
         specs = {t.name: t for t in manifest.tensors}
-        staged: dict[str, torch.Tensor] = {}
-
-        def dest(t: Transfer) -> torch.Tensor:
-            buf = staged.get(t.name)
-            if buf is None:  # zeros: bytes this rank's loader does not read stay defined
-                buf = staged[t.name] = torch.zeros(specs[t.name].nbytes, dtype=torch.uint8,
-                                                   device=self.device)
-            return buf[t.start: t.stop]
-
+        staging = _Staging({n: s.nbytes for n, s in specs.items()}, self.device)
+        staged = staging.staged
         try:
             if self.device.type == "cuda":
                 torch.cuda.set_device(self.device)  # NCCL's batch runs on the current GPU
-            got = receive_shards(None, sched.transfers, me, dest, senders=sched.senders,
-                                 mid=manifest_id(manifest), secret=self.secret,
-                                 checksum=manifest.checksum, timeout_s=self.timeout_s,
-                                 peer=lambda j: (groups[j], 0))
+            got = receive_shards(None, sched.transfers, me, staging.dest,
+                                 senders=sched.senders, mid=manifest_id(manifest),
+                                 secret=self.secret, checksum=manifest.checksum,
+                                 timeout_s=self.timeout_s, peer=lambda j: (groups[j], 0),
+                                 places=staging)
         except ChecksumError:
             raise  # the groups are intact: the update is refused, nothing applied
         except BaseException:

@@ -71,18 +71,17 @@ def _barrier(device: torch.device) -> None:
     _sync(device)
 
 
-def _corrupting(transfers: Any, flipped: list[str]) -> Any:
-    """`_seal_all` that flips the first byte of this rank's first range to each engine
-    rank after sealing it (on the GPU, before the send reads it); `flipped` gets the
-    names of the tensors whose range it flipped (with `transfers`, the schedule's)."""
-    seal_all = sd._seal_all
+def _corrupting(flipped: list[str]) -> Any:
+    """`shard_direct._outgoing` that flips the first byte of this rank's first message
+    to each engine rank after it was sealed (on the GPU, before the send reads it);
+    `flipped` gets the names of the first tensors of those messages."""
+    outgoing = sd._outgoing
 
-    def late_flip(secret: Any, mid: int, items: Any, checksum: Any) -> torch.Tensor:
-        out = seal_all(secret, mid, items, checksum)
-        if items:
-            items[0][1][0:1].bitwise_xor_(0xFF)
-            if transfers is not None:
-                flipped.append(transfers[items[0][0]].name)
+    def late_flip(dst: int, msgs: Any, bufs: Any, seals: Any) -> Any:
+        out = outgoing(dst, msgs, bufs, seals)
+        if out:
+            out[0][0:1].bitwise_xor_(0xFF)
+            flipped.append(msgs[0][0][1].name)
         return out
     return late_flip
 
@@ -195,14 +194,20 @@ def main(spec: dict[str, Any]) -> dict[str, Any]:
                      if (s == rank and d == p) or (s == p and d == rank - TRAINERS)] or [0])
             raw_bufs[p] = torch.empty(n, dtype=torch.uint8, device=device)
     broken = False
+    outgoing = sd._outgoing
     for k, push in enumerate(pushes):
         mode, checksum = push["mode"], push.get("checksum", "sum64")
         secret = bytes.fromhex(push["secret"]) if push.get("secret") else None
         rec: dict[str, Any] = {"mode": mode, "checksum": checksum, "keyed": bool(secret)}
         pack_below = int(push.get("pack_below", sd.PACK_BELOW))
+        sd._outgoing = outgoing  # type: ignore[assignment]
         if rank < TRAINERS and push.get("corrupt") == rank:
             rec["corrupted"] = []
-            sd._seal_all = _corrupting(sched.transfers, rec["corrupted"])  # type: ignore[assignment]
+            sd._outgoing = _corrupting(rec["corrupted"])  # type: ignore[assignment]
+        # "tables": which sides find their ranges as tables (`shard_runs.py`): both
+        # (default), "send" or "receive" only (the other side per range), or "none"
+        tables = push.get("tables", "both")
+        use_places = tables in ("both", "send" if rank < TRAINERS else "receive")
         landing = None
         if rank >= TRAINERS and mode == "shard":
             landing = ShardLanding(cplan, man.tensors, sched.transfers, rank - TRAINERS,
@@ -221,13 +226,15 @@ def main(spec: dict[str, Any]) -> dict[str, Any]:
                 rec["sent"] = sd.send_shards(dist.group.WORLD, sched.transfers, rank,
                                              shards.source, senders=TRAINERS, mid=mid,
                                              secret=secret, checksum=checksum,
-                                             timeout_s=timeout_s, pack_below=pack_below)
+                                             timeout_s=timeout_s, pack_below=pack_below,
+                                             places=shards if use_places else None)
             else:
                 assert landing is not None
                 rec["received"] = sd.receive_shards(
                     dist.group.WORLD, sched.transfers, rank - TRAINERS, landing.dest,
                     senders=TRAINERS, mid=mid, secret=secret, checksum=checksum,
-                    timeout_s=timeout_s, pack_below=pack_below)
+                    timeout_s=timeout_s, pack_below=pack_below,
+                    places=landing if use_places else None)
                 _sync(device)
                 t1 = time.perf_counter()
                 rec["how"] = landing.finish()

@@ -170,12 +170,12 @@ def trainer_main(spec: dict[str, Any]) -> dict[str, Any]:
         for e in range(WORKERS):  # in TP rank order: engine rank e
             sync.add_replica(RemoteModule((folder / f"url-{e}").read_text(), f"tp{e}"))
     corrupt = spec.get("corrupt") or [None, None]
-    seal_all = sd._seal_all
+    outgoing = sd._outgoing
     out: dict[str, Any] = {"reports": []}
     last_ok = None
     for i, seed in enumerate(spec["seeds"]):
-        sd._seal_all = (_corrupting(None, []) if corrupt == [rank, i]  # type: ignore[assignment]
-                        else seal_all)
+        sd._outgoing = (_corrupting([]) if corrupt == [rank, i]  # type: ignore[assignment]
+                        else outgoing)
         model = tp.TinyFull(int(seed)).to(device)
         fully_shard(model, mesh=DeviceMesh.from_group(dist.group.WORLD, device.type))
         progress(f"trainer {rank}: push {i} start")
@@ -190,7 +190,7 @@ def trainer_main(spec: dict[str, Any]) -> dict[str, Any]:
             progress(f"trainer {rank}: push {i} failed: {type(err).__name__}")
             out["reports"].append({"ok": False, "error": str(err)[:2000],
                                    "type": type(err).__name__})
-    sd._seal_all = seal_all
+    sd._outgoing = outgoing
     sync.close()
     if rank == 0:
         (folder / "done.tmp").write_text(json.dumps({"last_ok": last_ok}))

@@ -12,7 +12,11 @@ One run of the four processes, three pushes:
   replicated norms go to both engine ranks), each trainer rank sending its half;
 - keyed (a shared secret: each range's MAC) with more ranges alone (`pack_below`
   4 KiB): bit-exact again;
-- trainer rank 1 flips a byte of its first range to each engine rank after sealing it:
+- each side finding its ranges as tables (`transports/shard_runs.py`: one launch per
+  peer packs, unpacks and digests) on the first two pushes, then the sender alone, the
+  receiver alone (keyed) and neither (no checksum): the two paths put the same bytes
+  and seals on the wire, so every mix is bit-exact;
+- trainer rank 1 flips a byte of its first message to each engine rank after sealing it:
   both engine ranks end with `ChecksumError` naming that tensor and the sender (this
   fails if the receiver's digest compare is removed: the bytes would land silently).
 
@@ -81,6 +85,9 @@ def test_two_fsdp2_ranks_feed_a_tp2_replica_over_nccl_bit_exact_then_a_bad_byte_
     port = free_port()
     pushes = [{"mode": "shard", "checksum": "sum64"},
               {"mode": "shard", "checksum": "sum64", "secret": SECRET, "pack_below": 4096},
+              {"mode": "shard", "checksum": "sum64", "tables": "send"},
+              {"mode": "shard", "checksum": "sum64", "tables": "receive", "secret": SECRET},
+              {"mode": "shard", "checksum": None, "tables": "none"},
               {"mode": "shard", "checksum": "sum64", "corrupt": 1}]
     t0, t1, e0, e1 = run_modules("tests.gpu.shard_gpu_rank", [
         {"rank": r, "port": port, "seed": 5, "dims": DIMS, "timeout_s": TIMEOUT_S,
@@ -88,9 +95,9 @@ def test_two_fsdp2_ranks_feed_a_tp2_replica_over_nccl_bit_exact_then_a_bad_byte_
         ROOT, RUN_S, label="shard_gpu")
     for r in (t0, t1, e0, e1):
         assert "error" not in r, r
-        assert len(r["pushes"]) == 3, r
+        assert len(r["pushes"]) == 6, r
     model = t0["model_bytes"]
-    for i in (0, 1):
+    for i in range(5):
         sent = [t["pushes"][i]["sent"] for t in (t0, t1)]
         received = [e["pushes"][i]["received"] for e in (e0, e1)]
         for e in (e0, e1):
@@ -106,10 +113,10 @@ def test_two_fsdp2_ranks_feed_a_tp2_replica_over_nccl_bit_exact_then_a_bad_byte_
         assert sum(sent) == sum(received) == t0["schedule_bytes"], (sent, received)
         assert model <= sum(sent) <= 1.02 * model, (sent, model)
         assert abs(sent[0] - sent[1]) <= 0.05 * sum(sent), sent
-    flipped = t1["pushes"][2]["corrupted"]
-    assert len(flipped) == 2, t1["pushes"][2]  # its first range to each engine rank
+    flipped = t1["pushes"][5]["corrupted"]
+    assert len(flipped) == 2, t1["pushes"][5]  # its first message to each engine rank
     for e, name in zip((e0, e1), flipped):
-        p = e["pushes"][2]
+        p = e["pushes"][5]
         assert p.get("type") == "ChecksumError", p
         assert f"of {name!r} from trainer rank 1" in p["error"], p
 
@@ -154,21 +161,25 @@ def test_one_fsdp2_rank_feeds_one_engine_rank_over_nccl_then_a_bad_byte_is_refus
     port = free_port()
     pushes = [{"mode": "shard", "checksum": "sum64"},
               {"mode": "shard", "checksum": "sum64", "secret": SECRET, "pack_below": 4096},
-              {"mode": "shard", "checksum": "sum64", "corrupt": 0}]
+              {"mode": "shard", "checksum": "sum64", "tables": "send"},
+              {"mode": "shard", "checksum": "sum64", "tables": "receive", "secret": SECRET},
+              {"mode": "shard", "checksum": "sum64", "corrupt": 0},
+              {"mode": "shard", "checksum": "sum64", "corrupt": 0, "tables": "none"}]
     t0, e0 = run_modules("tests.gpu.shard_gpu_rank", [
         {"rank": r, "port": port, "seed": 5, "dims": DIMS, "timeout_s": TIMEOUT_S,
          "pushes": pushes, "how": True, "deadline_s": RUN_S - 10, "trainers": 1,
          "engines": 1} for r in range(2)], ROOT, RUN_S, label="shard_gpu_2")
     for r in (t0, e0):
         assert "error" not in r, r
-        assert len(r["pushes"]) == 3, r
-    for i in (0, 1):
+        assert len(r["pushes"]) == 6, r
+    for i in range(4):
         p = e0["pushes"][i]
         assert "error" not in p and p["equal"] is True, p
         assert p["direct"] > p["received"] / 2, p
         assert t0["pushes"][i]["sent"] == p["received"] == t0["schedule_bytes"], (t0, p)
         assert t0["model_bytes"] <= p["received"] <= 1.02 * t0["model_bytes"], p
-    flipped = t0["pushes"][2]["corrupted"]
-    p = e0["pushes"][2]
-    assert len(flipped) == 1 and p.get("type") == "ChecksumError", p
-    assert f"of {flipped[0]!r} from trainer rank 0" in p["error"], p
+    for i in (4, 5):  # a flipped byte refused on the table path and on the per-range one
+        flipped = t0["pushes"][i]["corrupted"]
+        p = e0["pushes"][i]
+        assert len(flipped) == 1 and p.get("type") == "ChecksumError", p
+        assert f"of {flipped[0]!r} from trainer rank 0" in p["error"], p

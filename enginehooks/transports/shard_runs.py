@@ -1,0 +1,311 @@
+"""Shard-direct's ranges as tables: one launch per peer on each side, not a few per range.
+
+A row-parallel slice is one short run per row, so at 7B widths a push is tens of
+thousands of transfers. Handled one by one (a `source`/`dest` call, a digest launch, a
+`cat` part and an unpacking copy each) that cost ~20 us of host time per range: 1.1 s
+for 1.9 GB that NCCL moves in 3 ms (`benchmarks/results/shard-direct-gpu-2026-11-28-s14-h200x4`).
+
+Here each peer's messages are compiled once per schedule (`compile_peers`: which
+transfers go alone, which are packed and at which offset, the order they are sealed
+in), and a push finds every range's device address with numpy from a few segments per
+tensor (`Places.segments`). Then one fused copy-and-digest launch (`core/fused_copy.py`)
+per peer does the per-range work on each side:
+- the sender packs the short ranges and digests each of them in the same pass, and
+  digests the ranges that go alone in one more launch (`pack_peer`);
+- the receiver unpacks into the destinations and digests what it wrote in the same
+  pass, and digests the ranges that arrived in place in one more launch; the seals
+  are compared on the device and read to the host once per peer (`land_peer`).
+
+The wire is unchanged: the same messages, in the same order, with the same seals as the
+per-range path of `shard_direct.py`, so either side may take either path
+(`tests/gpu/test_shard_runs_gpu.py` compares them byte for byte). This path is taken
+where the fused kernel runs (a CUDA device with Triton), the checksum is `sum64` or
+none, and every address it would touch is 4-byte aligned (the kernel reads 32-bit
+words); anything else takes the per-range path.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import numpy as np
+import torch
+
+from enginehooks.core import fused_copy
+from enginehooks.core.auth import bucket_mac
+from enginehooks.core.errors import ChecksumError, TransportError
+from enginehooks.core.schedule import Transfer
+
+_MASK63 = (1 << 63) - 1
+_MASK64 = (1 << 64) - 1
+
+
+class Places(Protocol):
+    """Where one side's bytes of each tensor are, as a few contiguous segments."""
+
+    def segments(self, name: str) -> Sequence[tuple[int, int, torch.Tensor]]:
+        """(start, stop, bytes) per segment of tensor `name`: `bytes` is a 1-D uint8
+        contiguous tensor holding bytes [start, stop) of the tensor (in its wire dtype).
+        Every transfer of `name` on this side lies inside one segment."""
+        ...
+
+
+@dataclass
+class PeerPlan:
+    """One peer's messages (`shard_direct._walk`'s order), compiled once per schedule.
+    Positions are seal positions: the ranges in the order the seals list them (the
+    ranges sent alone, then the packed ones)."""
+
+    msgs: list[list[tuple[int, Transfer]]]
+    alone: list[bool]  # per message: one transfer sent alone (else the pack)
+    index: np.ndarray  # transfer index (in the schedule) per position
+    start: np.ndarray
+    nbytes: np.ndarray
+    by_name: dict[str, np.ndarray]  # positions of each tensor's ranges
+    alone_pos: np.ndarray  # positions of the ranges sent alone
+    pack_pos: np.ndarray  # positions of the packed ranges, in pack order
+    pack_off: np.ndarray  # byte offset of each packed range in the pack
+    pack_bytes: int
+    _dev: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
+
+    def constants(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """(sum64's length term per position, the transfer index per position) on
+        `device`, made once."""
+        got = self._dev.get(device)
+        if got is None:
+            term = (self.nbytes.astype(np.uint64) << np.uint64(40)).view(np.int64)
+            got = self._dev[device] = (torch.from_numpy(term.copy()).to(device),
+                                       torch.from_numpy(self.index.copy()).to(device))
+        return got
+
+
+def compile_peers(walk: dict[int, list[list[tuple[int, Transfer]]]], pack_below: int
+                  ) -> dict[int, PeerPlan]:
+    """`walk` (`shard_direct._walk`'s answer) as one `PeerPlan` per peer."""
+    out: dict[int, PeerPlan] = {}
+    for peer, msgs in walk.items():
+        alone = [len(m) == 1 and m[0][1].nbytes >= pack_below for m in msgs]
+        items = [x for m in msgs for x in m]
+        n = len(items)
+        index = np.fromiter((i for i, _ in items), np.int64, n)
+        start = np.fromiter((t.start for _, t in items), np.int64, n)
+        nbytes = np.fromiter((t.nbytes for _, t in items), np.int64, n)
+        names: dict[str, list[int]] = {}
+        for k, (_, t) in enumerate(items):
+            names.setdefault(t.name, []).append(k)
+        n_alone = sum(alone)  # `_walk` puts the alone messages first, the pack last
+        pack_pos = np.arange(n_alone, n, dtype=np.int64)
+        sizes = nbytes[pack_pos]
+        pack_off = np.cumsum(sizes) - sizes
+        out[peer] = PeerPlan(msgs, alone, index, start, nbytes,
+                             {k: np.asarray(v, dtype=np.int64) for k, v in names.items()},
+                             np.arange(n_alone, dtype=np.int64), pack_pos, pack_off,
+                             int(sizes.sum()))
+    return out
+
+
+class _Compiled:
+    """The last few schedules' compiled peers, by the identity of the schedule's list
+    (kept alive here, so the identity is not reused) and the side's rank and role."""
+
+    def __init__(self, size: int = 4) -> None:
+        self.size = size
+        self.items: list[tuple[Sequence[Transfer], tuple[object, ...], dict[int, PeerPlan]]] = []
+
+    def get(self, transfers: Sequence[Transfer], key: tuple[object, ...]
+            ) -> dict[int, PeerPlan] | None:
+        for ts, k, v in self.items:
+            if ts is transfers and k == key:
+                return v
+        return None
+
+    def put(self, transfers: Sequence[Transfer], key: tuple[object, ...],
+            value: dict[int, PeerPlan]) -> None:
+        self.items = [(transfers, key, value), *self.items[:self.size - 1]]
+
+
+COMPILED = _Compiled()
+
+
+def usable(device: torch.device, checksum: str | None) -> bool:
+    """Whether this side can take the table path at all (module docstring)."""
+    return device.type == "cuda" and checksum in ("sum64", None) and fused_copy.available(device)
+
+
+@dataclass
+class Located:
+    """A peer's ranges on this side: the device address of each position, and the
+    segment tensors they lie in (kept alive until the peer's work is done)."""
+
+    addr: np.ndarray
+    seg: np.ndarray  # per position: index into `tensors`
+    seg_start: np.ndarray  # per position: the tensor byte its segment starts at
+    tensors: list[torch.Tensor]
+
+    def piece(self, plan: PeerPlan, pos: int) -> torch.Tensor:
+        """Position `pos`'s bytes as a tensor (a range sent or received alone)."""
+        off = int(plan.start[pos] - self.seg_start[pos])
+        return self.tensors[int(self.seg[pos])][off: off + int(plan.nbytes[pos])]
+
+
+def locate(plan: PeerPlan, places: Places, device: torch.device, what: str) -> Located:
+    """Every position's address from `places`' segments; a range no segment holds, or
+    a segment that is not contiguous uint8 bytes of its size on `device`, is a
+    `TransportError` naming it (`what`: "source" or "destination")."""
+    n = len(plan.index)
+    addr = np.empty(n, dtype=np.int64)
+    seg = np.empty(n, dtype=np.int64)
+    seg_start = np.empty(n, dtype=np.int64)
+    tensors: list[torch.Tensor] = []
+    for name, pos in plan.by_name.items():
+        segs = sorted(places.segments(name), key=lambda s: s[0])
+        if not segs:
+            raise TransportError(f"shard-direct: this side holds no {what} of {name!r}")
+        for a, b, t in segs:
+            if t.dtype != torch.uint8 or t.dim() != 1 or not t.is_contiguous() \
+                    or t.numel() != b - a or t.device != device:
+                raise TransportError(
+                    f"shard-direct: the {what} segment [{a}, {b}) of {name!r} is not {b - a} "
+                    f"contiguous bytes on {device} ({t.dtype}, {tuple(t.shape)}, {t.device})")
+        starts = np.fromiter((a for a, _, _ in segs), np.int64, len(segs))
+        stops = np.fromiter((b for _, b, _ in segs), np.int64, len(segs))
+        ptrs = np.fromiter((t.data_ptr() for _, _, t in segs), np.int64, len(segs))
+        st = plan.start[pos]
+        sp = st + plan.nbytes[pos]
+        k = np.searchsorted(starts, st, side="right") - 1
+        kk = np.maximum(k, 0)
+        bad = (k < 0) | (sp > stops[kk])
+        if bad.any():
+            first = int(pos[int(np.argmax(bad))])
+            raise TransportError(
+                f"shard-direct: this side holds no {what} for bytes [{plan.start[first]}, "
+                f"{plan.start[first] + plan.nbytes[first]}) of {name!r}")
+        addr[pos] = ptrs[kk] + st - starts[kk]
+        seg[pos] = kk + len(tensors)
+        seg_start[pos] = starts[kk]
+        tensors += [t for _, _, t in segs]
+    return Located(addr, seg, seg_start, tensors)
+
+
+def aligned(plan: PeerPlan, *addrs: np.ndarray) -> bool:
+    """Whether every address (and every pack offset) is a multiple of 4 (the kernel's
+    32-bit words)."""
+    return bool(all(not (a % 4).any() for a in addrs) and not (plan.pack_off % 4).any())
+
+
+def _launch(src: np.ndarray, dst: np.ndarray, nbytes: np.ndarray, bucket: np.ndarray,
+            acc: torch.Tensor, copy: bool) -> None:
+    if not len(src):
+        return
+    batch = fused_copy.build(src, dst, nbytes, np.zeros(len(src), dtype=np.int64), bucket,
+                             acc.device, fused_copy.stager_for(acc.device))
+    fused_copy.launch(batch, acc, copy=copy)
+
+
+def _words(plan: PeerPlan, acc: torch.Tensor | None, secret: bytes | None, mid: int,
+           device: torch.device) -> torch.Tensor:
+    """The seals of `plan`'s ranges (2 int64 words each, as `shard_direct._seal_all`
+    makes them) from the per-position digests `acc` (`sum64` without its length term;
+    None: no checksum, every digest 0)."""
+    term, index = plan.constants(device)
+    if acc is not None:
+        acc = acc ^ term
+    if secret is None:
+        dig = acc if acc is not None else torch.zeros_like(index)
+        return torch.stack([dig, index], dim=1).reshape(-1)
+    digs = acc.tolist() if acc is not None else [0] * len(plan.index)  # one host read
+    return torch.tensor([w for i, n, d in zip(plan.index.tolist(), plan.nbytes.tolist(), digs)
+                         for w in bucket_mac(secret, mid, i, n, d & _MASK64)],
+                        dtype=torch.int64).to(device)
+
+
+def pack_peer(plan: PeerPlan, places: Places, device: torch.device, secret: bytes | None,
+              mid: int, checksum: str | None
+              ) -> tuple[list[torch.Tensor], torch.Tensor, Located] | None:
+    """A sender's messages to one peer (in `plan.msgs`' order) and their seals, or None
+    where this side cannot take the table path (an address not 4-byte aligned). The
+    pack is written and every range digested on the current stream; the returned
+    `Located` keeps the sources alive."""
+    loc = locate(plan, places, device, "source")
+    pack = torch.empty(plan.pack_bytes, dtype=torch.uint8, device=device)
+    dst = pack.data_ptr() + plan.pack_off
+    if not aligned(plan, loc.addr, dst):
+        return None
+    acc = torch.zeros(len(plan.index), dtype=torch.int64, device=device)
+    p = plan.pack_pos
+    _launch(loc.addr[p], dst, plan.nbytes[p], p, acc, copy=True)
+    if checksum is not None:
+        a = plan.alone_pos
+        _launch(loc.addr[a], loc.addr[a], plan.nbytes[a], a, acc, copy=False)
+    msgs: list[torch.Tensor] = []
+    k = 0
+    for alone in plan.alone:
+        if alone:
+            msgs.append(loc.piece(plan, k))
+            k += 1
+        else:
+            msgs.append(pack)
+    return msgs, _words(plan, acc if checksum is not None else None, secret, mid, device), loc
+
+
+@dataclass
+class Landing:
+    """A receiver's buffers for one peer (`receive_buffers`), then `land_peer`."""
+
+    plan: PeerPlan
+    loc: Located
+    msgs: list[torch.Tensor]
+    pack: torch.Tensor | None
+    words: torch.Tensor
+
+
+def receive_buffers(plan: PeerPlan, places: Places, device: torch.device) -> Landing | None:
+    """Where each of one peer's messages is received (the alone ranges straight into
+    their destinations, the pack into a buffer) and its seals, or None where this side
+    cannot take the table path."""
+    loc = locate(plan, places, device, "destination")
+    pack = (torch.empty(plan.pack_bytes, dtype=torch.uint8, device=device)
+            if len(plan.pack_pos) else None)
+    src = (pack.data_ptr() if pack is not None else 0) + plan.pack_off
+    if not aligned(plan, loc.addr, src):
+        return None
+    msgs: list[torch.Tensor] = []
+    k = 0
+    for alone in plan.alone:
+        if alone:
+            msgs.append(loc.piece(plan, k))
+            k += 1
+        else:
+            assert pack is not None
+            msgs.append(pack)
+    words = torch.empty(2 * len(plan.index), dtype=torch.int64, device=device)
+    return Landing(plan, loc, msgs, pack, words)
+
+
+def land_peer(landing: Landing, transfers: Sequence[Transfer], secret: bytes | None,
+              mid: int, checksum: str | None) -> None:
+    """Unpack one peer's pack into the destinations and digest every range where it
+    landed (one launch each for the packed and the alone ranges), compare with the
+    seals the peer sent, and raise `ChecksumError` naming the first range that differs.
+    One host read per peer."""
+    plan, loc = landing.plan, landing.loc
+    device = landing.words.device
+    acc = torch.zeros(len(plan.index), dtype=torch.int64, device=device)
+    p = plan.pack_pos
+    if landing.pack is not None:
+        _launch(landing.pack.data_ptr() + plan.pack_off, loc.addr[p], plan.nbytes[p], p, acc,
+                copy=True)
+    if checksum is not None:
+        a = plan.alone_pos
+        _launch(loc.addr[a], loc.addr[a], plan.nbytes[a], a, acc, copy=False)
+    mine = _words(plan, acc if checksum is not None else None, secret, mid, device)
+    bad = (landing.words != mine).reshape(-1, 2).any(dim=1)
+    first, any_bad = torch.stack([torch.argmax(bad.to(torch.int8)).to(torch.int64),
+                                  bad.any().to(torch.int64)]).tolist()
+    if any_bad:
+        t = transfers[int(plan.index[first])]
+        raise ChecksumError(
+            f"shard-direct: bytes [{t.start}, {t.stop}) of {t.name!r} from trainer rank "
+            f"{t.src} do not match their {'keyed ' if secret else ''}digest")
