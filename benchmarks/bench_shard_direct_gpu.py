@@ -98,6 +98,12 @@ def rows_of(pushes: list[dict[str, Any]], outs: list[dict[str, Any]], warm: int
                     max(e["pushes"][i]["receive_s"] for e in engines) for i in idx),
                 "engine_finish": 1e3 * statistics.median(
                     max(e["pushes"][i]["finish_s"] for e in engines) for i in idx)})
+            for side, who in (("trainer", trainers), ("engine", engines)):
+                keys = sorted({k for o in who for i in idx for k in o["pushes"][i]["phases"]})
+                row["phases_ms"][f"{side}_steps"] = {  # host time per step, slowest rank
+                    k: round(1e3 * statistics.median(
+                        max(o["pushes"][i]["phases"].get(k, 0.0) for o in who) for i in idx), 3)
+                    for k in keys}
             row["bit_exact"] = all(e["pushes"][i].get("equal") is True
                                    for e in engines for i in idx)
             row["direct_fraction"] = (sum(e["pushes"][idx[0]]["direct"] for e in engines)
@@ -113,7 +119,9 @@ def table(res: dict[str, Any]) -> str:
              "| row | median ms | GB/s | bit-exact | phases_ms (median) | all ms |",
              "| --- | ---: | ---: | --- | --- | --- |"]
     for k, v in res.get("rows", {}).items():
-        phases = ", ".join(f"{p} {x:.1f}" for p, x in v["phases_ms"].items())
+        phases = ", ".join(f"{p} {x:.1f}" if isinstance(x, float) else
+                           f"{p} {{{', '.join(f'{k} {y:.2f}' for k, y in x.items())}}}"
+                           for p, x in v["phases_ms"].items())
         lines.append(f"| {k} | {v['seconds_median'] * 1e3:.1f} | {v['gbps']:.2f} | "
                      f"{v.get('bit_exact', 'n/a (raw)')} | {phases} | "
                      f"{', '.join(f'{x * 1e3:.1f}' for x in v['seconds_all'])} |")

@@ -240,6 +240,20 @@ def _alone(msg: list[tuple[int, Transfer]], pack_below: int) -> bool:
     return len(msg) == 1 and msg[0][1].nbytes >= pack_below
 
 
+class _Clock:
+    """Adds the host seconds since its last call to `phases[name]` (nothing where
+    `phases` is None)."""
+
+    def __init__(self, phases: dict[str, float] | None) -> None:
+        self.phases, self.t = phases, time.perf_counter()
+
+    def __call__(self, name: str) -> None:
+        if self.phases is not None:
+            now = time.perf_counter()
+            self.phases[name] = self.phases.get(name, 0.0) + now - self.t
+            self.t = now
+
+
 def _outgoing(dst: int, msgs: list[list[tuple[int, Transfer]]], bufs: list[torch.Tensor],
               seals: torch.Tensor) -> list[torch.Tensor]:
     """Engine rank `dst`'s messages (`msgs`: their transfers, `bufs`: their bytes) as
@@ -287,7 +301,8 @@ def send_shards(group: Any, transfers: Sequence[Transfer], me: int,
                 secret: bytes | None = None, checksum: str | None = "xxh3",
                 timeout_s: float = 60.0, pack_below: int = PACK_BELOW,
                 peer: Peer | None = None, tagged: bool = True,
-                places: shard_runs.Places | None = None) -> int:
+                places: shard_runs.Places | None = None,
+                phases: dict[str, float] | None = None) -> int:
     """Send trainer rank `me`'s transfers of `transfers` (the whole schedule, in its
     order): `source(t)` is the 1-D uint8 tensor of t's bytes (host memory over gloo, a
     CUDA device over NCCL: the group's backend decides). Per engine rank, in the order
@@ -298,7 +313,10 @@ def send_shards(group: Any, transfers: Sequence[Transfer], me: int,
     matches). `peer(e)`: engine rank e's group and rank in it (module docstring).
     `places`: the same bytes as segments per tensor; where given on a GPU, each engine
     rank's ranges are packed and sealed in one launch (`shard_runs.py`), the same
-    messages and seals as `source`'s path. Returns the bytes sent."""
+    messages and seals as `source`'s path. `phases`, where given, gets the host
+    seconds of each step ("walk", "pack": sources found, packed and sealed, "post",
+    "wait"). Returns the bytes sent."""
+    clock = _Clock(phases)
     to: Peer = peer if peer is not None else (lambda e: (group, senders + e))
     n = len(transfers)
     key = ("send", me, pack_below)
@@ -316,6 +334,7 @@ def send_shards(group: Any, transfers: Sequence[Transfer], me: int,
         dev = _checked(source(first), first, "source", nccl).device
         if shard_runs.usable(dev, checksum):
             compiled = _compiled(transfers, walk, key, pack_below)
+    clock("walk")
     for dst, msgs in walk.items():
         pg, rank = to(dst)
         fast = (shard_runs.pack_peer(compiled[dst], places, dev, secret, mid, checksum)
@@ -332,7 +351,11 @@ def send_shards(group: Any, transfers: Sequence[Transfer], me: int,
             sent += buf.numel()
         ops.append((pg, rank, seals, n + 1 if tagged else 0))
         device = seals.device
-    _wait(_post(ops, send=True, batched=nccl), timeout_s, "send", device if nccl else None)
+    clock("pack")
+    works = _post(ops, send=True, batched=nccl)
+    clock("post")
+    _wait(works, timeout_s, "send", device if nccl else None)
+    clock("wait")
     del keep
     return sent
 
@@ -342,7 +365,8 @@ def receive_shards(group: Any, transfers: Sequence[Transfer], me: int,
                    secret: bytes | None = None, checksum: str | None = "xxh3",
                    timeout_s: float = 60.0, pack_below: int = PACK_BELOW,
                    peer: Peer | None = None, tagged: bool = True,
-                   places: shard_runs.Places | None = None) -> int:
+                   places: shard_runs.Places | None = None,
+                   phases: dict[str, float] | None = None) -> int:
     """Receive engine rank `me`'s transfers of `transfers` into `dest(t)` (a 1-D uint8
     contiguous tensor of t's size, where t's bytes should land: host memory over gloo,
     a CUDA device over NCCL; the packed ones are copied there from their message),
@@ -351,7 +375,10 @@ def receive_shards(group: Any, transfers: Sequence[Transfer], me: int,
     digests read to the host once per sender. `peer(j)`: trainer rank j's group and
     rank in it. `places`: the same destinations as segments per tensor; where given on
     a GPU, each sender's pack is unpacked and every range digested in one launch
-    (`shard_runs.py`). Returns the bytes received."""
+    (`shard_runs.py`). `phases`, where given, gets the host seconds of each step
+    ("walk", "buffers", "post", "wait", "land": unpacked, digested, compared).
+    Returns the bytes received."""
+    clock = _Clock(phases)
     frm: Peer = peer if peer is not None else (lambda j: (group, j))
     n = len(transfers)
     key = ("receive", me, pack_below)
@@ -373,9 +400,10 @@ def receive_shards(group: Any, transfers: Sequence[Transfer], me: int,
         dev = _checked(dest(first), first, "destination", nccl).device
         if shard_runs.usable(dev, checksum):
             compiled = _compiled(transfers, walk, key, pack_below)
+    clock("walk")
     for src, msgs in walk.items():
         pg, rank = frm(src)
-        fast = (shard_runs.receive_buffers(compiled[src], places, dev)
+        fast = (shard_runs.receive_buffers(compiled[src], places, dev, checksum)
                 if compiled is not None and places is not None else None)
         if fast is not None:
             landings[src] = fast
@@ -401,7 +429,11 @@ def receive_shards(group: Any, transfers: Sequence[Transfer], me: int,
                 ops.append((pg, rank, pack, n if tagged else 0))
         words[src] = torch.empty(2 * len(order[src]), dtype=torch.int64, device=device)
         ops.append((pg, rank, words[src], n + 1 if tagged else 0))
-    _wait(_post(ops, send=False, batched=nccl), timeout_s, "receive", device if nccl else None)
+    clock("buffers")
+    works = _post(ops, send=False, batched=nccl)
+    clock("post")
+    _wait(works, timeout_s, "receive", device if nccl else None)
+    clock("wait")
     for landing in landings.values():
         shard_runs.land_peer(landing, transfers, secret, mid, checksum)
     for msg, pack in packs:
@@ -419,6 +451,7 @@ def receive_shards(group: Any, transfers: Sequence[Transfer], me: int,
                 raise ChecksumError(
                     f"shard-direct: bytes [{t.start}, {t.stop}) of {t.name!r} from trainer "
                     f"rank {t.src} do not match their {'keyed ' if secret else ''}digest")
+    clock("land")
     return got
 
 

@@ -228,6 +228,8 @@ def pack_peer(plan: PeerPlan, places: Places, device: torch.device, secret: byte
     where this side cannot take the table path (an address not 4-byte aligned). The
     pack is written and every range digested on the current stream; the returned
     `Located` keeps the sources alive."""
+    if not usable(device, checksum):
+        return None
     loc = locate(plan, places, device, "source")
     pack = torch.empty(plan.pack_bytes, dtype=torch.uint8, device=device)
     dst = pack.data_ptr() + plan.pack_off
@@ -261,10 +263,13 @@ class Landing:
     words: torch.Tensor
 
 
-def receive_buffers(plan: PeerPlan, places: Places, device: torch.device) -> Landing | None:
+def receive_buffers(plan: PeerPlan, places: Places, device: torch.device,
+                    checksum: str | None) -> Landing | None:
     """Where each of one peer's messages is received (the alone ranges straight into
     their destinations, the pack into a buffer) and its seals, or None where this side
     cannot take the table path."""
+    if not usable(device, checksum):
+        return None
     loc = locate(plan, places, device, "destination")
     pack = (torch.empty(plan.pack_bytes, dtype=torch.uint8, device=device)
             if len(plan.pack_pos) else None)

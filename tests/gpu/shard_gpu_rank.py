@@ -227,14 +227,16 @@ def main(spec: dict[str, Any]) -> dict[str, Any]:
                                              shards.source, senders=TRAINERS, mid=mid,
                                              secret=secret, checksum=checksum,
                                              timeout_s=timeout_s, pack_below=pack_below,
-                                             places=shards if use_places else None)
+                                             places=shards if use_places else None,
+                                             phases=rec.setdefault("phases", {}))
             else:
                 assert landing is not None
                 rec["received"] = sd.receive_shards(
                     dist.group.WORLD, sched.transfers, rank - TRAINERS, landing.dest,
                     senders=TRAINERS, mid=mid, secret=secret, checksum=checksum,
                     timeout_s=timeout_s, pack_below=pack_below,
-                    places=landing if use_places else None)
+                    places=landing if use_places else None,
+                    phases=rec.setdefault("phases", {}))
                 _sync(device)
                 t1 = time.perf_counter()
                 rec["how"] = landing.finish()

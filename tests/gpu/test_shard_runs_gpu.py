@@ -99,7 +99,7 @@ def test_tables_put_the_per_range_bytes_and_seals_on_the_wire_and_land_them(
     for a, b in zip(msgs, want_msgs):
         assert torch.equal(a, b)
     assert seals.tolist() == want_seals.tolist()
-    landing = sr.receive_buffers(plan, dst, dev)
+    landing = sr.receive_buffers(plan, dst, dev, checksum)
     assert landing is not None
     for buf, msg in zip(landing.msgs, msgs):  # the wire, without NCCL
         buf.copy_(msg)
@@ -116,7 +116,7 @@ def _landed(seed: int, secret: bytes | None) -> tuple[list[Transfer], sr.Landing
     dev = torch.device("cuda", torch.cuda.current_device())
     fast = sr.pack_peer(plan, src, dev, secret, 9, "sum64")
     assert fast is not None
-    landing = sr.receive_buffers(plan, dst, dev)
+    landing = sr.receive_buffers(plan, dst, dev, "sum64")
     assert landing is not None
     return transfers, landing, fast[0], fast[1]
 
@@ -156,4 +156,4 @@ def test_addresses_off_the_kernel_words_take_the_per_range_path() -> None:
     assert (plan.pack_off % 4).any()
     dev = torch.device("cuda", torch.cuda.current_device())
     assert sr.pack_peer(plan, src, dev, None, 9, "sum64") is None
-    assert sr.receive_buffers(plan, dst, dev) is None
+    assert sr.receive_buffers(plan, dst, dev, "sum64") is None
