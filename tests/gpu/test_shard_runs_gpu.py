@@ -157,3 +157,42 @@ def test_addresses_off_the_kernel_words_take_the_per_range_path() -> None:
     dev = torch.device("cuda", torch.cuda.current_device())
     assert sr.pack_peer(plan, src, dev, None, 9, "sum64") is None
     assert sr.receive_buffers(plan, dst, dev, "sum64") is None
+
+
+def test_steady_pushes_reuse_their_tables_and_a_moved_destination_is_followed() -> None:
+    """Three pushes of one plan: the second reuses the uploaded tables (same addresses)
+    and lands the new bytes; before the third every destination moved (new tensors), so
+    the kept tables must not be used: the bytes land in the new tensors, the old ones
+    keep the second push's bytes."""
+    transfers, src, dst = _case(2)
+    _, plan = _plan(transfers)
+    dev = torch.device("cuda", torch.cuda.current_device())
+
+    def push(into: Segs) -> None:
+        fast = sr.pack_peer(plan, src, dev, None, 9, "sum64")
+        assert fast is not None
+        landing = sr.receive_buffers(plan, into, dev, "sum64")
+        assert landing is not None
+        for buf, msg in zip(landing.msgs, fast[0]):
+            buf.copy_(msg)
+        landing.words.copy_(fast[1])
+        sr.land_peer(landing, transfers, None, 9, "sum64")
+
+    push(dst)
+    kept = dict(plan._batches)
+    for segs in src.segs.values():  # new weights in place
+        for _, _, t in segs:
+            t.add_(1)
+    push(dst)
+    assert all(plan._batches[k][2] is kept[k][2] for k in kept)  # the tables were reused
+    for t in transfers:
+        assert torch.equal(dst.at(t), src.at(t)), t
+    moved = Segs({n: [(a, b, torch.zeros_like(x)) for a, b, x in segs]
+                  for n, segs in dst.segs.items()})
+    for segs in src.segs.values():
+        for _, _, t in segs:
+            t.add_(1)
+    push(moved)
+    for t in transfers:
+        assert torch.equal(moved.at(t), src.at(t)), t
+        assert torch.equal(dst.at(t), src.at(t) - 1), t

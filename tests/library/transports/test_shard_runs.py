@@ -123,3 +123,22 @@ def test_compiled_peers_are_kept_per_schedule_object_and_side() -> None:
     assert sd._compiled(list(ts), walk, ("send", 0, 64), 64) is not a  # another list
     assert sd._compiled(ts, walk, ("receive", 0, 64), 64) is not a
     assert sd._walked(ts, ("send", 0, 64), lambda t: False, lambda t: 0, 64) == walk
+
+
+def test_addresses_follow_a_segment_that_moved_between_pushes() -> None:
+    """`locate` keeps the last push's addresses while the segments are the same; a
+    segment at another address (a parameter re-allocated) or cut differently is found
+    anew: a kept address would write into memory the tensor no longer owns."""
+    transfers, places, pack_below = _case(5)
+    walk = sd._walk(transfers, lambda t: t.dst == 0, lambda t: t.src, pack_below)
+    for plan in sr.compile_peers(walk, pack_below).values():
+        order = plan.index.tolist()
+        first = sr.locate(plan, places, torch.device("cpu"), "destination")
+        again = sr.locate(plan, places, torch.device("cpu"), "destination")
+        assert again.addr is first.addr  # kept, not searched again
+        moved = {n: [(a, b, torch.zeros_like(t)) for a, b, t in segs]
+                 for n, segs in places.segs.items()}
+        places2 = Segs(moved)
+        third = sr.locate(plan, places2, torch.device("cpu"), "destination")
+        assert third.addr.tolist() == [places2.dest(transfers[i]).data_ptr() for i in order]
+        assert third.addr.tolist() != first.addr.tolist()
