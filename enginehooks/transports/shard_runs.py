@@ -73,7 +73,7 @@ class PeerPlan:
     #: found from them
     _located: dict[str, tuple[list[tuple[str, int, int, int]], Located]] = field(
         default_factory=dict)
-    #: per launch kind: the last push's runs and their uploaded table
+    #: per launch kind: the last push's runs (a pack's as offsets) and their table
     _batches: dict[tuple[str, bool], tuple[np.ndarray, np.ndarray, fused_copy.Batch]] = field(
         default_factory=dict)
 
@@ -217,19 +217,30 @@ def aligned(plan: PeerPlan, *addrs: np.ndarray) -> bool:
 
 
 def _launch(plan: PeerPlan, what: str, src: np.ndarray, dst: np.ndarray, nbytes: np.ndarray,
-            bucket: np.ndarray, acc: torch.Tensor, copy: bool) -> None:
-    """One fused launch over the runs; the table is uploaded once and kept while the
-    runs are the last push's (a steady layout: the same sources, destinations and pack
-    address), so a steady push uploads nothing."""
+            bucket: np.ndarray, acc: torch.Tensor, copy: bool, moving: int | None = None,
+            base: int = 0) -> None:
+    """One fused launch over the runs. `moving` (0: `src`, 1: `dst`) names the column
+    given as offsets from `base` (a pack, which the allocator may place elsewhere each
+    push). The table is uploaded once and kept on the device while the runs are the
+    last push's; a moved pack only adds its base to a copy of it there, so a steady push
+    uploads nothing and pins no host memory."""
     if not len(src):
         return
     last = plan._batches.get((what, copy))
     if last is not None and np.array_equal(last[0], src) and np.array_equal(last[1], dst):
-        batch = last[2]
-    else:  # its own device table (the staging ring's slots are reused)
-        batch = fused_copy.build(src, dst, nbytes, np.zeros(len(src), dtype=np.int64),
-                                 bucket, acc.device)
-        plan._batches[(what, copy)] = (src, dst, batch)
+        kept = last[2]
+    else:  # uploaded through the staging ring, then kept in a device tensor of its own
+        up = fused_copy.build(src, dst, nbytes, np.zeros(len(src), dtype=np.int64), bucket,
+                              acc.device, fused_copy.stager_for(acc.device))
+        table = up.table.clone()
+        kept = fused_copy.Batch(table, table[:, 4], up.programs, up.aligned)
+        plan._batches[(what, copy)] = (src, dst, kept)
+    batch = kept
+    if moving is not None:
+        table = kept.table.clone()
+        table[:, moving] += base
+        batch = fused_copy.Batch(table, table[:, 4], kept.programs,
+                                 kept.aligned and base % 16 == 0)
     fused_copy.launch(batch, acc, copy=copy)
 
 
@@ -266,7 +277,8 @@ def pack_peer(plan: PeerPlan, places: Places, device: torch.device, secret: byte
         return None
     acc = torch.zeros(len(plan.index), dtype=torch.int64, device=device)
     p = plan.pack_pos
-    _launch(plan, "source", loc.addr[p], dst, plan.nbytes[p], p, acc, copy=True)
+    _launch(plan, "source", loc.addr[p], plan.pack_off, plan.nbytes[p], p, acc, copy=True,
+            moving=1, base=pack.data_ptr())
     if checksum is not None:
         a = plan.alone_pos
         _launch(plan, "source", loc.addr[a], loc.addr[a], plan.nbytes[a], a, acc, copy=False)
@@ -329,8 +341,8 @@ def land_peer(landing: Landing, transfers: Sequence[Transfer], secret: bytes | N
     acc = torch.zeros(len(plan.index), dtype=torch.int64, device=device)
     p = plan.pack_pos
     if landing.pack is not None:
-        _launch(plan, "destination", landing.pack.data_ptr() + plan.pack_off, loc.addr[p],
-                plan.nbytes[p], p, acc, copy=True)
+        _launch(plan, "destination", plan.pack_off, loc.addr[p], plan.nbytes[p], p, acc,
+                copy=True, moving=0, base=landing.pack.data_ptr())
     if checksum is not None:
         a = plan.alone_pos
         _launch(plan, "destination", loc.addr[a], loc.addr[a], plan.nbytes[a], a, acc,
