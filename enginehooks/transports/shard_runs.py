@@ -69,13 +69,13 @@ class PeerPlan:
     pack_off: np.ndarray  # byte offset of each packed range in the pack
     pack_bytes: int
     _dev: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
-    #: per side ("source"/"destination"): the last push's segments and what `locate`
-    #: found from them
-    _located: dict[str, tuple[list[tuple[str, int, int, int]], Located]] = field(
+    #: per side ("source"/"destination"): the segments' shape (name, start, stop) of
+    #: the last push, and each position's segment and offset in it
+    _located: dict[str, tuple[list[tuple[str, int, int]], np.ndarray, np.ndarray]] = field(
         default_factory=dict)
-    #: per launch kind: the last push's runs (a pack's as offsets) and their table
-    _batches: dict[tuple[str, bool], tuple[np.ndarray, np.ndarray, fused_copy.Batch]] = field(
-        default_factory=dict)
+    #: per launch kind (side, copy): its table with addresses relative to their
+    #: segments and to the pack, made for the side's current segment shape
+    _tables: dict[tuple[str, bool], _Table] = field(default_factory=dict)
 
     def constants(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         """(sum64's length term per position, the transfer index per position) on
@@ -143,28 +143,47 @@ def usable(device: torch.device, checksum: str | None) -> bool:
 
 @dataclass
 class Located:
-    """A peer's ranges on this side: the device address of each position, and the
-    segment tensors they lie in (kept alive until the peer's work is done)."""
+    """A peer's ranges on this side: each position's segment and offset in it, every
+    segment's address, and the segment tensors (kept alive until the peer's work is
+    done)."""
 
-    addr: np.ndarray
-    seg: np.ndarray  # per position: index into `tensors`
-    seg_start: np.ndarray  # per position: the tensor byte its segment starts at
+    seg: np.ndarray  # per position: index into `ptrs` and `tensors`
+    rel: np.ndarray  # per position: the range's byte offset in its segment
+    ptrs: np.ndarray  # per segment: its device address
     tensors: list[torch.Tensor]
+
+    @property
+    def addr(self) -> np.ndarray:
+        """Each position's device address."""
+        return self.ptrs[self.seg] + self.rel
 
     def piece(self, plan: PeerPlan, pos: int) -> torch.Tensor:
         """Position `pos`'s bytes as a tensor (a range sent or received alone)."""
-        off = int(plan.start[pos] - self.seg_start[pos])
+        off = int(self.rel[pos])
         return self.tensors[int(self.seg[pos])][off: off + int(plan.nbytes[pos])]
 
 
+@dataclass
+class _Table:
+    """One launch kind's runs, uploaded once per segment shape: addresses relative to
+    their segments (and pack offsets), the segment of each row (chunk) of the table."""
+
+    template: torch.Tensor  # int64 [rows, 5] on the device (`fused_copy.Batch.table`)
+    rows_seg: torch.Tensor  # int64 [rows]: the segment of each row's run
+    programs: int
+    aligned: bool  # every relative address is 16-byte aligned
+
+
 def locate(plan: PeerPlan, places: Places, device: torch.device, what: str) -> Located:
-    """Every position's address from `places`' segments; a range no segment holds, or
-    a segment that is not contiguous uint8 bytes of its size on `device`, is a
-    `TransportError` naming it (`what`: "source" or "destination"). Segments that are
-    the last push's (the same starts, sizes and addresses) give the last push's
-    addresses without the search."""
+    """Every position's segment from `places`' segments; a range no segment holds, or a
+    segment that is not contiguous uint8 bytes of its size on `device`, is a
+    `TransportError` naming it (`what`: "source" or "destination"). Segments of the last
+    push's shape (the same starts and stops per tensor, wherever they now are) reuse
+    its search."""
+    shape: list[tuple[str, int, int]] = []
+    ptrs: list[int] = []
+    tensors: list[torch.Tensor] = []
     every: list[tuple[str, list[tuple[int, int, torch.Tensor]]]] = []
-    sig: list[tuple[str, int, int, int]] = []
     for name in plan.by_name:
         segs = sorted(places.segments(name), key=lambda s: s[0])
         if not segs:
@@ -175,39 +194,44 @@ def locate(plan: PeerPlan, places: Places, device: torch.device, what: str) -> L
                 raise TransportError(
                     f"shard-direct: the {what} segment [{a}, {b}) of {name!r} is not {b - a} "
                     f"contiguous bytes on {device} ({t.dtype}, {tuple(t.shape)}, {t.device})")
-            sig.append((name, a, b, t.data_ptr()))
+            shape.append((name, a, b))
+            ptrs.append(t.data_ptr())
+            tensors.append(t)
         every.append((name, segs))
-    tensors = [t for _, segs in every for _, _, t in segs]
     last = plan._located.get(what)
-    if last is not None and last[0] == sig:
-        return Located(last[1].addr, last[1].seg, last[1].seg_start, tensors)
+    if last is not None and last[0] == shape:
+        seg, rel = last[1], last[2]
+    else:
+        seg, rel = _search(plan, every, what)
+        plan._located[what] = (shape, seg, rel)
+        for key in [k for k in plan._tables if k[0] == what]:
+            del plan._tables[key]  # its rows name segments of the old shape
+    return Located(seg, rel, np.asarray(ptrs, dtype=np.int64), tensors)
+
+
+def _search(plan: PeerPlan, every: list[tuple[str, list[tuple[int, int, torch.Tensor]]]],
+            what: str) -> tuple[np.ndarray, np.ndarray]:
     n = len(plan.index)
-    addr = np.empty(n, dtype=np.int64)
     seg = np.empty(n, dtype=np.int64)
-    seg_start = np.empty(n, dtype=np.int64)
+    rel = np.empty(n, dtype=np.int64)
     first_seg = 0
     for name, segs in every:
         pos = plan.by_name[name]
         starts = np.fromiter((a for a, _, _ in segs), np.int64, len(segs))
         stops = np.fromiter((b for _, b, _ in segs), np.int64, len(segs))
-        ptrs = np.fromiter((t.data_ptr() for _, _, t in segs), np.int64, len(segs))
         st = plan.start[pos]
-        sp = st + plan.nbytes[pos]
         k = np.searchsorted(starts, st, side="right") - 1
         kk = np.maximum(k, 0)
-        bad = (k < 0) | (sp > stops[kk])
+        bad = (k < 0) | (st + plan.nbytes[pos] > stops[kk])
         if bad.any():
             first = int(pos[int(np.argmax(bad))])
             raise TransportError(
                 f"shard-direct: this side holds no {what} for bytes [{plan.start[first]}, "
                 f"{plan.start[first] + plan.nbytes[first]}) of {name!r}")
-        addr[pos] = ptrs[kk] + st - starts[kk]
         seg[pos] = kk + first_seg
-        seg_start[pos] = starts[kk]
+        rel[pos] = st - starts[kk]
         first_seg += len(segs)
-    out = Located(addr, seg, seg_start, tensors)
-    plan._located[what] = (sig, out)
-    return out
+    return seg, rel
 
 
 def aligned(plan: PeerPlan, *addrs: np.ndarray) -> bool:
@@ -216,32 +240,46 @@ def aligned(plan: PeerPlan, *addrs: np.ndarray) -> bool:
     return bool(all(not (a % 4).any() for a in addrs) and not (plan.pack_off % 4).any())
 
 
-def _launch(plan: PeerPlan, what: str, src: np.ndarray, dst: np.ndarray, nbytes: np.ndarray,
-            bucket: np.ndarray, acc: torch.Tensor, copy: bool, moving: int | None = None,
-            base: int = 0) -> None:
-    """One fused launch over the runs. `moving` (0: `src`, 1: `dst`) names the column
-    given as offsets from `base` (a pack, which the allocator may place elsewhere each
-    push). The table is uploaded once and kept on the device while the runs are the
-    last push's; a moved pack only adds its base to a copy of it there, so a steady push
-    uploads nothing and pins no host memory."""
-    if not len(src):
+def _device_ptrs(ptrs: np.ndarray, device: torch.device) -> torch.Tensor:
+    """The segments' addresses on the device, through the staging ring (pinned, no
+    host sync: a pageable copy would wait for the stream)."""
+    rows = -(-len(ptrs) // 5)
+    tab = np.zeros((rows, 5), dtype=np.int64)
+    tab.reshape(-1)[: len(ptrs)] = ptrs
+    return fused_copy.stager_for(device).upload(tab).reshape(-1)[: len(ptrs)]
+
+
+def _launch(plan: PeerPlan, what: str, loc: Located, pos: np.ndarray, acc: torch.Tensor,
+            copy: bool, pack: int | None = None, base: int = 0) -> None:
+    """One fused launch over the ranges at positions `pos`, digests into `acc`. With
+    `copy`, the pack is column `pack` (0: the source, 1: the destination) at address
+    `base`, and the side's segments are the other column; without, both columns are
+    the segments (a digest where the bytes are). The table is made once per segment
+    shape, relative to the segments and the pack; a push adds their addresses to a
+    copy of it on the device, so a steady push uploads only the segments' addresses."""
+    if not len(pos):
         return
-    last = plan._batches.get((what, copy))
-    if last is not None and np.array_equal(last[0], src) and np.array_equal(last[1], dst):
-        kept = last[2]
-    else:  # uploaded through the staging ring, then kept in a device tensor of its own
-        up = fused_copy.build(src, dst, nbytes, np.zeros(len(src), dtype=np.int64), bucket,
-                              acc.device, fused_copy.stager_for(acc.device))
-        table = up.table.clone()
-        kept = fused_copy.Batch(table, table[:, 4], up.programs, up.aligned)
-        plan._batches[(what, copy)] = (src, dst, kept)
-    batch = kept
-    if moving is not None:
-        table = kept.table.clone()
-        table[:, moving] += base
-        batch = fused_copy.Batch(table, table[:, 4], kept.programs,
-                                 kept.aligned and base % 16 == 0)
-    fused_copy.launch(batch, acc, copy=copy)
+    dev = acc.device
+    table = plan._tables.get((what, copy))
+    if table is None:
+        rel = loc.rel[pos]
+        off = plan.pack_off if pack is not None else rel
+        src, dst = (off, rel) if pack == 0 else (rel, off)
+        up = fused_copy.build(src, dst, plan.nbytes[pos], np.zeros(len(pos), dtype=np.int64),
+                              pos, dev, fused_copy.stager_for(dev))
+        template = up.table.clone()  # its own memory: the ring's slots are reused
+        seg = torch.from_numpy(loc.seg).to(dev)
+        table = plan._tables[(what, copy)] = _Table(template, seg[template[:, 4]],
+                                                    up.programs, up.aligned)
+    tab = table.template.clone()
+    at = _device_ptrs(loc.ptrs, dev)[table.rows_seg]
+    for col in (0, 1):
+        if col == pack:
+            tab[:, col] += base
+        else:
+            tab[:, col] += at
+    aligned = table.aligned and not (loc.ptrs % 16).any() and base % 16 == 0
+    fused_copy.launch(fused_copy.Batch(tab, tab[:, 4], table.programs, aligned), acc, copy=copy)
 
 
 def _words(plan: PeerPlan, acc: torch.Tensor | None, secret: bytes | None, mid: int,
@@ -277,11 +315,9 @@ def pack_peer(plan: PeerPlan, places: Places, device: torch.device, secret: byte
         return None
     acc = torch.zeros(len(plan.index), dtype=torch.int64, device=device)
     p = plan.pack_pos
-    _launch(plan, "source", loc.addr[p], plan.pack_off, plan.nbytes[p], p, acc, copy=True,
-            moving=1, base=pack.data_ptr())
+    _launch(plan, "source", loc, p, acc, copy=True, pack=1, base=pack.data_ptr())
     if checksum is not None:
-        a = plan.alone_pos
-        _launch(plan, "source", loc.addr[a], loc.addr[a], plan.nbytes[a], a, acc, copy=False)
+        _launch(plan, "source", loc, plan.alone_pos, acc, copy=False)
     msgs: list[torch.Tensor] = []
     k = 0
     for alone in plan.alone:
@@ -341,12 +377,10 @@ def land_peer(landing: Landing, transfers: Sequence[Transfer], secret: bytes | N
     acc = torch.zeros(len(plan.index), dtype=torch.int64, device=device)
     p = plan.pack_pos
     if landing.pack is not None:
-        _launch(plan, "destination", plan.pack_off, loc.addr[p], plan.nbytes[p], p, acc,
-                copy=True, moving=0, base=landing.pack.data_ptr())
+        _launch(plan, "destination", loc, p, acc, copy=True, pack=0,
+                base=landing.pack.data_ptr())
     if checksum is not None:
-        a = plan.alone_pos
-        _launch(plan, "destination", loc.addr[a], loc.addr[a], plan.nbytes[a], a, acc,
-                copy=False)
+        _launch(plan, "destination", loc, plan.alone_pos, acc, copy=False)
     mine = _words(plan, acc if checksum is not None else None, secret, mid, device)
     bad = (landing.words != mine).reshape(-1, 2).any(dim=1)
     first, any_bad = torch.stack([torch.argmax(bad.to(torch.int8)).to(torch.int64),

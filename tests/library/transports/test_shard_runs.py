@@ -126,19 +126,32 @@ def test_compiled_peers_are_kept_per_schedule_object_and_side() -> None:
 
 
 def test_addresses_follow_a_segment_that_moved_between_pushes() -> None:
-    """`locate` keeps the last push's addresses while the segments are the same; a
-    segment at another address (a parameter re-allocated) or cut differently is found
-    anew: a kept address would write into memory the tensor no longer owns."""
+    """`locate` keeps the last push's search while the segments have the same shape;
+    the addresses always come from this push's segments (a parameter re-allocated:
+    a kept address would write into memory the tensor no longer owns), and segments
+    cut differently are searched anew and drop the tables made for the old ones."""
     transfers, places, pack_below = _case(5)
     walk = sd._walk(transfers, lambda t: t.dst == 0, lambda t: t.src, pack_below)
     for plan in sr.compile_peers(walk, pack_below).values():
         order = plan.index.tolist()
         first = sr.locate(plan, places, torch.device("cpu"), "destination")
+        kept = plan._located["destination"]
         again = sr.locate(plan, places, torch.device("cpu"), "destination")
-        assert again.addr is first.addr  # kept, not searched again
+        assert plan._located["destination"] is kept  # the same shape: not searched again
+        assert again.addr.tolist() == first.addr.tolist()
         moved = {n: [(a, b, torch.zeros_like(t)) for a, b, t in segs]
                  for n, segs in places.segs.items()}
         places2 = Segs(moved)
         third = sr.locate(plan, places2, torch.device("cpu"), "destination")
         assert third.addr.tolist() == [places2.dest(transfers[i]).data_ptr() for i in order]
         assert third.addr.tolist() != first.addr.tolist()
+        # cut differently (a segment split in two): searched anew
+        name, segs = next((n, v) for n, v in moved.items() if v[0][1] - v[0][0] >= 16)
+        a, b, t = segs[0]
+        cut = a + 8
+        moved[name] = [(a, cut, t[: cut - a]), (cut, b, t[cut - a:]), *segs[1:]]
+        plan._tables[("destination", True)] = "stale"  # type: ignore[assignment]
+        fourth = sr.locate(plan, places2, torch.device("cpu"), "destination")
+        assert plan._located["destination"] is not kept
+        assert ("destination", True) not in plan._tables  # its rows named the old segments
+        assert fourth.addr.tolist() == [places2.dest(transfers[i]).data_ptr() for i in order]
