@@ -151,6 +151,18 @@ class Located:
     rel: np.ndarray  # per position: the range's byte offset in its segment
     ptrs: np.ndarray  # per segment: its device address
     tensors: list[torch.Tensor]
+    _on_device: torch.Tensor | None = None
+
+    def ptrs_on(self, device: torch.device) -> torch.Tensor:
+        """`ptrs` on the device, uploaded once (through the staging ring: pinned, no
+        host sync, where a pageable copy would wait for the stream)."""
+        if self._on_device is None:
+            rows = -(-len(self.ptrs) // 5)
+            tab = np.zeros((rows, 5), dtype=np.int64)
+            tab.reshape(-1)[: len(self.ptrs)] = self.ptrs
+            self._on_device = fused_copy.stager_for(device).upload(tab).reshape(-1)[
+                : len(self.ptrs)]
+        return self._on_device
 
     @property
     def addr(self) -> np.ndarray:
@@ -172,6 +184,8 @@ class _Table:
     rows_seg: torch.Tensor  # int64 [rows]: the segment of each row's run
     programs: int
     aligned: bool  # every relative address is 16-byte aligned
+    #: the last push's segment addresses, pack address and the table made from them
+    last: tuple[np.ndarray, int, fused_copy.Batch] | None = None
 
 
 def locate(plan: PeerPlan, places: Places, device: torch.device, what: str) -> Located:
@@ -240,23 +254,15 @@ def aligned(plan: PeerPlan, *addrs: np.ndarray) -> bool:
     return bool(all(not (a % 4).any() for a in addrs) and not (plan.pack_off % 4).any())
 
 
-def _device_ptrs(ptrs: np.ndarray, device: torch.device) -> torch.Tensor:
-    """The segments' addresses on the device, through the staging ring (pinned, no
-    host sync: a pageable copy would wait for the stream)."""
-    rows = -(-len(ptrs) // 5)
-    tab = np.zeros((rows, 5), dtype=np.int64)
-    tab.reshape(-1)[: len(ptrs)] = ptrs
-    return fused_copy.stager_for(device).upload(tab).reshape(-1)[: len(ptrs)]
-
-
 def _launch(plan: PeerPlan, what: str, loc: Located, pos: np.ndarray, acc: torch.Tensor,
             copy: bool, pack: int | None = None, base: int = 0) -> None:
     """One fused launch over the ranges at positions `pos`, digests into `acc`. With
     `copy`, the pack is column `pack` (0: the source, 1: the destination) at address
     `base`, and the side's segments are the other column; without, both columns are
     the segments (a digest where the bytes are). The table is made once per segment
-    shape, relative to the segments and the pack; a push adds their addresses to a
-    copy of it on the device, so a steady push uploads only the segments' addresses."""
+    shape, relative to the segments and the pack; a push whose segments or pack moved
+    adds their addresses to a copy of it on the device (uploading only the segments'
+    addresses), and one where nothing moved launches the last push's table."""
     if not len(pos):
         return
     dev = acc.device
@@ -271,15 +277,21 @@ def _launch(plan: PeerPlan, what: str, loc: Located, pos: np.ndarray, acc: torch
         seg = torch.from_numpy(loc.seg).to(dev)
         table = plan._tables[(what, copy)] = _Table(template, seg[template[:, 4]],
                                                     up.programs, up.aligned)
-    tab = table.template.clone()
-    at = _device_ptrs(loc.ptrs, dev)[table.rows_seg]
-    for col in (0, 1):
-        if col == pack:
-            tab[:, col] += base
-        else:
-            tab[:, col] += at
-    aligned = table.aligned and not (loc.ptrs % 16).any() and base % 16 == 0
-    fused_copy.launch(fused_copy.Batch(tab, tab[:, 4], table.programs, aligned), acc, copy=copy)
+    last = table.last
+    if last is not None and last[1] == base and np.array_equal(last[0], loc.ptrs):
+        batch = last[2]  # nothing moved since the last push: its table as it is
+    else:
+        tab = table.template.clone()
+        at = loc.ptrs_on(dev)[table.rows_seg]
+        for col in (0, 1):
+            if col == pack:
+                tab[:, col] += base
+            else:
+                tab[:, col] += at
+        aligned = table.aligned and not (loc.ptrs % 16).any() and base % 16 == 0
+        batch = fused_copy.Batch(tab, tab[:, 4], table.programs, aligned)
+        table.last = (loc.ptrs, base, batch)
+    fused_copy.launch(batch, acc, copy=copy)
 
 
 def _words(plan: PeerPlan, acc: torch.Tensor | None, secret: bytes | None, mid: int,
