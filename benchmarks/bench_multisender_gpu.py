@@ -15,7 +15,11 @@ engine plugins run). Rows, medians of `--reps` after `--warmup`, all in one run:
   size, from trainer GPU 0 to the 2 replica GPUs (a `ProcessGroupNCCL` of sender +
   replicas), back to back;
 - (d) `raw_multi`: both trainer ranks at once, each broadcasting its part's buckets (as
-  (a) plans them) to the replicas through a group of its own.
+  (a) plans them) to the replicas through a group of its own;
+- (e) `shard`: `WeightSync("shard_nccl", senders=...)`: shard-direct, each trainer rank
+  sending only its own FSDP2 shards' bytes, point to point along the static schedule,
+  to each replica (no gather); the replicas record their loader's copy plan at start,
+  so `info` reports what they need (`--no-shard` leaves this row out).
 
 Every (a)/(b) push is followed by a bit-exact check of both replicas against the
 trainer's full state dict (per-tensor `sum64`, gathered), perturbing the trainer before
@@ -203,6 +207,10 @@ class Bench:
         else:
             self.raw("raw_multi", [0, 1], self.multi_sizes())
             self.pushes("multi", "multi")
+            if self.args.no_shard:
+                self.not_run["shard"] = "--no-shard"
+            else:
+                self.pushes("shard", "shard")
         self.pushes("single", "single")
 
 
@@ -228,7 +236,7 @@ def ratios(rows: dict[str, Any]) -> dict[str, float]:
         return None if v is None else v.get(field)
 
     for a, b in (("multi", "raw_single"), ("multi", "raw_multi"), ("single", "raw_single"),
-                 ("multi", "single")):
+                 ("multi", "single"), ("shard", "raw_single"), ("shard", "raw_multi")):
         if t(a) and t(b):
             out[f"{a} / {b} (time)"] = t(a) / t(b)  # type: ignore[operator]
             ta = t(a, "transfer_seconds_median")
@@ -282,6 +290,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--timeout-s", type=float, default=120.0)
     ap.add_argument("--deadline-s", type=float, default=480.0)
     ap.add_argument("--smoke", action="store_true", help="CPU: gloo, tiny shapes")
+    ap.add_argument("--no-shard", action="store_true",
+                    help="leave out the shard-direct row (e)")
     ap.add_argument("--gpus", type=int, default=4, choices=(2, 4),
                     help="2: trainer ranks on GPUs 0 and 1, one replica on GPU 1; the "
                          "one-sender rows only (a device check, not the issue's rows)")
@@ -335,7 +345,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         p = Procs([[s.name, s.dtype, list(s.shape)] for s in specs], backend=backend,
                   trainer_devices=trainers, replica_devices=replicas, timeout_s=args.timeout_s,
-                  bucket_bytes=bucket, logdir=logdir, single_device=single_device)
+                  bucket_bytes=bucket, logdir=logdir, single_device=single_device,
+                  plans=not args.no_shard)
         procs.append(p)
         say(f"started in {time.monotonic() - t0:.1f}s")
         bench = Bench(args, p, specs, bucket, backend)

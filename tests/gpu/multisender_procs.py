@@ -12,7 +12,8 @@ Used by `tests/gpu/test_multisender_nccl.py` and `benchmarks/bench_multisender_g
   same shapes on its device behind a `LocalEngine`, served over HTTP (`POST /rpc`, the
   `tests/multihost/replica.py` protocol, so the trainer reaches it with `RemoteModule`):
   it receives through `EngineSide`, the transport receivers and `Receiver.deliver`,
-  the code the engine plugins run.
+  the code the engine plugins run. With `plans`, each replica records the copy plan of
+  its by-name loader, so its `info` reports its needs and shard-direct can schedule to it.
 
 Both read one JSON command per stdin line and answer one JSON line on stdout (logs go to
 stderr); `Procs` drives them, every read with a deadline, and kills what it started.
@@ -175,8 +176,10 @@ def trainer_main(spec: dict[str, Any]) -> None:
     def get_sync(mode: str) -> Any:
         if mode in syncs:
             return syncs[mode]
-        if mode == "multi":
-            s = WeightSync(backend, senders=TrainerRanks(control, timeout_s=timeout_s),
+        if mode in ("multi", "shard"):  # "shard": shard-direct, along the schedule
+            transport = backend if mode == "multi" else (
+                "shard_nccl" if backend == "nccl" else "shard")
+            s = WeightSync(transport, senders=TrainerRanks(control, timeout_s=timeout_s),
                            host="127.0.0.1", timeout_s=timeout_s, bucket_bytes=bucket)
         elif rank == 0:  # "single": rank 0 alone sends; `device` as the user would pass it
             dev = spec.get("single_device")
@@ -216,7 +219,7 @@ def trainer_main(spec: dict[str, Any]) -> None:
                 mode = cmd["mode"]
                 s = get_sync(mode)
                 t0 = time.perf_counter()
-                if mode == "multi":
+                if mode in ("multi", "shard"):
                     report = s.push(model, cmd["version"])
                 else:
                     report = lockstep_push(model, cmd["version"], sync=s)
@@ -281,6 +284,20 @@ def replica_main(spec: dict[str, Any]) -> None:
     timeout_s = float(spec["timeout_s"])
     module = build_model(spec["specs"], device, seed=None)
     engine = LocalEngine(module, name=spec["name"], device=device)
+    if spec.get("plan"):  # a copy plan recorded from its loader: `info` reports its needs
+        from enginehooks.core.manifest import TensorSpec
+        from enginehooks.engine.copy_plan import PlanState, record_plan
+
+        def load(model: nn.Module, items: Iterable[tuple[str, torch.Tensor]]) -> None:
+            params = dict(model.named_parameters())
+            for n, t in items:
+                params[n].copy_(t)
+
+        cplan = record_plan(build_model(spec["specs"], torch.device("meta"), seed=None),
+                            [TensorSpec(n, dt, tuple(sh)) for n, dt, sh in spec["specs"]],
+                            load)
+        engine.target.plan = PlanState("local")  # type: ignore[attr-defined]
+        engine.target.plan.adopt(cplan, None)  # type: ignore[attr-defined]
 
     class Handler(JsonHandler):
         def do_GET(self) -> None:
@@ -423,7 +440,8 @@ class Procs:
 
     def __init__(self, specs: list[list[Any]], *, backend: str, trainer_devices: list[str],
                  replica_devices: list[str], timeout_s: float, bucket_bytes: int, logdir: Path,
-                 single_device: str | None = None, start_timeout_s: float = 240.0) -> None:
+                 single_device: str | None = None, start_timeout_s: float = 240.0,
+                 plans: bool = False) -> None:
         self.timeout_s = timeout_s
         self.children: list[Child] = []
         env = child_env(smoke=backend == "gloo")
@@ -433,7 +451,7 @@ class Procs:
             self.replicas = []
             for i, dev in enumerate(replica_devices):
                 spec = {"name": f"replica-{i}", "device": dev, "specs": specs,
-                        "backend": backend, "timeout_s": timeout_s}
+                        "backend": backend, "timeout_s": timeout_s, "plan": plans}
                 c = Child("replica", spec, logdir / f"replica-{i}.log", env)
                 self.children.append(c)
                 self.replicas.append(c)
