@@ -519,45 +519,55 @@ class ShardSender(BroadcastSender):
         if not callable(shards):
             raise TransportError("a scheduled manifest is sent from a ShardStream (the "
                                  "trainer rank's own shards), not from a stream of tensors")
+        t0 = time.perf_counter()
         src: ShardSource = shards()
         sched = ShardSchedule.of(manifest)
         if not 0 <= src.rank < sched.senders:
             raise TransportError(f"trainer rank {src.rank} is not one of the schedule's "
                                  f"{sched.senders} senders")
-        t0 = time.perf_counter()
         pg = self.pg
         try:
             if self.device.type == "cuda":
                 torch.cuda.set_device(self.device)  # NCCL's batch runs on the current GPU
             places = src if callable(getattr(src, "segments", None)) else None
+            phases: dict[str, float] = {"shards": time.perf_counter() - t0}
             sent = send_shards(pg, sched.transfers, src.rank, src.source,
                                senders=sched.senders, mid=manifest_id(manifest),
                                secret=self.secret, checksum=manifest.checksum,
                                timeout_s=self.timeout_s, peer=lambda e: (pg, 1 + e),
-                               places=places)  # type: ignore[arg-type]
+                               places=places, phases=phases)  # type: ignore[arg-type]
         except BaseException:
             self._break()  # the group's state is unknown: the next push forms it anew
             raise
         mine = sum(1 for t in sched.transfers if t.src == src.rank)
         return SendStats(bytes=sent, buckets=0, seconds=time.perf_counter() - t0,
                          extra={"schedule": {"rank": src.rank, "bytes": sent,
-                                             "transfers": mine}})
+                                             "transfers": mine},
+                                # host ms per step: the shards read and the schedule
+                                # parsed, then `send_shards`' steps
+                                "phases_ms": {k: round(v * 1e3, 3)
+                                              for k, v in phases.items()}})
 
 
 class _Staging:
     """A worker's staging tensors of one scheduled update, one per checkpoint tensor it
     receives any of, made on first use (per transfer: `dest`; per tensor: `segments`,
-    `shard_runs.Places`). Zeros: bytes this rank's loader does not read stay defined."""
+    `shard_runs.Places`). Zeros where this rank receives only part of the tensor (the
+    bytes its loader does not read stay defined); uninitialised where the schedule
+    sends it every byte (`whole`: a memset of the whole model per push saved)."""
 
-    def __init__(self, sizes: dict[str, int], device: torch.device) -> None:
+    def __init__(self, sizes: dict[str, int], device: torch.device,
+                 whole: set[str] | None = None) -> None:
         self.sizes, self.device = sizes, device
+        self.whole = whole or set()
         self.staged: dict[str, torch.Tensor] = {}
 
     def _of(self, name: str) -> torch.Tensor:
         buf = self.staged.get(name)
         if buf is None:
-            buf = self.staged[name] = torch.zeros(self.sizes[name], dtype=torch.uint8,
-                                                  device=self.device)
+            make = torch.empty if name in self.whole else torch.zeros
+            buf = self.staged[name] = make(self.sizes[name], dtype=torch.uint8,
+                                           device=self.device)
         return buf
 
     def dest(self, t: Transfer) -> torch.Tensor:
@@ -615,13 +625,19 @@ class ShardReceiver(Receiver):
             return self.inner.deliver(manifest, target)
         t0 = time.perf_counter()
         sched = ShardSchedule.of(manifest)
+        phases: dict[str, float] = {"schedule": time.perf_counter() - t0}
         groups = self.groups()
         if len(groups) != sched.senders or any(g is None for g in groups):
             raise TransportError(f"the schedule has {sched.senders} senders; this worker is in "
                                  f"the groups of {len(groups)}")
         me = self.rank - 1
         specs = {t.name: t for t in manifest.tensors}
-        staging = _Staging({n: s.nbytes for n, s in specs.items()}, self.device)
+        covered: dict[str, int] = {}  # the schedule's ranges are disjoint (`from_meta`)
+        for t in sched.transfers:
+            if t.dst == me:
+                covered[t.name] = covered.get(t.name, 0) + t.nbytes
+        staging = _Staging({n: s.nbytes for n, s in specs.items()}, self.device,
+                           whole={n for n, b in covered.items() if b == specs[n].nbytes})
         staged = staging.staged
         try:
             if self.device.type == "cuda":
@@ -630,7 +646,7 @@ class ShardReceiver(Receiver):
                                  senders=sched.senders, mid=manifest_id(manifest),
                                  secret=self.secret, checksum=manifest.checksum,
                                  timeout_s=self.timeout_s, peer=lambda j: (groups[j], 0),
-                                 places=staging)
+                                 places=staging, phases=phases)
         except ChecksumError:
             raise  # the groups are intact: the update is refused, nothing applied
         except BaseException:
@@ -639,10 +655,12 @@ class ShardReceiver(Receiver):
         t1 = time.perf_counter()
         target.apply((name, staged[name].view(torch_dtype(spec.dtype)).view(tuple(spec.shape)))
                      for name, spec in specs.items() if name in staged)
+        phases["apply"] = time.perf_counter() - t1
         return {"bytes": got, "seconds": time.perf_counter() - t0,
                 "schedule": {"engine_rank": me, "received": got, "tensors": len(staged),
                              "receive_s": round(t1 - t0, 4),
-                             "apply_s": round(time.perf_counter() - t1, 4)}}
+                             "apply_s": round(time.perf_counter() - t1, 4)},
+                "phases_ms": {k: round(v * 1e3, 3) for k, v in phases.items()}}
 
 
 class ShardTransport(Transport):
