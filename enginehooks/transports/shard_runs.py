@@ -114,8 +114,9 @@ def compile_peers(walk: dict[int, list[list[tuple[int, Transfer]]]], pack_below:
 
 
 class _Compiled:
-    """The last few schedules' compiled peers, by the identity of the schedule's list
-    (kept alive here, so the identity is not reused) and the side's rank and role."""
+    """The last few schedules' compiled peers, by the schedule (the same list, or an
+    equal one: a receiver parses the signed manifest anew every push) and the side's
+    rank and role. A kept list stays alive here, so its identity is not reused."""
 
     def __init__(self, size: int = 4) -> None:
         self.size = size
@@ -125,6 +126,10 @@ class _Compiled:
             ) -> dict[int, PeerPlan] | None:
         for ts, k, v in self.items:
             if ts is transfers and k == key:
+                return v
+        for i, (ts, k, v) in enumerate(self.items):
+            if k == key and len(ts) == len(transfers) and ts == transfers:
+                self.items[i] = (transfers, k, v)  # the next push's list is this one's
                 return v
         return None
 

@@ -120,7 +120,10 @@ def test_compiled_peers_are_kept_per_schedule_object_and_side() -> None:
     walk = sd._walk(ts, lambda t: True, lambda t: t.src, 64)
     a = sd._compiled(ts, walk, ("send", 0, 64), 64)
     assert sd._compiled(ts, walk, ("send", 0, 64), 64) is a
-    assert sd._compiled(list(ts), walk, ("send", 0, 64), 64) is not a  # another list
+    assert sd._compiled(list(ts), walk, ("send", 0, 64), 64) is a  # an equal list
+    other = [Transfer(0, 0, "w", 0, 16)]
+    assert sd._compiled(other, sd._walk(other, lambda t: True, lambda t: t.src, 64),
+                        ("send", 0, 64), 64) is not a  # another schedule
     assert sd._compiled(ts, walk, ("receive", 0, 64), 64) is not a
     assert sd._walked(ts, ("send", 0, 64), lambda t: False, lambda t: 0, 64) == walk
 
