@@ -316,6 +316,21 @@ def _words(plan: PeerPlan, acc: torch.Tensor | None, secret: bytes | None, mid: 
                         dtype=torch.int64).to(device)
 
 
+def _messages(plan: PeerPlan, loc: Located, pack: torch.Tensor | None) -> list[torch.Tensor]:
+    """The buffer of each of `plan`'s messages: a range alone is its bytes where they are
+    (`loc`), the pack is `pack` (`_walk` puts the alone ranges first, in position order)."""
+    out: list[torch.Tensor] = []
+    k = 0
+    for alone in plan.alone:
+        if alone:
+            out.append(loc.piece(plan, k))
+            k += 1
+        else:
+            assert pack is not None
+            out.append(pack)
+    return out
+
+
 def pack_peer(plan: PeerPlan, places: Places, device: torch.device, secret: bytes | None,
               mid: int, checksum: str | None
               ) -> tuple[list[torch.Tensor], torch.Tensor, Located] | None:
@@ -335,15 +350,8 @@ def pack_peer(plan: PeerPlan, places: Places, device: torch.device, secret: byte
     _launch(plan, "source", loc, p, acc, copy=True, pack=1, base=pack.data_ptr())
     if checksum is not None:
         _launch(plan, "source", loc, plan.alone_pos, acc, copy=False)
-    msgs: list[torch.Tensor] = []
-    k = 0
-    for alone in plan.alone:
-        if alone:
-            msgs.append(loc.piece(plan, k))
-            k += 1
-        else:
-            msgs.append(pack)
-    return msgs, _words(plan, acc if checksum is not None else None, secret, mid, device), loc
+    words = _words(plan, acc if checksum is not None else None, secret, mid, device)
+    return _messages(plan, loc, pack), words, loc
 
 
 @dataclass
@@ -370,15 +378,7 @@ def receive_buffers(plan: PeerPlan, places: Places, device: torch.device,
     src = (pack.data_ptr() if pack is not None else 0) + plan.pack_off
     if not aligned(plan, loc.addr, src):
         return None
-    msgs: list[torch.Tensor] = []
-    k = 0
-    for alone in plan.alone:
-        if alone:
-            msgs.append(loc.piece(plan, k))
-            k += 1
-        else:
-            assert pack is not None
-            msgs.append(pack)
+    msgs = _messages(plan, loc, pack)
     words = torch.empty(2 * len(plan.index), dtype=torch.int64, device=device)
     return Landing(plan, loc, msgs, pack, words)
 

@@ -24,28 +24,12 @@ from enginehooks.core.errors import ChecksumError
 from enginehooks.core.schedule import Transfer
 from enginehooks.transports import shard_direct as sd
 from enginehooks.transports import shard_runs as sr
+from tests.support.segs import Segs
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
 PACK_BELOW = 4096
-
-
-class Segs:
-    """Places over (start, stop, bytes) segments per tensor, with the per-range
-    `source`/`dest` the same bytes give."""
-
-    def __init__(self, segs: dict[str, list[tuple[int, int, torch.Tensor]]]) -> None:
-        self.segs = segs
-
-    def segments(self, name: str) -> list[tuple[int, int, torch.Tensor]]:
-        return self.segs.get(name, [])
-
-    def at(self, t: Transfer) -> torch.Tensor:
-        for a, b, raw in self.segs[t.name]:
-            if a <= t.start and t.stop <= b:
-                return raw[t.start - a: t.stop - a]
-        raise KeyError(t)
 
 
 def _case(seed: int, word: int = 4) -> tuple[list[Transfer], Segs, Segs]:

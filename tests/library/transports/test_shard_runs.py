@@ -16,22 +16,7 @@ from enginehooks.core.errors import TransportError
 from enginehooks.core.schedule import Transfer
 from enginehooks.transports import shard_direct as sd
 from enginehooks.transports import shard_runs as sr
-
-
-class Segs:
-    """Places over a dict of (start, stop, bytes) lists, with the per-range `dest`."""
-
-    def __init__(self, segs: dict[str, list[tuple[int, int, torch.Tensor]]]) -> None:
-        self.segs = segs
-
-    def segments(self, name: str) -> list[tuple[int, int, torch.Tensor]]:
-        return self.segs.get(name, [])
-
-    def dest(self, t: Transfer) -> torch.Tensor:
-        for a, b, raw in self.segs[t.name]:
-            if a <= t.start and t.stop <= b:
-                return raw[t.start - a: t.stop - a]
-        raise KeyError(t)
+from tests.support.segs import Segs
 
 
 def _case(seed: int) -> tuple[list[Transfer], Segs, int]:
@@ -74,11 +59,20 @@ def test_compiled_peers_are_the_walk_and_addresses_are_the_per_range_ones(seed: 
         offs = np.cumsum([0] + [t.nbytes for t in packed])[:-1]
         assert plan.pack_off.tolist() == offs.tolist()
         loc = sr.locate(plan, places, torch.device("cpu"), "destination")
-        want = [places.dest(transfers[i]).data_ptr() for i in order]
+        want = [places.at(transfers[i]).data_ptr() for i in order]
         assert loc.addr.tolist() == want
         for k in plan.alone_pos.tolist():
             piece = loc.piece(plan, k)
             assert piece.data_ptr() == want[k] and piece.numel() == plan.nbytes[k]
+        pack = torch.empty(plan.pack_bytes, dtype=torch.uint8)
+        bufs = sr._messages(plan, loc, pack)  # what each message is posted from or into
+        assert len(bufs) == len(msgs)
+        for buf, msg, alone in zip(bufs, msgs, plan.alone):
+            if alone:
+                t = msg[0][1]
+                assert buf.data_ptr() == places.at(t).data_ptr() and buf.numel() == t.nbytes
+            else:
+                assert buf is pack
         term, index = plan.constants(torch.device("cpu"))
         assert index.tolist() == order
         assert term.tolist() == [sd._signed(transfers[i].nbytes << 40) for i in order]
@@ -146,7 +140,7 @@ def test_addresses_follow_a_segment_that_moved_between_pushes() -> None:
                  for n, segs in places.segs.items()}
         places2 = Segs(moved)
         third = sr.locate(plan, places2, torch.device("cpu"), "destination")
-        assert third.addr.tolist() == [places2.dest(transfers[i]).data_ptr() for i in order]
+        assert third.addr.tolist() == [places2.at(transfers[i]).data_ptr() for i in order]
         assert third.addr.tolist() != first.addr.tolist()
         # cut differently (a segment split in two): searched anew
         name, segs = next((n, v) for n, v in moved.items() if v[0][1] - v[0][0] >= 16)
@@ -157,4 +151,4 @@ def test_addresses_follow_a_segment_that_moved_between_pushes() -> None:
         fourth = sr.locate(plan, places2, torch.device("cpu"), "destination")
         assert plan._located["destination"] is not kept
         assert ("destination", True) not in plan._tables  # its rows named the old segments
-        assert fourth.addr.tolist() == [places2.dest(transfers[i]).data_ptr() for i in order]
+        assert fourth.addr.tolist() == [places2.at(transfers[i]).data_ptr() for i in order]
