@@ -354,7 +354,6 @@ class FSDP2Shards:
         self.local: dict[str, torch.Tensor] = {}
         self.specs: dict[str, tuple[torch.dtype, tuple[int, ...]]] = {}
         self._placement: dict[str, str] = {}
-        self._segments: dict[str, tuple[int, list[tuple[int, int, torch.Tensor]]]] = {}
         self.world, self.rank = 1, 0
         for name, t in state.items():
             wire = self.wire_dtype(t.dtype)
@@ -380,7 +379,6 @@ class FSDP2Shards:
         self._placement = {fn(n): v for n, v in self._placement.items()}
         self.__dict__.pop("_mine", None)
         self.__dict__.pop("_by_name", None)
-        self._segments.clear()
 
     def wire_dtype(self, dtype: torch.dtype) -> torch.dtype:
         return self.dtype if self.dtype is not None and dtype.is_floating_point else dtype
@@ -414,31 +412,26 @@ class FSDP2Shards:
 
     def segments(self, name: str) -> list[tuple[int, int, torch.Tensor]]:
         """This rank's bytes of tensor `name` as one segment (start, stop, 1-D uint8):
-        its local shard in the wire dtype, cast once until the shard changes
-        (`shard_runs.Places`: the sender finds every range's address from it without a
-        call per range)."""
+        its local shard in the wire dtype (`shard_runs.Places`: the sender finds every
+        range's address from it without a call per range). A cast is made anew on every
+        call, never kept: an optimizer step may write the shard in place by routes no
+        version counter sees (`.data`), and a kept cast would send the bytes of before
+        it. One send asks once per tensor (`shard_direct`'s per-call memo)."""
         from enginehooks.core.errors import ConfigError
 
-        local = self.local.get(name)
-        got = self._segments.get(name)
-        # a cast is a copy: made again once the shard changed in place (an optimizer
-        # step bumps its version counter), so a kept instance never sends stale bytes
-        if got is not None and local is not None and got[0] == local._version:
-            return got[1]
         if not hasattr(self, "_by_name"):
             self._by_name = {s.name: s for s in self._held()}
         held = self._by_name.get(name)
+        local = self.local.get(name)
         if held is None or local is None:
             return []
         wire = self.specs[name][0]
-        version = local._version
         local = (local if local.dtype == wire else local.to(wire)).contiguous()
         raw = local.reshape(-1).view(torch.uint8)
         if raw.numel() != held.stop - held.start:
             raise ConfigError(f"{name}: this rank's shard has {raw.numel()} bytes, not the "
                               f"{held.stop - held.start} that Shard(0) gives it")
-        self._segments[name] = (version, [(held.start, held.stop, raw)])
-        return self._segments[name][1]
+        return [(held.start, held.stop, raw)]
 
     def _held(self) -> list[Slice]:
         if not hasattr(self, "_mine"):

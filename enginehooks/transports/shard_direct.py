@@ -329,6 +329,7 @@ def send_shards(group: Any, transfers: Sequence[Transfer], me: int,
     device: torch.device | None = None
     keep: list[Any] = []  # the table path's sources, alive until the sends are done
     compiled = None
+    places = shard_runs.Once(places) if places is not None else None
     if places is not None and nccl and walk:
         first = next(iter(walk.values()))[0][0][1]
         dev = _checked(source(first), first, "source", nccl).device
@@ -395,6 +396,7 @@ def receive_shards(group: Any, transfers: Sequence[Transfer], me: int,
     landings: dict[int, shard_runs.Landing] = {}
     device = torch.device("cpu")
     compiled = None
+    places = shard_runs.Once(places) if places is not None else None
     if places is not None and nccl:
         first = next(iter(walk.values()))[0][0][1]
         dev = _checked(dest(first), first, "destination", nccl).device

@@ -52,6 +52,21 @@ class Places(Protocol):
         ...
 
 
+class Once:
+    """`places` asked once per tensor for the length of one send or receive (a segment
+    may be a cast made per call: `FSDP2Shards`), then answered from memory."""
+
+    def __init__(self, places: Places) -> None:
+        self.places = places
+        self.got: dict[str, Sequence[tuple[int, int, torch.Tensor]]] = {}
+
+    def segments(self, name: str) -> Sequence[tuple[int, int, torch.Tensor]]:
+        got = self.got.get(name)
+        if got is None:
+            got = self.got[name] = self.places.segments(name)
+        return got
+
+
 @dataclass
 class PeerPlan:
     """One peer's messages (`shard_direct._walk`'s order), compiled once per schedule.

@@ -65,6 +65,28 @@ def test_holdings_and_bytes_of_shard0_and_replicated_tensors(mesh: object) -> No
         shards.source(Transfer(0, 0, "x", 0, 4))
 
 
+def test_a_cast_segment_is_never_kept_across_calls(mesh: object) -> None:
+    """`segments` casts anew on every call: a kept instance must never send the bytes of
+    before an optimizer step, and a step may write the shard by routes no version
+    counter sees (here `.data`, which leaves both the DTensor's and the local tensor's
+    counters as they were). Keeping the cast per instance fails this test."""
+    from torch.distributed.tensor import Shard
+
+    w = torch.arange(12.0).reshape(4, 3)
+    m = _module(w=_dtensor(w, mesh, Shard(0)))
+    half = FSDP2Shards(m, dtype=torch.bfloat16)
+    (a, b, first), = half.segments("w")
+    assert (a, b) == (0, 24)
+    assert torch.equal(first, w.to(torch.bfloat16).reshape(-1).view(torch.uint8))
+    with torch.no_grad():
+        m.w.data.add_(1.0)  # an in-place step the version counters do not see
+    (_, _, second), = half.segments("w")
+    want = (w + 1).to(torch.bfloat16).reshape(-1).view(torch.uint8)
+    assert torch.equal(second, want)
+    assert torch.equal(half.source(Transfer(0, 0, "w", 0, 24)), want)
+    assert half.segments("x") == []
+
+
 def test_layouts_it_does_not_derive_are_refused_by_name(mesh: object) -> None:
     from torch.distributed.tensor import Shard
 

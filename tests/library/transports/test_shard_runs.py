@@ -152,3 +152,25 @@ def test_addresses_follow_a_segment_that_moved_between_pushes() -> None:
         assert plan._located["destination"] is not kept
         assert ("destination", True) not in plan._tables  # its rows named the old segments
         assert fourth.addr.tolist() == [places2.at(transfers[i]).data_ptr() for i in order]
+
+
+def test_once_asks_each_tensor_once_per_send() -> None:
+    """`Once` (what `send_shards`/`receive_shards` wrap `places` in): a tensor's
+    segments asked once for all peers of one call, the same answers."""
+    transfers, places, pack_below = _case(7)
+    asked: list[str] = []
+
+    class Counting(Segs):
+        def segments(self, name: str) -> list[tuple[int, int, torch.Tensor]]:
+            asked.append(name)
+            return super().segments(name)
+
+    counting = Counting(places.segs)
+    once = sr.Once(counting)
+    walk = sd._walk(transfers, lambda t: t.dst == 0, lambda t: t.src, pack_below)
+    for plan in sr.compile_peers(walk, pack_below).values():
+        got = sr.locate(plan, once, torch.device("cpu"), "destination")
+        want = sr.locate(plan, places, torch.device("cpu"), "destination")
+        assert got.addr.tolist() == want.addr.tolist()
+    assert sorted(asked) == sorted(set(asked))  # each tensor once
+    assert set(asked) == {t.name for t in transfers}
