@@ -38,7 +38,6 @@ from enginehooks.core.auth import bucket_mac
 from enginehooks.core.errors import ChecksumError, TransportError
 from enginehooks.core.schedule import Transfer
 
-_MASK63 = (1 << 63) - 1
 _MASK64 = (1 << 64) - 1
 
 
@@ -294,7 +293,7 @@ def _launch(plan: PeerPlan, what: str, loc: Located, pos: np.ndarray, acc: torch
         up = fused_copy.build(src, dst, plan.nbytes[pos], np.zeros(len(pos), dtype=np.int64),
                               pos, dev, fused_copy.stager_for(dev))
         template = up.table.clone()  # its own memory: the ring's slots are reused
-        seg = torch.from_numpy(loc.seg).to(dev)
+        seg = torch.from_numpy(loc.seg).to(dev)  # once per shape (a host sync, as the build)
         table = plan._tables[(what, copy)] = _Table(template, seg[template[:, 4]],
                                                     up.programs, up.aligned)
     last = table.last
