@@ -153,30 +153,92 @@ class ShardSchedule:
         if not (_count(senders) and _count(receivers) and isinstance(items, list)):
             raise MalformedSchedule(f"a schedule needs senders, receivers and transfers: "
                                     f"{str(dict(raw))[:200]}")
-        out = []
-        for item in items:
-            if not (isinstance(item, list) and len(item) == 5 and isinstance(item[2], str)
-                    and all(_index(v) for i, v in enumerate(item) if i != 2)):
-                raise MalformedSchedule(f"not a transfer: {str(item)[:100]}")
-            src, dst, name, start, stop = item
-            if src >= senders or dst >= receivers:
-                raise MalformedSchedule(f"transfer {item}: ranks outside {senders} senders "
-                                        f"and {receivers} receivers")
-            if name not in sizes:
-                raise MalformedSchedule(f"transfer {item}: the manifest has no tensor {name!r}")
-            if not start < stop <= sizes[name]:
-                raise MalformedSchedule(f"transfer {item}: not a range of {name!r}'s "
-                                        f"{sizes[name]} bytes")
-            out.append(Transfer(src, dst, name, start, stop))
-        _disjoint(out)
+        out = _transfers(items, int(senders), int(receivers), sizes)  # type: ignore[arg-type]
         instances = raw.get("instances", [])
         if not (isinstance(instances, list) and all(isinstance(i, str) for i in instances)
                 and len(set(instances)) == len(instances)
                 and len(instances) in (0, receivers)):
             raise MalformedSchedule(f"instances {str(instances)[:200]}: not {receivers} "
                                     "distinct worker ids")
-        return ShardSchedule(senders, receivers, tuple(out),  # type: ignore[arg-type]
+        return ShardSchedule(senders, receivers, out,  # type: ignore[arg-type]
                              tuple(instances))
+
+
+def _transfers(items: list[Any], senders: int, receivers: int, sizes: Mapping[str, int]
+               ) -> tuple[Transfer, ...]:
+    """`items` checked and read as transfers. A row-parallel schedule is tens of
+    thousands of items, read again on every push: the checks run as whole columns
+    (`_columns`), and the transfers of the last schedule read are kept and given again
+    for the same items (so the compiled peers of `transports/shard_runs.py` find them by
+    identity). Anything the column checks do not pass is read item by item, which names
+    the first bad one."""
+    cols = _columns(items, senders, receivers, sizes)
+    if cols is None:
+        return _transfers_one_by_one(items, senders, receivers, sizes)
+    key = tuple(map(tuple, items))
+    last = _LAST_READ[0] if _LAST_READ else None
+    if last is not None and last[0] == key:
+        return last[1]
+    out = tuple(map(Transfer, *cols))
+    _LAST_READ[:] = [(key, out)]
+    return out
+
+
+#: the last schedule's items (as tuples) and the transfers read from them
+_LAST_READ: list[tuple[tuple[tuple[Any, ...], ...], tuple[Transfer, ...]]] = []
+
+
+def _columns(items: list[Any], senders: int, receivers: int, sizes: Mapping[str, int]
+             ) -> tuple[tuple[Any, ...], ...] | None:
+    """The five columns of `items` where every item is a list of five plain ints and a
+    str naming a tensor of `sizes`, ranks within the group, ranges within their tensor
+    and no byte given twice to one engine rank; else None."""
+    import numpy as np
+
+    if not items:
+        return None
+    if set(map(type, items)) != {list} or set(map(len, items)) != {5}:
+        return None
+    cols = tuple(zip(*items))
+    if any(set(map(type, cols[i])) != {int} for i in (0, 1, 3, 4)) \
+            or set(map(type, cols[2])) != {str} or not set(cols[2]) <= sizes.keys():
+        return None
+    try:
+        src, dst, start, stop = (np.array(cols[i], dtype=np.int64) for i in (0, 1, 3, 4))
+    except OverflowError:
+        return None
+    index = {n: i for i, n in enumerate(sizes)}
+    name = np.fromiter(map(index.__getitem__, cols[2]), np.int64, len(items))
+    size = np.fromiter(map(sizes.__getitem__, cols[2]), np.int64, len(items))
+    if not ((src >= 0) & (src < senders) & (dst >= 0) & (dst < receivers)
+            & (start >= 0) & (start < stop) & (stop <= size)).all():
+        return None
+    order = np.lexsort((start, name, dst))  # as `_disjoint` sorts
+    same = (dst[order][1:] == dst[order][:-1]) & (name[order][1:] == name[order][:-1])
+    if (same & (start[order][1:] < stop[order][:-1])).any():
+        return None
+    return cols
+
+
+def _transfers_one_by_one(items: list[Any], senders: int, receivers: int,
+                          sizes: Mapping[str, int]) -> tuple[Transfer, ...]:
+    out = []
+    for item in items:
+        if not (isinstance(item, list) and len(item) == 5 and isinstance(item[2], str)
+                and all(_index(v) for i, v in enumerate(item) if i != 2)):
+            raise MalformedSchedule(f"not a transfer: {str(item)[:100]}")
+        src, dst, name, start, stop = item
+        if src >= senders or dst >= receivers:
+            raise MalformedSchedule(f"transfer {item}: ranks outside {senders} senders "
+                                    f"and {receivers} receivers")
+        if name not in sizes:
+            raise MalformedSchedule(f"transfer {item}: the manifest has no tensor {name!r}")
+        if not start < stop <= sizes[name]:
+            raise MalformedSchedule(f"transfer {item}: not a range of {name!r}'s "
+                                    f"{sizes[name]} bytes")
+        out.append(Transfer(src, dst, name, start, stop))
+    _disjoint(out)
+    return tuple(out)
 
 
 def _count(v: Any) -> bool:

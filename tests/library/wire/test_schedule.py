@@ -3,10 +3,13 @@ by every engine rank before a byte moves (issue 40)."""
 
 from __future__ import annotations
 
+import random
+
 import pytest
 
 from enginehooks.core.manifest import Manifest, TensorSpec, plan
 from enginehooks.core.schedule import Transfer
+from enginehooks.wire import schedule as wire_schedule
 from enginehooks.wire.schedule import MalformedSchedule, ShardSchedule
 
 SPECS = [TensorSpec("a", "float32", (4, 4)), TensorSpec("b", "bfloat16", (8,))]
@@ -33,6 +36,12 @@ def test_the_schedule_round_trips_through_the_manifest() -> None:
     ({"senders": 2, "receivers": 2, "transfers": [[0, 0, "a", 0]]}, "not a transfer"),
     ({"senders": 2, "receivers": 2, "transfers": [[0, -1, "a", 0, 4]]}, "not a transfer"),
     ({"senders": 2, "receivers": 2, "transfers": [[0, 0, "a", 0.5, 4]]}, "not a transfer"),
+    ({"senders": 2, "receivers": 2, "transfers": [[0, 0, "a", 0, 4], [True, 0, "a", 8, 12]]},
+     "not a transfer"),
+    ({"senders": 2, "receivers": 2, "transfers": [[0, 0, "a", 0, 4], [0, 0, 7, 8, 12]]},
+     "not a transfer"),
+    ({"senders": 2, "receivers": 2, "transfers": [[0, 0, "a", 0, 4], [0, 0, "a", 8, 1 << 70]]},
+     "not a range"),
     ({"senders": 2, "receivers": 2, "transfers": [[2, 0, "a", 0, 4]]}, "ranks outside"),
     ({"senders": 2, "receivers": 2, "transfers": [[0, 2, "a", 0, 4]]}, "ranks outside"),
     ({"senders": 2, "receivers": 2, "transfers": [[0, 0, "c", 0, 4]]}, "no tensor 'c'"),
@@ -49,3 +58,43 @@ def test_a_schedule_an_engine_rank_cannot_trust_is_refused(raw: object, match: s
 def test_the_same_bytes_to_two_engine_ranks_are_not_a_duplicate() -> None:
     raw = {"senders": 1, "receivers": 2, "transfers": [[0, 0, "b", 0, 16], [0, 1, "b", 0, 16]]}
     assert len(ShardSchedule.of(_manifest(raw)).transfers) == 2
+
+
+def _generated(seed: int, overlap: bool) -> tuple[dict[str, object], dict[str, int]]:
+    """A schedule of a few thousand transfers (row-parallel-like runs, several tensors,
+    senders and engine ranks), shuffled; with `overlap`, one run repeated to another
+    sender (the same bytes to one engine rank twice)."""
+    rng = random.Random(seed)
+    sizes = {f"t{k}": 4096 * rng.randint(1, 8) for k in range(5)}
+    items = []
+    for name, n in sizes.items():
+        for dst in range(3):
+            for a in range(0, n, 64):
+                items.append([rng.randint(0, 1), dst, name, a, a + rng.choice([16, 32, 64])])
+    if overlap:
+        src, dst, name, a, b = items[rng.randrange(len(items))]
+        items.append([1 - src, dst, name, a, b])
+    rng.shuffle(items)
+    return {"senders": 2, "receivers": 3, "transfers": items}, sizes
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_column_checks_read_what_the_item_checks_read(seed: int) -> None:
+    """The whole-column reading of a large schedule (`_columns`) gives exactly the item
+    by item reading's transfers; the last schedule's transfers come back for the same
+    items (the compiled peers find them by identity) and not for changed ones; a byte
+    given twice is refused as item by item, naming the ranks."""
+    raw, sizes = _generated(seed, overlap=False)
+    got = ShardSchedule.from_meta(raw, sizes)
+    want = wire_schedule._transfers_one_by_one(raw["transfers"], 2, 3, sizes)  # type: ignore[arg-type]
+    assert got.transfers == want and len(want) > 1000
+    again = ShardSchedule.from_meta({**raw, "transfers": [list(i) for i in raw["transfers"]]},
+                                    sizes)
+    assert again.transfers is got.transfers
+    changed = [list(i) for i in raw["transfers"]]  # type: ignore[attr-defined]
+    changed[0][4] = changed[0][3] + 8
+    other = ShardSchedule.from_meta({**raw, "transfers": changed}, sizes)
+    assert other.transfers is not got.transfers and other.transfers[0].stop == changed[0][4]
+    bad, sizes = _generated(seed, overlap=True)
+    with pytest.raises(MalformedSchedule, match=r"would receive bytes .* twice \(from trainer"):
+        ShardSchedule.from_meta(bad, sizes)
