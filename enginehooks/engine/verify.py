@@ -908,12 +908,21 @@ def verify_and_repair(live: torch.nn.Module, build_fresh: Callable[[], torch.nn.
                 "of them was kept (the digests were to prove them), so the engine is torn "
                 "until the next update, which compares them on a fresh-load shadow and "
                 "repairs them")
-        if bad:
-            # a plain copy that does not hold the bytes sent: the shadow judges (and
-            # repairs) everything
+        if bad and not isinstance(suspect, set):
+            # a plain copy that does not hold the bytes sent, and no suspect set to hold
+            # its module out of the digest-only ones: the shadow judges everything
             log.warning("%s: %d planned copies do not hold the bytes received (%s): "
                         "comparing everything with a fresh load", engine, len(bad), bad[:8])
         else:
+            if bad:
+                # their modules are suspect now (above): the shadow judges (and repairs)
+                # them, and every module not proved; a module every tensor of which holds
+                # the bytes sent is proved as on any update (vLLM CPU on AMX hosts turns
+                # a small linear's bias to float32 after every load: a digest can never
+                # hold there, and that must not send the whole model to the shadow)
+                log.warning("%s: %d planned copies do not hold the bytes received (%s): "
+                            "comparing their modules with a fresh load", engine, len(bad),
+                            bad[:8])
             td = time.perf_counter()
             skip = digest_only_modules(live, landed, good, suspect, prepared)
             verdict.seconds["digest_only"] = round(time.perf_counter() - td, 5)

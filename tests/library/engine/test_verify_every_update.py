@@ -263,3 +263,49 @@ def test_a_packed_weight_held_by_a_closure_is_probed_and_repaired() -> None:
     assert torch.equal(stale.cpu_linear(x, None, None), x @ w.t())
     # a module holding such storage is never proved by digests alone
     assert digest_only_modules(Packed(w), {"weight"}, {"weight"}, set()) == set()
+
+
+def test_a_planned_copy_the_engine_always_processes_sends_only_its_module_to_the_shadow(
+        model_dirs: dict[str, Path], monkeypatch: pytest.MonkeyPatch) -> None:
+    """An engine whose post-load processing rewrites one planned tensor on every load,
+    the fresh load included (vLLM CPU on AMX hosts turns a small linear's bias to
+    float32): that tensor's digest can never hold, yet the engine equals a fresh load.
+    Its module goes to the shadow (compared, equal: verified), and every other module
+    is still proved by its digests: `digest` > 0 on every push after the plan's first
+    use. Before, one such tensor sent the whole model to the shadow on every push."""
+    monkeypatch.delenv("ENGINEHOOKS_VERIFY", raising=False)
+    monkeypatch.delenv("ENGINEHOOKS_COPY_PLAN", raising=False)
+    engine = MinimalEngine(model_dirs["llama"])
+    handle = engine.handle()
+    target = handle.side.target  # type: ignore[attr-defined]
+
+    def process(model: torch.nn.Module) -> None:
+        with torch.no_grad():
+            model.model.norm.weight.mul_(2.0)  # type: ignore[union-attr, operator]
+
+    def after_load(model: torch.nn.Module, landed: set[str]) -> None:
+        if "model.norm.weight" in landed:
+            process(model)
+
+    fresh_load = target.fresh_load
+
+    def processed_fresh_load(weights: Any, before_processing: Any = None) -> torch.nn.Module:
+        model = fresh_load(weights, before_processing)
+        process(model)
+        return model  # type: ignore[no-any-return]
+
+    target.after_load = after_load
+    target.fresh_load = processed_fresh_load
+    versions = [perturb(load_tiny(model_dirs["llama"]), seed=s) for s in (31, 32, 33, 34)]
+    total = sum(t.nbytes for _, t in adapter_for(versions[0]).stream())
+    with WeightSync("gloo", bucket_bytes=16 << 10, timeout_s=60) as sync:
+        sync.add_replica(handle)
+        for i, model in enumerate(versions):
+            sync.push(model, version=i + 1)
+            v = _verification(handle)["last"]
+            assert v["ok"] is True and v["outcome"] == "verified", v
+            assert v["mismatched"] == [] and v["unverified"] == [], v
+            if i >= 2:  # after the plan's first use: digests, and a shadow for the norm
+                assert v["how"] == "digest+shadow", v
+                assert 0 < v["digest_bytes"] < total, v
+    engine.close()
