@@ -390,7 +390,8 @@ class Follower:
             return Answer(ok=False, error="its model's layout changed (names, dtypes or shapes)")
         if not adapter.reuse_plan(kept.adapter, kept.specs):
             return Answer(ok=False, error="its adapter cannot take the kept plan")
-        adapter.owners = dict(kept.owners)
+        if SCHEDULE_KEY not in kept.manifest.meta:  # a schedule's senders send shards
+            adapter.owners = dict(kept.owners)
         self.adapter, self._armed = adapter, kept
         return Answer()
 
@@ -412,24 +413,27 @@ class Follower:
                     raise TransportError(f"a send on layout {ref[0]!r}, which this rank did "
                                          "not arm")
                 manifest = with_version(armed.manifest, ref[1])
+                if SCHEDULE_KEY in manifest.meta:
+                    return self._send_shards(manifest)
                 part = parts(manifest)[self.ranks.rank]
                 names = {t.name for t in part.tensors}
                 stats = self._here().send(part, only(self.adapter.stream(), names), Abort())
                 return Answer(seconds=stats.seconds, bytes=part.total_bytes), stats
             manifest = Manifest.from_json(cmd.manifest)
-            if SCHEDULE_KEY in manifest.meta:  # its own shards, along the schedule
-                adapter, rank, size = self.adapter, self.ranks.rank, self.ranks.size
-                stats = self._here().send(manifest, ShardStream(
-                    adapter.stream, lambda: shard_source(adapter, rank, size)), Abort())
-                return Answer(seconds=stats.seconds, bytes=stats.bytes), stats
-            part = parts(manifest)[self.ranks.rank]
-            names = {t.name for t in part.tensors}
-            # this rank gathers, converts and casts only its part (issue 37 item 5)
-            self.adapter.owners = owners_of(manifest, self.ranks)
+            scheduled = SCHEDULE_KEY in manifest.meta
+            # this rank gathers, converts and casts only its part (issue 37 item 5); a
+            # schedule's senders send their own shards (no parts)
+            owners = {} if scheduled else owners_of(manifest, self.ranks)
+            if not scheduled:
+                self.adapter.owners = owners
             lid, planned = layout_of(manifest), self._plan_of
             if lid is not None and planned is not None and planned[0] is not None:
                 self._planned = Kept(lid, planned[0], self.adapter, planned[1], manifest,
-                                     dict(self.adapter.owners), planned[2], planned[3])
+                                     dict(owners), planned[2], planned[3])
+            if scheduled:  # its own shards, along the schedule
+                return self._send_shards(manifest)
+            part = parts(manifest)[self.ranks.rank]
+            names = {t.name for t in part.tensors}
             stats = self._here().send(part, only(self.adapter.stream(), names), Abort())
             return Answer(seconds=stats.seconds, bytes=part.total_bytes), stats
         if isinstance(cmd, Close):
@@ -437,6 +441,14 @@ class Follower:
             return Answer(), stats
         op = getattr(cmd, "op", cmd)
         raise ConfigError(f"unknown command {op!r} from trainer rank 0")
+
+    def _send_shards(self, manifest: Manifest) -> tuple[Answer, SendStats]:
+        """This rank's own shards, along `manifest`'s schedule (no gather)."""
+        adapter, rank, size = self.adapter, self.ranks.rank, self.ranks.size
+        stats = self._here().send(manifest, ShardStream(
+            adapter.stream,  # type: ignore[union-attr]
+            lambda: shard_source(adapter, rank, size)), Abort())
+        return Answer(seconds=stats.seconds, bytes=stats.bytes), stats
 
     def _drop(self) -> None:
         sender, self.sender = self.sender, None

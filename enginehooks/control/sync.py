@@ -166,6 +166,9 @@ class PreparedLayout:
     wire: tuple[torch.dtype | None, dict[str, torch.dtype | None]]
     #: several senders: who sends each tensor (`owners_of`); each rank keeps its own part
     owners: dict[str, int] | None = None
+    #: a shard-direct schedule's layout: each engine worker's needs digest
+    #: (`wire/schedule.NEEDS_DIGEST_KEY`) it was computed from, per replica
+    needs: list[list[str | None]] | None = None
 
 
 class WeightSync:
@@ -280,6 +283,8 @@ class WeightSync:
         self._planner: ShardPlanner | None = None
         #: each worker's needs (by its id) under their digest: asked once per layout
         self._needs_held: dict[str, tuple[str, Any]] = {}
+        #: the needs digests of the workers the last schedule was computed for
+        self._schedule_needs: list[list[str | None]] | None = None
         #: how many times the workers' needs were asked (`InfoRequest(needs=True)`)
         self.needs_asked = 0
 
@@ -408,8 +413,9 @@ class WeightSync:
 
     def _prepared(self, adapter: TrainerAdapter, report: PushReport) -> PreparedLayout | None:
         """The kept layout if this push may use it: same replicas, group intact, same
-        key (`core/layout.py`), and with several senders every other rank's part the
-        same too (`ask_reuse`); else None (the full path)."""
+        key (`core/layout.py`), with several senders every other rank's part the same
+        too (`ask_reuse`), and for several senders or a shard-direct schedule every
+        replica's `info` the same (`_replicas_hold`); else None (the full path)."""
         lay = self._layout
         if (lay is None or lay.replicas != self._replicas
                 or self._sender is None or self._sender.broken
@@ -420,8 +426,10 @@ class WeightSync:
             return None
         if not adapter.reuse_plan(lay.adapter, lay.specs):
             return None
-        if self.senders is None:
+        if self.senders is None and lay.needs is None:
             return lay
+        if self.senders is None:  # one sender of a schedule: only the `info` check
+            return lay if self._replicas_hold(lay, report, self._ask_infos()) else None
         if not isinstance(self._sender, SenderSet) or lay.owners is None:
             return None
         # Several senders learn of a replica that restarted here, before anything
@@ -430,27 +438,49 @@ class WeightSync:
         # lockstep gathers and sends until their timeouts, and could not fall back
         # within the push.
         # (The `info` calls run while the ranks answer `reuse`.)
-        reps = list(self._replicas)
-        for r in reps:
-            self._count(r)
-        asked = [spawn(r.info, self.timeout_s, name=f"enginehooks-info-{r.name}")
-                 for r in reps]
+        asked = self._ask_infos()
         refused, broken = ask_reuse(self._sender, lay.id)
-        infos = self._collect(report, "info", reps, asked, self.timeout_s)
-        group = self._group_id()
-        for r, per in zip(reps, infos):
-            ids = [str(i["instance"]) for i in per if i.get("instance")]
-            if ids != self._audience.get(id(r)) or any(i.get("group") != group for i in per):
-                report.layout = (f"fallback: replica {r.name!r} restarted or left the "
-                                 "group")
-                return None
+        if not self._replicas_hold(lay, report, asked):
+            return None
         if refused:
             report.layout = "fallback: " + "; ".join(refused)[:1000]
             if broken:  # that rank's group is gone: form the whole group anew
                 self._close_group()
             return None
-        adapter.owners = dict(lay.owners)  # this rank produces only its part
+        if lay.needs is None:  # a schedule's senders send their shards: no parts
+            adapter.owners = dict(lay.owners)  # this rank produces only its part
         return lay
+
+    def _ask_infos(self) -> list[Future[Any]]:
+        """Every replica's `info`, asked now (answered while the caller goes on)."""
+        for r in self._replicas:
+            self._count(r)
+        return [spawn(r.info, self.timeout_s, name=f"enginehooks-info-{r.name}")
+                for r in self._replicas]
+
+    def _replicas_hold(self, lay: PreparedLayout, report: PushReport,
+                       asked: list[Future[Any]]) -> bool:
+        """Whether every replica's `info` (`_ask_infos`) says prepared layout `lay` still
+        holds there: the same workers in the same group and, for a schedule, the same
+        needs; else why not, in `report.layout`. Asked before anything streams: a worker
+        that refused its layout once the data plane was busy would leave the others in
+        their receives until their timeouts."""
+        reps = list(self._replicas)
+        infos = self._collect(report, "info", reps, asked, self.timeout_s)
+        group = self._group_id()
+        for k, (r, per) in enumerate(zip(reps, infos)):
+            ids = [str(i["instance"]) for i in per if i.get("instance")]
+            if ids != self._audience.get(id(r)) or any(i.get("group") != group for i in per):
+                report.layout = (f"fallback: replica {r.name!r} restarted or left the "
+                                 "group")
+                return False
+            if lay.needs is not None and [i.get(NEEDS_DIGEST_KEY) for i in per] != lay.needs[k]:
+                # the schedule sends each worker what its copy plan read then: a plan
+                # turned off, or recorded anew reading other bytes, needs a new schedule
+                report.layout = (f"fallback: replica {r.name!r}'s copy plan changed since "
+                                 "the schedule")
+                return False
+        return True
 
     def _push(self, model: Any, version: int | str, report: PushReport,
               keep: tuple[str, ...] = ()) -> None:
@@ -527,19 +557,37 @@ class WeightSync:
                     meta[LAYOUT_KEY] = layout_id
                     kept.update(key=self._options_key(key), specs=specs)
                 scheduled = self._scheduled(report, adapter, [specs], layout)
-                return adapter, scheduled or plan(specs, **layout)
+                if scheduled is not None:
+                    if key is not None:
+                        kept.update(needs=self._schedule_needs)
+                    return adapter, scheduled
+                if self.transport.schedules:
+                    # broadcast for want of a schedule (`_scheduled`): kept as no
+                    # layout, so the next push schedules once it can (a copy plan
+                    # recorded by this push)
+                    meta.pop(LAYOUT_KEY, None)
+                    kept.clear()
+                return adapter, plan(specs, **layout)
             # several senders: every rank says what it can stream; one manifest lists
-            # each sender's part (and, for lockstep ranks, the order they send in). The
-            # shard-direct schedule (`_scheduled`) keeps no prepared layout.
+            # each sender's part (and, for lockstep ranks, the order they send in), or
+            # the shard-direct schedule (`_scheduled`) every rank sends its shards along
             key = (adapter.layout_key()
-                   if not self.transport.schedules
-                   and all(r.prepared_layouts for r in self._replicas) else None)
+                   if all(r.prepared_layouts for r in self._replicas) else None)
             # the first command of a push: a rank whose send failed in the last push may
             # still be ending it (its transport's timeout), so wait for it that long too
             per_rank = ask_plans(self.senders, adapter, 2 * self.timeout_s + GRACE_S)
+            if key is not None and self.transport.schedules:
+                meta[LAYOUT_KEY] = layout_id  # kept only where a schedule is made
             scheduled = self._scheduled(report, adapter, per_rank, layout)
             if scheduled is not None:  # each rank sends its own shards (no parts)
+                if key is not None:  # every rank keeps the schedule under this id
+                    kept.update(key=self._options_key(key), specs=per_rank[0], owners={},
+                                needs=self._schedule_needs)
                 return adapter, scheduled
+            # broadcast for want of a schedule: kept as no layout where the transport
+            # schedules, so the next push schedules once it can
+            meta.pop(LAYOUT_KEY, None)
+            key = key if not self.transport.schedules else None
             if key is not None:  # every rank keeps its part under this id (`Follower`)
                 meta[LAYOUT_KEY] = layout_id
             manifest = with_send_order(plan(parts=decide_parts(per_rank), **layout), per_rank)
@@ -555,7 +603,7 @@ class WeightSync:
         if kept and self._wire is not None:
             self._layout = PreparedLayout(layout_id, kept["key"], manifest, adapter,
                                           kept["specs"], list(self._replicas), self._wire,
-                                          kept.get("owners"))
+                                          kept.get("owners"), kept.get("needs"))
 
     def _scheduled(self, report: PushReport, adapter: TrainerAdapter,
                    per_rank: list[list[TensorSpec]], layout: dict[str, Any]) -> Manifest | None:
@@ -581,6 +629,7 @@ class WeightSync:
             shards = shard_source(adapter, 0, senders)
             matching(specs, shards)
             infos = self._needs(report)
+            self._schedule_needs = [[i.get(NEEDS_DIGEST_KEY) for i in per] for per in infos]
             if self._planner is None or self._planner.senders != senders:
                 self._planner = ShardPlanner(senders)
             return self._planner.manifest(

@@ -134,6 +134,10 @@ class EngineSide:
         #: manifests this worker checked and took, by layout id (`core/layout.py`):
         #: a later push names one instead of sending it again
         self._layouts: dict[str, Manifest] = {}
+        #: a scheduled layout's needs digest (`wire/schedule.NEEDS_DIGEST_KEY`) when it
+        #: was checked: the schedule sends what the copy plan read then, so a plan that
+        #: reads other bytes (or none) refuses the layout
+        self._layout_needs: dict[str, str | None] = {}
         #: `info`'s needs, computed once per recorded copy plan (the plan they came from)
         self._needs: tuple[CopyPlan, dict[str, Any], str] | None = None
         self.binding.state_changed(self.public_state())
@@ -298,11 +302,17 @@ class EngineSide:
         return {NEEDS_KEY: self._needs[1], NEEDS_DIGEST_KEY: self._needs[2]}
 
     def _needs_digest(self) -> dict[str, Any]:
-        """`info`'s `needs_key` (`wire/schedule.NEEDS_DIGEST_KEY`), where the needs were
-        computed for the current plan: a trainer holding them asks no more."""
-        if self._needs is None or self._needs[0] is not self._usable_plan():
-            return {}
-        return {NEEDS_DIGEST_KEY: self._needs[2]}
+        """`info`'s `needs_key` (`wire/schedule.NEEDS_DIGEST_KEY`) of the current plan's
+        needs (computed once per plan): a trainer holding them asks no more, and a
+        prepared schedule goes on while a plan recorded anew reads the same bytes.
+        Nothing until a trainer asked for the needs once (only one that schedules
+        shard-direct does: the other transports never pay for them)."""
+        key = self._needs_key() if self._needs is not None else None
+        return {} if key is None else {NEEDS_DIGEST_KEY: key}
+
+    def _needs_key(self) -> str | None:
+        """The digest of the current plan's needs; None without a usable plan."""
+        return self._needs_info().get(NEEDS_DIGEST_KEY)
 
     def join(self, endpoint: dict[str, Any], rank_offset: int,
              auth: str | None = None, *, replica_workers: int | None = None,
@@ -421,8 +431,15 @@ class EngineSide:
                     # trainer took this worker over, or it left; the full path rejoins
                     raise LayoutUnknown(f"this worker is in group {self.group!r} now, not "
                                         f"{group!r}: push the whole manifest (it rejoins)")
-                return self._receive(with_version(self._layouts[ref[0]], ref[1]), group,
-                                     checked=True)
+                kept = self._layouts[ref[0]]
+                if (SCHEDULE_KEY in kept.meta
+                        and self._layout_needs.get(ref[0]) != self._needs_key()):
+                    # the schedule was checked against what the copy plan read then; a
+                    # plan turned off, or recorded anew reading other bytes, cannot land it
+                    raise LayoutUnknown("this worker's copy plan changed since it took "
+                                        f"layout {ref[0]!r}: push the whole manifest (the "
+                                        "schedule is computed anew)")
+                return self._receive(with_version(kept, ref[1]), group, checked=True)
             return self._receive(Manifest.from_json(manifest_json), group)
 
     def _receive(self, m: Manifest, group: str, checked: bool = False) -> wire.ReceiveReply:
@@ -435,8 +452,12 @@ class EngineSide:
             # the trainer may name it from now on; the oldest goes when there are more
             self._layouts.pop(layout, None)
             self._layouts[layout] = m
+            if SCHEDULE_KEY in m.meta:
+                self._layout_needs[layout] = self._needs_key()
             while len(self._layouts) > MAX_LAYOUTS:
-                self._layouts.pop(next(iter(self._layouts)))
+                gone = next(iter(self._layouts))
+                self._layouts.pop(gone)
+                self._layout_needs.pop(gone, None)
         receiver = self.receiver
         if receiver is None or self.transport is None:
             raise TransportError("this worker has not joined a transport group")

@@ -32,6 +32,11 @@ from enginehooks.core.schedule import Slice, Transfer
 SCHEDULE_KEY = "schedule"
 
 
+#: The manifest memo (`core/manifest.MID_MEMO`'s comment) holding its schedule as read:
+#: a prepared push (`core/layout.with_version`) carries it, so no party reads the
+#: schedule of a layout twice.
+SCHEDULE_MEMO = "_enginehooks_schedule"
+
 #: `info`'s key: the byte runs each checkpoint tensor this worker's loader reads.
 NEEDS_KEY = "needs"
 
@@ -140,12 +145,18 @@ class ShardSchedule:
 
     @staticmethod
     def of(manifest: Manifest) -> ShardSchedule:
-        """The schedule of `manifest`, checked against its tensors (module docstring)."""
+        """The schedule of `manifest`, checked against its tensors (module docstring);
+        read once per manifest layout (`SCHEDULE_MEMO`)."""
+        memo = manifest.__dict__.get(SCHEDULE_MEMO)
+        if isinstance(memo, ShardSchedule):
+            return memo
         raw = manifest.meta.get(SCHEDULE_KEY)
         if not isinstance(raw, dict):
             raise MalformedSchedule("the manifest carries no schedule")
         sizes = {t.name: t.nbytes for t in manifest.tensors}
-        return ShardSchedule.from_meta(raw, sizes)
+        out = ShardSchedule.from_meta(raw, sizes)
+        manifest.__dict__[SCHEDULE_MEMO] = out  # frozen dataclass: a memo, not a field
+        return out
 
     @staticmethod
     def from_meta(raw: Mapping[str, Any], sizes: Mapping[str, int]) -> ShardSchedule:

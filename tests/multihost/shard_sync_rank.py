@@ -1,13 +1,19 @@
 """One trainer rank of a shard-direct push through the public API (issue 40):
 `python -m tests.multihost.shard_sync_rank SPEC_JSON`, prints one JSON line.
 
-SPEC: `{"rank", "world", "master" ("addr:port" of the trainer's own gloo group), "seed",
+SPEC: `{"rank", "world" (1: one sender, `WeightSync` without `senders`), "master" ("addr:port" of the trainer's own gloo group), "seed",
 "timeout_s", "pushes" (versions pushed, in order), "corrupt" (a trainer rank that flips
 a byte of its first range after digesting it, in push "corrupt_push" (an index) or in
-every push), "secret", "no_plan"}`.
+every push), "secret", "no_plan", "replan_at" (a push index before which worker 1's
+target records its copy plan anew: a new plan object, the same bytes read), "off_at" (a
+push index before which worker 1's copy plan is turned off, as verification turns off a
+plan it finds wrong), "probe" (after the pushes, rank 0 turns worker 1's plan off and
+sends it a signed `receive` naming the prepared layout, as a trainer that did not ask
+`info` would: its answer and its state before and after, under "probe")}`.
 
 Every rank builds `enginehooks_testkit/tp_module.TinyFull`, `fully_shard`s it over the
-trainer ranks (FSDP2 on CPU) and calls `WeightSync("shard", senders=TrainerRanks(...))
+trainer ranks (FSDP2 on CPU) once, writes each version's weights into the same sharded
+parameters (as an optimizer step would) and calls `WeightSync("shard", senders=TrainerRanks(...))
 .push(model, version)`, as a training loop would. Rank 0 (the coordinator) also hosts
 the engine: one tensor-parallel module replica of two workers (`TPWorker`: each a
 `TinyTP` rank behind its own `EngineSide`, registered as two replicas of one worker, in
@@ -15,7 +21,8 @@ TP rank order), each worker's target holding the copy plan recorded from its loa
 (unless `no_plan`: then the push is broadcast over the same groups). Trainer ranks
 count the collectives they run inside their sender's `send` (must be 0).
 
-Answers: rank 0 `{"reports": [{"ok", "error", "type", "bytes", "schedule", ...}],
+Answers: rank 0 `{"reports": [{"ok", "error", "type", "bytes", "schedule", "layout",
+"rpcs", ...}],
 "states": [each worker's state and version after each push], "equal": [bit-exact
 equality of each worker to a fresh load after each push]}`; every rank `{"collectives",
 "sent"}` (its own sends' collectives and bytes, per push).
@@ -56,11 +63,16 @@ class TPTarget(Target):
     def __init__(self, rank: int, world: int, specs: list[TensorSpec], plan: bool) -> None:
         self.device = torch.device("cpu")
         self.model = tp.TinyTP(rank, world)
+        self.rank, self.world = rank, world
         self.plan = PlanState("local")
         if plan:
-            with torch.device("meta"):
-                skeleton = tp.TinyTP(rank, world)
-            self.plan.adopt(record_plan(skeleton, specs, tp.load_weights), None)
+            self.replan(specs)
+
+    def replan(self, specs: list[TensorSpec]) -> None:
+        """Record the copy plan from the loader (again: a new plan object)."""
+        with torch.device("meta"):
+            skeleton = tp.TinyTP(self.rank, self.world)
+        self.plan.adopt(record_plan(skeleton, specs, tp.load_weights), None)
 
     def apply(self, tensors: Iterator[tuple[str, torch.Tensor]]) -> None:
         tp.load_weights(self.model, tensors)
@@ -119,9 +131,31 @@ def count_sends(into: dict[str, list[int]]) -> None:
     sd.ShardSender.send = counted  # type: ignore[method-assign]
 
 
+def probe(sync: WeightSync, worker: TPWorker) -> dict[str, Any]:
+    """Worker `worker`'s copy plan turned off, then a signed `receive` naming the
+    prepared layout: what it answers, and its state and version before and after."""
+    from enginehooks.core.layout import reference
+
+    lay = sync._layout
+    assert lay is not None, "no prepared layout to probe"
+    worker.target.plan.disable("turned off by the probe")
+    before = [worker.side.state, worker.side.version]
+    text = reference(lay.id, "probe")
+    group = str(worker.side.group)
+    try:
+        worker.side.receive(text, group, sync._token("receive", worker, manifest=text,
+                                                     group=group))
+        answer = "took it"
+    except Exception as e:
+        answer = f"{type(e).__name__}: {e}"
+    return {"answer": answer, "before": before,
+            "after": [worker.side.state, worker.side.version]}
+
+
 def main(spec: dict[str, Any]) -> dict[str, Any]:
     from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import distribute_tensor
 
     import enginehooks.transports.shard_direct as sd
 
@@ -132,9 +166,11 @@ def main(spec: dict[str, Any]) -> dict[str, Any]:
     if spec.get("secret"):  # the engine workers (in this process) share the trainer's
         os.environ[SECRET_ENV] = spec["secret"]
     control = dist.new_group(backend="gloo")  # the senders' channel, apart from FSDP's
-    sync = WeightSync("shard", senders=TrainerRanks(control, timeout_s=timeout_s),
-                      timeout_s=timeout_s, secret=spec.get("secret"))
+    # one trainer rank: one sender (no `senders`, no other rank to command)
+    sync = WeightSync("shard", senders=TrainerRanks(control, timeout_s=timeout_s)
+                      if world > 1 else None, timeout_s=timeout_s, secret=spec.get("secret"))
     workers: list[TPWorker] = []
+    specs: list[TensorSpec] = []
     if rank == 0:
         full = tp.TinyFull(0).state_dict()
         specs = [TensorSpec(n, dtype_name(t.dtype), tuple(t.shape)) for n, t in full.items()]
@@ -157,19 +193,29 @@ def main(spec: dict[str, Any]) -> dict[str, Any]:
             return sealed
         sd._seal = late_flip  # type: ignore[assignment]
     out: dict[str, Any] = {"reports": [], "states": [], "equal": []}
+    model = tp.TinyFull(int(spec["seed"]))
+    fully_shard(model, mesh=DeviceMesh.from_group(dist.group.WORLD, "cpu"))
     for i, version in enumerate(spec["pushes"]):
         at[0] = i
-        model = tp.TinyFull(int(spec["seed"]) + i)
-        state = {n: t.detach().clone() for n, t in model.state_dict().items()}
-        fully_shard(model, mesh=DeviceMesh.from_group(dist.group.WORLD, "cpu"))
+        state = tp.TinyFull(int(spec["seed"]) + i).state_dict()
+        with torch.no_grad():  # the step: new values in the same sharded parameters
+            for name, p in model.named_parameters():
+                p.copy_(distribute_tensor(state[name], p.device_mesh, p.placements))
+        if rank == 0 and spec.get("replan_at") == i:
+            workers[1].target.replan(specs)
+        if rank == 0 and spec.get("off_at") == i:
+            workers[1].target.plan.disable("turned off by the test")
         try:
             report = sync.push(model, version=version)
             rep: dict[str, Any] = {"ok": True, "bytes": report.bytes,
                                    "schedule": report.sender.get("schedule"),
-                                   "workers": [r.stats for r in report.replicas]}
+                                   "workers": [r.stats for r in report.replicas],
+                                   "layout": report.layout,
+                                   "rpcs": [r.rpcs for r in report.replicas]}
         except Exception as e:
             traceback.print_exc()
-            rep = {"ok": False, "error": str(e)[:2000], "type": type(e).__name__}
+            rep = {"ok": False, "error": str(e)[:2000], "type": type(e).__name__,
+                   "layout": getattr(getattr(e, "report", None), "layout", None)}
         out["reports"].append(rep)
         if rank == 0:
             out["states"].append([[w.side.state, w.side.version] for w in workers])
@@ -180,6 +226,8 @@ def main(spec: dict[str, Any]) -> dict[str, Any]:
                 for e, w in enumerate(workers)])
     out.update(sends)
     out["needs_asked"] = sync.needs_asked
+    if rank == 0 and spec.get("probe"):
+        out["probe"] = probe(sync, workers[1])
     sync.close()
     dist.destroy_process_group()
     return out
