@@ -33,7 +33,7 @@ from enginehooks.core.layout import layout_key
 from enginehooks.core.manifest import Manifest, TensorSpec, plan
 from enginehooks.core.schedule import Slice, Transfer, schedule
 from enginehooks.trainer_side.fsdp import FSDP2Shards
-from enginehooks.wire.schedule import NEEDS_KEY, ShardSchedule, needs_from_wire
+from enginehooks.wire.schedule import NEEDS_KEY, SCHEDULE_MEMO, ShardSchedule, needs_from_wire
 
 
 @dataclass(frozen=True)
@@ -98,8 +98,11 @@ class ShardPlanner:
         with the schedule in its `meta` (`wire/schedule.SCHEDULE_KEY`): the text the
         trainer signs."""
         sched = self.schedule(specs, holds, replicas)
-        return plan(list(specs), weight_version=weight_version, bucket_bytes=bucket_bytes,
-                    meta=sched.into(dict(meta or {})), **layout)
+        out = plan(list(specs), weight_version=weight_version, bucket_bytes=bucket_bytes,
+                   meta=sched.into(dict(meta or {})), **layout)
+        # this rank's sender reads the schedule it made, not its text (`SCHEDULE_MEMO`)
+        out.__dict__[SCHEDULE_MEMO] = sched
+        return out
 
 
 #: `meta` key of a manifest the `shard` transport broadcasts instead: why no schedule

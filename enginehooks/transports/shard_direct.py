@@ -634,10 +634,7 @@ class ShardReceiver(Receiver):
                                  f"the groups of {len(groups)}")
         me = self.rank - 1
         specs = {t.name: t for t in manifest.tensors}
-        covered: dict[str, int] = {}  # the schedule's ranges are disjoint (`from_meta`)
-        for t in sched.transfers:
-            if t.dst == me:
-                covered[t.name] = covered.get(t.name, 0) + t.nbytes
+        covered = sched.bytes_to(me)  # the schedule's ranges are disjoint (`from_meta`)
         staging = _Staging({n: s.nbytes for n, s in specs.items()}, self.device,
                            whole={n for n, b in covered.items() if b == specs[n].nbytes})
         staged = staging.staged

@@ -139,6 +139,20 @@ class ShardSchedule:
             raise MalformedSchedule(f"the schedule names no engine rank for worker {instance}")
         return self.instances.index(instance)
 
+    def bytes_to(self, dst: int) -> dict[str, int]:
+        """How many bytes of each tensor the schedule sends engine rank `dst`: one pass
+        over the transfers per schedule and rank, kept with the schedule (a prepared
+        push's schedule is the same object, `SCHEDULE_MEMO`). Read only."""
+        memo: dict[int, dict[str, int]] = self.__dict__.setdefault("_bytes_to", {})
+        out = memo.get(dst)
+        if out is None:
+            out = {}
+            for t in self.transfers:
+                if t.dst == dst:
+                    out[t.name] = out.get(t.name, 0) + t.nbytes
+            memo[dst] = out
+        return out
+
     def into(self, meta: Mapping[str, Any]) -> dict[str, Any]:
         """`meta` with this schedule under `SCHEDULE_KEY` (for `plan(meta=...)`)."""
         return {**meta, SCHEDULE_KEY: self.to_meta()}

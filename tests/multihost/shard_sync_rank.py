@@ -1,9 +1,10 @@
 """One trainer rank of a shard-direct push through the public API (issue 40):
 `python -m tests.multihost.shard_sync_rank SPEC_JSON`, prints one JSON line.
 
-SPEC: `{"rank", "world" (1: one sender, `WeightSync` without `senders`), "master" ("addr:port" of the trainer's own gloo group), "seed",
-"timeout_s", "pushes" (versions pushed, in order), "corrupt" (a trainer rank that flips
-a byte of its first range after digesting it, in push "corrupt_push" (an index) or in
+SPEC: `{"rank", "world" (1: one sender, `WeightSync` without `senders`), "master"
+("addr:port" of the trainer's own gloo group), "seed", "timeout_s", "pushes" (versions
+pushed, in order), "corrupt" (a trainer rank that flips a byte of its first range after
+digesting it, in push "corrupt_push" (an index) or in
 every push), "secret", "no_plan", "replan_at" (a push index before which worker 1's
 target records its copy plan anew: a new plan object, the same bytes read), "off_at" (a
 push index before which worker 1's copy plan is turned off, as verification turns off a
@@ -13,7 +14,8 @@ sends it a signed `receive` naming the prepared layout, as a trainer that did no
 
 Every rank builds `enginehooks_testkit/tp_module.TinyFull`, `fully_shard`s it over the
 trainer ranks (FSDP2 on CPU) once, writes each version's weights into the same sharded
-parameters (as an optimizer step would) and calls `WeightSync("shard", senders=TrainerRanks(...))
+parameters (as an optimizer step would) and calls
+`WeightSync("shard", senders=TrainerRanks(...))
 .push(model, version)`, as a training loop would. Rank 0 (the coordinator) also hosts
 the engine: one tensor-parallel module replica of two workers (`TPWorker`: each a
 `TinyTP` rank behind its own `EngineSide`, registered as two replicas of one worker, in

@@ -98,3 +98,29 @@ def test_column_checks_read_what_the_item_checks_read(seed: int) -> None:
     bad, sizes = _generated(seed, overlap=True)
     with pytest.raises(MalformedSchedule, match=r"would receive bytes .* twice \(from trainer"):
         ShardSchedule.from_meta(bad, sizes)
+
+
+def test_a_layout_reads_its_schedule_once_and_a_new_text_is_read_anew() -> None:
+    """`SCHEDULE_MEMO`: the schedule read from a manifest is kept with it and carried to
+    the same layout's next version (`with_version`: a prepared push reads nothing
+    again); a manifest parsed from text is read (and checked) anew, and a malformed
+    one is refused every time, never kept."""
+    from enginehooks.core.layout import with_version
+
+    m = _manifest(ShardSchedule(2, 2, GOOD).to_meta())
+    first = ShardSchedule.of(m)
+    assert ShardSchedule.of(m) is first
+    assert ShardSchedule.of(with_version(m, 2)) is first
+    again = ShardSchedule.of(Manifest.from_json(m.to_json()))
+    assert again == first and again is not first
+    bad = _manifest({"senders": 2, "receivers": 2, "transfers": [[2, 0, "a", 0, 4]]})
+    for _ in range(2):
+        with pytest.raises(MalformedSchedule, match="ranks outside"):
+            ShardSchedule.of(bad)
+
+
+def test_bytes_to_sums_each_tensors_ranges_per_engine_rank_once() -> None:
+    s = ShardSchedule(2, 2, GOOD)
+    assert s.bytes_to(0) == {"a": 64} and s.bytes_to(1) == {"b": 16}
+    assert s.bytes_to(0) is s.bytes_to(0)  # kept with the schedule
+    assert ShardSchedule(2, 2, GOOD) == s  # the memo is not part of the value
