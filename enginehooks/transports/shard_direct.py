@@ -45,6 +45,7 @@ over the same groups.
 
 from __future__ import annotations
 
+import contextlib
 import datetime as _dt
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -541,7 +542,7 @@ class ShardSender(BroadcastSender):
         except BaseException:
             self._break()  # the group's state is unknown: the next push forms it anew
             raise
-        mine = sum(1 for t in sched.transfers if t.src == src.rank)
+        mine = sched.count_from(src.rank)
         return SendStats(bytes=sent, buckets=0, seconds=time.perf_counter() - t0,
                          extra={"schedule": {"rank": src.rank, "bytes": sent,
                                              "transfers": mine},
@@ -556,16 +557,22 @@ class _Staging:
     receives any of, made on first use (per transfer: `dest`; per tensor: `segments`,
     `shard_runs.Places`). Zeros where this rank receives only part of the tensor (the
     bytes its loader does not read stay defined); uninitialised where the schedule
-    sends it every byte (`whole`: a memset of the whole model per push saved)."""
+    sends it every byte (`whole`: a memset of the whole model per push saved); and
+    where the target holds a tensor the schedule sends whole as a plain copy, that
+    tensor's own bytes (`direct`: received in place, no staging and no copy)."""
 
     def __init__(self, sizes: dict[str, int], device: torch.device,
-                 whole: set[str] | None = None) -> None:
+                 whole: set[str] | None = None,
+                 direct: dict[str, torch.Tensor] | None = None) -> None:
         self.sizes, self.device = sizes, device
         self.whole = whole or set()
+        self.direct = direct or {}
         self.staged: dict[str, torch.Tensor] = {}
 
     def _of(self, name: str) -> torch.Tensor:
         buf = self.staged.get(name)
+        if buf is None and name in self.direct:
+            buf = self.staged[name] = self.direct[name].reshape(-1).view(torch.uint8)
         if buf is None:
             make = torch.empty if name in self.whole else torch.zeros
             buf = self.staged[name] = make(self.sizes[name], dtype=torch.uint8,
@@ -584,13 +591,17 @@ class ShardReceiver(Receiver):
     """An engine worker's half of the `shard` transport: the broadcast receiver of
     every sender's group (`MultiReceiver`, or one `BroadcastReceiver` for one sender),
     gloo with host buffers, or NCCL on the worker's GPU (`shard_nccl`).
-    A manifest with a schedule is received point to point (`receive_shards`): this
-    worker's transfers (engine rank = its group rank - 1) land in tensors of each
-    checkpoint tensor's shape, where only the runs its loader reads are filled, and
-    then go to the target as any update does (`Target.apply`: the copy plan writes the
-    planned tensors, the loader takes the rest, verification as for every update). A
-    bad digest raises `ChecksumError` before anything is applied. Memory: the staged
-    tensors, one model's bytes at most (on the GPU for `shard_nccl`)."""
+    A manifest with a schedule is received point to point (`receive_shards`), from
+    inside the target's `apply` (its first pull): this worker's transfers (engine rank =
+    its group rank - 1) land straight in the target's own tensor where the schedule
+    sends a tensor whole and the target holds it as a planned plain copy
+    (`Target.destinations`: the replay then copies nothing), else in a staging tensor of
+    the checkpoint tensor's shape, where only the runs its loader reads are filled; then
+    they go to the target as any update does (the copy plan writes the planned tensors,
+    the loader takes the rest, verification as for every update). A bad digest raises
+    `ChecksumError` before the target gets a tensor (what landed in place makes the
+    worker `torn`, as any failed update). Memory: the staged tensors only, up to one
+    model's bytes where nothing lands in place (on the GPU for `shard_nccl`)."""
 
     def __init__(self, endpoint: dict[str, Any], rank: int, device: torch.device) -> None:
         ep = _inner_endpoint(endpoint)
@@ -635,31 +646,76 @@ class ShardReceiver(Receiver):
         me = self.rank - 1
         specs = {t.name: t for t in manifest.tensors}
         covered = sched.bytes_to(me)  # the schedule's ranges are disjoint (`from_meta`)
-        staging = _Staging({n: s.nbytes for n, s in specs.items()}, self.device,
-                           whole={n for n, b in covered.items() if b == specs[n].nbytes})
-        staged = staging.staged
+        whole = [n for n in specs if covered.get(n) == specs[n].nbytes]
+        got, t1 = 0, t0
+        staged: dict[str, torch.Tensor] = {}
+        direct: dict[str, torch.Tensor] = {}
+        started: list[bool] = []
+
+        def stream(land: bool = True) -> Iterator[tuple[str, torch.Tensor]]:
+            # Pulled by the target's `apply`, inside its session: the live tensors that a
+            # planned plain copy of a tensor sent whole lands in are received into
+            # (`Target.destinations`); the replay then copies nothing for them.
+            nonlocal got, t1, staged
+            started.append(True)
+            if land:
+                direct.update((n, d) for n, d in zip(whole, target.destinations(whole))
+                              if d is not None and _in_place(d, specs[n], self.device))
+            phases["direct"] = time.perf_counter() - t0 - sum(phases.values())
+            staging = _Staging({n: s.nbytes for n, s in specs.items()}, self.device,
+                               whole=set(whole), direct=direct)
+            staged = staging.staged
+            try:
+                if self.device.type == "cuda":
+                    torch.cuda.set_device(self.device)  # NCCL's batch runs on this GPU
+                got = receive_shards(None, sched.transfers, me, staging.dest,
+                                     senders=sched.senders, mid=manifest_id(manifest),
+                                     secret=self.secret, checksum=manifest.checksum,
+                                     timeout_s=self.timeout_s, peer=lambda j: (groups[j], 0),
+                                     places=staging, phases=phases)
+            except ChecksumError:
+                # the groups are intact: the update is refused before the target gets a
+                # tensor (what landed in place already makes the worker `torn`)
+                raise
+            except BaseException:
+                self.close()  # a failed receive leaves the groups in an unknown state
+                raise
+            t1 = time.perf_counter()
+            for name, spec in specs.items():
+                if name in direct:
+                    yield name, direct[name]
+                elif name in staged:
+                    yield name, staged[name].view(torch_dtype(spec.dtype)).view(
+                        tuple(spec.shape))
+
         try:
-            if self.device.type == "cuda":
-                torch.cuda.set_device(self.device)  # NCCL's batch runs on the current GPU
-            got = receive_shards(None, sched.transfers, me, staging.dest,
-                                 senders=sched.senders, mid=manifest_id(manifest),
-                                 secret=self.secret, checksum=manifest.checksum,
-                                 timeout_s=self.timeout_s, peer=lambda j: (groups[j], 0),
-                                 places=staging, phases=phases)
-        except ChecksumError:
-            raise  # the groups are intact: the update is refused, nothing applied
+            target.apply(stream())
+            if not started:
+                raise TransportError("the target's apply took no tensor of the update")
         except BaseException:
-            self.close()  # a failed receive leaves the groups in an unknown state
+            if not started:
+                # the target failed before it pulled a tensor: the senders are sending
+                # this worker its ranges all the same; receive them (into staging,
+                # thrown away) so that they finish instead of waiting out their timeout
+                with contextlib.suppress(BaseException):
+                    for _ in stream(land=False):
+                        pass
             raise
-        t1 = time.perf_counter()
-        target.apply((name, staged[name].view(torch_dtype(spec.dtype)).view(tuple(spec.shape)))
-                     for name, spec in specs.items() if name in staged)
         phases["apply"] = time.perf_counter() - t1
         return {"bytes": got, "seconds": time.perf_counter() - t0,
                 "schedule": {"engine_rank": me, "received": got, "tensors": len(staged),
+                             # tensors received straight into the target's own
+                             "in_place": len(direct),
                              "receive_s": round(t1 - t0, 4),
                              "apply_s": round(time.perf_counter() - t1, 4)},
                 "phases_ms": {k: round(v * 1e3, 3) for k, v in phases.items()}}
+
+
+def _in_place(dest: torch.Tensor, spec: Any, device: torch.device) -> bool:
+    """Whether `dest` (a target's `destination`) can take a tensor of `spec` as its
+    own bytes: same dtype, shape and device, contiguous."""
+    return (dest.device == device and dest.is_contiguous()
+            and dest.dtype == torch_dtype(spec.dtype) and tuple(dest.shape) == tuple(spec.shape))
 
 
 class ShardTransport(Transport):

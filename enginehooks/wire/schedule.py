@@ -153,6 +153,13 @@ class ShardSchedule:
             memo[dst] = out
         return out
 
+    def count_from(self, src: int) -> int:
+        """How many transfers trainer rank `src` sends (kept with the schedule)."""
+        memo: dict[int, int] = self.__dict__.setdefault("_count_from", {})
+        if src not in memo:
+            memo[src] = sum(1 for t in self.transfers if t.src == src)
+        return memo[src]
+
     def into(self, meta: Mapping[str, Any]) -> dict[str, Any]:
         """`meta` with this schedule under `SCHEDULE_KEY` (for `plan(meta=...)`)."""
         return {**meta, SCHEDULE_KEY: self.to_meta()}

@@ -177,3 +177,107 @@ def test_a_manifest_without_a_schedule_is_broadcast_over_the_same_groups(
     for target in targets:
         assert target.got is not None
         assert all(torch.equal(target.got[n], FULL[n]) for n in FULL)
+
+
+# worker 0 is sent "a" whole (half from each sender) and half of "b"; worker 1 half of "b"
+WHOLE_A = (Transfer(0, 0, "a", 0, 32), Transfer(1, 0, "a", 32, 64),
+           Transfer(0, 0, "b", 0, 16), Transfer(1, 1, "b", 16, 32))
+
+
+class Live(Target):
+    """A target holding "a" as a planned plain copy (`destination`, as `ApplyTarget`
+    answers inside its `apply`): what it is given, and whether "a" came as its own
+    tensor. `fail`: its apply raises before it pulls a tensor."""
+
+    device = torch.device("cpu")
+
+    def __init__(self, fail: bool = False) -> None:
+        self.live = {"a": torch.full((16,), -7.0)}
+        self.got: dict[str, torch.Tensor] | None = None
+        self.same: dict[str, bool] = {}
+        self.fail = fail
+        self.session = False
+
+    def destination(self, name: str) -> torch.Tensor | None:
+        return self.live.get(name) if self.session else None
+
+    def apply(self, tensors: Iterator[tuple[str, torch.Tensor]]) -> None:
+        if self.fail:
+            raise RuntimeError("the engine is not ready")
+        self.session = True
+        try:
+            got = dict(tensors)
+        finally:
+            self.session = False
+        self.same = {n: t.data_ptr() == self.live[n].data_ptr()
+                     for n, t in got.items() if n in self.live}
+        self.got = {n: t.clone() for n, t in got.items()}
+
+
+def test_a_tensor_sent_whole_lands_in_the_targets_own_tensor(
+        groups: tuple[list[ShardSender], list[ShardReceiver]]) -> None:
+    """Worker 0 is sent all of "a": it receives it straight into the tensor the target
+    holds (`Target.destinations`, asked inside the target's `apply`), which the target
+    is then given as itself (nothing staged, nothing copied); half of "b" is staged."""
+    senders, receivers = groups
+    manifest = plan(SPECS, weight_version=1, bucket_bytes=1 << 20, checksum="xxh3",
+                    meta=ShardSchedule(2, 2, WHOLE_A).into({}))
+    targets = [Live(), Live()]
+    out = _all([lambda j=j: senders[j].send(manifest, _unstarted(j), Abort()) for j in range(2)]
+               + [lambda e=e: receivers[e].deliver(manifest, targets[e]) for e in range(2)])
+    assert not any(isinstance(o, BaseException) for o in out), out
+    assert torch.equal(targets[0].live["a"], FULL["a"])
+    assert targets[0].same == {"a": True} and out[2]["schedule"]["in_place"] == 1
+    assert targets[0].got is not None and torch.equal(targets[0].got["b"][:4], FULL["b"][:4])
+    # worker 1 holds "a" too but is sent none of it: its tensor is untouched
+    assert out[3]["schedule"]["in_place"] == 0 and torch.equal(
+        targets[1].live["a"], torch.full((16,), -7.0))
+
+
+def test_a_bad_byte_landed_in_place_is_refused_before_the_target_gets_a_tensor(
+        groups: tuple[list[ShardSender], list[ShardReceiver]]) -> None:
+    senders, receivers = groups
+    manifest = plan(SPECS, weight_version=1, bucket_bytes=1 << 20, checksum="xxh3",
+                    meta=ShardSchedule(2, 2, WHOLE_A).into({}))
+    seal = sd._outgoing
+
+    def flip(dst: int, msgs: Any, bufs: list[torch.Tensor], seals: Any) -> list[torch.Tensor]:
+        bufs = seal(dst, msgs, bufs, seals)
+        if dst == 0:  # a copy: the sender's own bytes stay as they are
+            bufs = list(bufs)
+            bufs[0] = bufs[0].clone()
+            bufs[0][0] ^= 0xFF
+        return bufs
+
+    targets = [Live(), Live()]
+    sd._outgoing = flip  # type: ignore[assignment]
+    try:
+        out = _all([lambda j=j: senders[j].send(manifest, _unstarted(j), Abort())
+                    for j in range(2)]
+                   + [lambda e=e: receivers[e].deliver(manifest, targets[e]) for e in range(2)])
+    finally:
+        sd._outgoing = seal  # type: ignore[assignment]
+    assert isinstance(out[2], ChecksumError), out
+    assert targets[0].got is None  # the target's apply got no tensor
+    assert not isinstance(out[3], BaseException) and targets[1].got is not None
+
+
+def test_a_target_that_fails_before_pulling_still_lets_the_senders_finish(
+        groups: tuple[list[ShardSender], list[ShardReceiver]]) -> None:
+    """The worker's target raises before it pulls a tensor: the worker still receives
+    its ranges (thrown away) so the senders finish at once instead of waiting out their
+    timeout; the target's own error reaches the caller."""
+    import time
+
+    senders, receivers = groups
+    manifest = plan(SPECS, weight_version=1, bucket_bytes=1 << 20, checksum="xxh3",
+                    meta=ShardSchedule(2, 2, WHOLE_A).into({}))
+    targets = [Live(fail=True), Live()]
+    t0 = time.monotonic()
+    out = _all([lambda j=j: senders[j].send(manifest, _unstarted(j), Abort()) for j in range(2)]
+               + [lambda e=e: receivers[e].deliver(manifest, targets[e]) for e in range(2)])
+    assert isinstance(out[2], RuntimeError) and "not ready" in str(out[2]), out
+    assert not isinstance(out[0], BaseException) and not isinstance(out[1], BaseException), out
+    assert not isinstance(out[3], BaseException), out
+    assert time.monotonic() - t0 < TIMEOUT_S / 2
+    assert torch.equal(targets[0].live["a"], torch.full((16,), -7.0))  # nothing landed there
