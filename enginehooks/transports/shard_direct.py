@@ -661,7 +661,8 @@ class ShardReceiver(Receiver):
             if land:
                 direct.update((n, d) for n, d in zip(whole, target.destinations(whole))
                               if d is not None and _in_place(d, specs[n], self.device))
-            phases["direct"] = time.perf_counter() - t0 - sum(phases.values())
+            # the target's apply up to its first pull, and its destinations
+            phases["destinations"] = time.perf_counter() - t0 - sum(phases.values())
             staging = _Staging({n: s.nbytes for n, s in specs.items()}, self.device,
                                whole=set(whole), direct=direct)
             staged = staging.staged
