@@ -10,7 +10,10 @@ shares it out), "owned" (rank r streams only the tensors it owns: every world-th
 "fsdp2" (each push's model is `fully_shard`ed over the ranks: real DTensors, gathered in
 lockstep while each rank sends its share; the control channel is a gloo group of its
 own; `"transport": "shard"` pushes it shard-direct, `shard_sync_rank.count_sends`
-counting each rank's sends) or "single" (rank 0 alone pushes with a plain `WeightSync`; the baseline).
+counting each rank's sends; with `"keep_model": true` the model is `fully_shard`ed once
+and each later push writes its weights into the same sharded parameters, as an optimizer
+step would, so pushes after the first may take the prepared layout) or "single" (rank 0
+alone pushes with a plain `WeightSync`; the baseline).
 
 Commands: `{"op": "push", "seed", "version"}` on every rank (answers `{"ok", "seconds",
 ...}` or the error, with `"type"`); `{"op": "digests", "names", "replica"?}` (rank 0);
@@ -26,6 +29,7 @@ import time
 import traceback
 from typing import Any
 
+import torch
 import torch.distributed as dist
 
 from enginehooks import WeightSync
@@ -62,6 +66,7 @@ def main(spec: dict[str, Any]) -> None:
         for h in handles.values():
             sync.add_replica(h)
     names = sorted(base)
+    sharded: list[Any] = []  # "keep_model": the model `fully_shard`ed at the first push
 
     def answer(obj: dict[str, Any]) -> None:
         print(json.dumps(obj), flush=True)
@@ -79,6 +84,14 @@ def main(spec: dict[str, Any]) -> None:
             if mode == "owned":
                 mine = {n for i, n in enumerate(names) if i % world == rank}
                 what = adapter_for(model, include=mine.__contains__)
+            elif mode == "fsdp2" and spec.get("keep_model") and sharded:
+                from torch.distributed.tensor import distribute_tensor
+
+                new = perturb(load_tiny(spec["model_dir"]), seed=int(cmd["seed"])).state_dict()
+                what = sharded[0]
+                with torch.no_grad():  # the step: new values in the same sharded parameters
+                    for name, p in what.named_parameters():
+                        p.copy_(distribute_tensor(new[name], p.device_mesh, p.placements))
             elif mode == "fsdp2":
                 from torch.distributed.fsdp import fully_shard
 
@@ -86,6 +99,7 @@ def main(spec: dict[str, Any]) -> None:
                 for layer in what.model.layers:
                     fully_shard(layer)
                 fully_shard(what)
+                sharded[:] = [what]
             t0 = time.monotonic()
             if mode == "single" and rank != 0:
                 answer({"ok": True, "seconds": 0.0, "idle": True})
@@ -101,6 +115,7 @@ def main(spec: dict[str, Any]) -> None:
             answer({"ok": True, "seconds": time.monotonic() - t0, "bytes": report.bytes,
                     "phases": dict(getattr(report, "phases", {}) or {}),
                     "schedule": report.sender.get("schedule"), "sends": sends,
+                    "layout": report.layout, "rpcs": [r.rpcs for r in report.replicas],
                     "workers": [r.stats for r in report.replicas]})
         elif op == "digests":
             h = handles[cmd["replica"]] if "replica" in cmd else next(iter(handles.values()))

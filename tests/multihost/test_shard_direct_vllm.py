@@ -15,19 +15,27 @@ rank's model `fully_shard`ed over both, gloo, loopback) push with
   intersections, with no collective inside its send; the bytes sent are the model's
   once within 2% (every byte once, the replicated norms once per worker), no waste, and
   both workers go check -> receive -> apply -> current.
-- The exact oracle: greedy tokens and logprobs after the push equal those of the same
-  engine (TP=2) freshly loaded from `save_pretrained` of the pushed weights.
+- Each worker receives its replicated norms straight into its own tensors (`in_place`).
+- The third push (the same sharded model, new values) takes the prepared layout.
+- The exact oracle: greedy tokens and logprobs after the last push equal those of the
+  same engine (TP=2) freshly loaded from `save_pretrained` of the pushed weights.
 """
 
 from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from enginehooks_testkit.tiny import load_tiny, make_tiny_model, perturb
 from tests.multihost.test_multi_sender import FULL_ENV, Rank, _port, push
+
+
+def norms_per_worker(model: Any) -> int:
+    """The norm weights of `model` (each TP worker holds them whole)."""
+    return sum(1 for n in model.state_dict() if "norm" in n)
 
 
 @pytest.mark.skipif(not os.environ.get(FULL_ENV),
@@ -54,6 +62,7 @@ def test_two_fsdp2_ranks_feed_a_tp2_vllm_shard_direct_and_it_equals_a_fresh_load
             spec = {"model_dir": str(like), "host": "127.0.0.1", "rank": r, "world": 2,
                     "master": f"127.0.0.1:{_port[0]}", "timeout_s": 120.0,
                     "bucket_bytes": 64 << 10, "mode": "fsdp2", "transport": "shard",
+                    "keep_model": True,
                     "replicas": ([{"kind": "vllm", "url": server.url, "name": "vllm"}]
                                  if r == 0 else [])}
             ranks.append(Rank(None, spec, tmp_path / f"rank{r}.log"))
@@ -78,11 +87,19 @@ def test_two_fsdp2_ranks_feed_a_tp2_vllm_shard_direct_and_it_equals_a_fresh_load
         workers = out[0]["workers"][0]["workers"]
         assert len(workers) == TP
         assert sum(w["schedule"]["received"] for w in workers) == sum(parts), workers
+        # each worker is sent its replicated norms whole: received in its own tensors
+        assert [w["schedule"]["in_place"] for w in workers] == [norms_per_worker(pushed)] * TP
+        # the third push: the prepared layout (no plan, no check, the references only)
+        third = push(ranks, 79, "shard-3")
+        assert all(o["ok"] for o in third), third
+        assert third[0]["layout"] == "prepared", third[0]
+        assert [s["bytes"] for s in third[0]["schedule"]] == parts
+        pushed = perturb(load_tiny(like), seed=79)
         infos = VLLMServer(server.url).info(60)
-        assert [(i["version"], i["state"]) for i in infos] == [("shard-2", "current")] * TP
+        assert [(i["version"], i["state"]) for i in infos] == [("shard-3", "current")] * TP
         got = server.generations()
         assert first_difference(got, before) is not None, "the pushes changed nothing"
-        assert {g.version for g in got} == {"shard-2"}
+        assert {g.version for g in got} == {"shard-3"}
         folder = checkpoint(pushed, like, tmp_path / "fresh")
         server.stop()
         fresh = VLLMServerProcess(folder, tmp_path / "fresh.log", env=tp_env(), extra_args=tp2)
@@ -93,7 +110,8 @@ def test_two_fsdp2_ranks_feed_a_tp2_vllm_shard_direct_and_it_equals_a_fresh_load
             fresh.stop()
         diff = first_difference(got, want)
         print(f"shard-direct 2 FSDP2 ranks -> vLLM TP=2: sent {parts} of {model} model bytes "
-              f"({sum(parts) / model:.4f}x), push {out[0]['seconds']:.2f} s, schedule {sched}, "
+              f"({sum(parts) / model:.4f}x), push {out[0]['seconds']:.2f} s, then prepared "
+              f"{third[0]['seconds']:.2f} s (calls {third[0]['rpcs']}), schedule {sched}, "
               f"workers {[w['schedule'] for w in workers]}, "
               f"verification {[i.get('verification', {}).get('last') for i in infos]}; "
               f"equal to a fresh TP=2 load: {diff is None}")
