@@ -508,7 +508,10 @@ class WeightSync:
                         # senders): they cannot follow a second stream in the same push,
                         # so the push fails; the next one plans in full (every rank
                         # dropped its part of the layout with the push's failed `end`).
-                        self._cancel(adapter, f"{type(e).__name__}: {e}")
+                        # A scheduled push never started a stream: no rank reads a STOP
+                        # (one sent would block this rank in its collective).
+                        if SCHEDULE_KEY not in manifest.meta:
+                            self._cancel(adapter, f"{type(e).__name__}: {e}")
                         raise
                     # a replica lost the layout (restarted): nothing changed there; the
                     # others may have begun and failed with the broken group (torn):
