@@ -173,7 +173,7 @@ class ApplyTarget(Target, ABC):
         #: `destination`'s answers of the last update, per destination: (the live tensor,
         #: its `tensor_keys` then, the plan it was checked against, the alias handed
         #: out); reused while all hold
-        self._dests: dict[str, tuple[torch.Tensor, list[tuple[object, ...]], Any,
+        self._dests: dict[str, tuple[torch.Tensor, tuple[list[object], ...], Any,
                                      torch.Tensor]] = {}
         #: `writable`'s answer of the last update, while it holds (`_Writable`)
         self._writable: _Writable | None = None

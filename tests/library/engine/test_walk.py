@@ -109,3 +109,21 @@ def test_a_structure_is_the_same_only_while_nothing_it_holds_changed() -> None:
     assert not Structure.of(m).matches(Shared())  # type: ignore[union-attr]
     m.c[1].hook = lambda x: x * m.a.weight  # type: ignore[assignment]
     assert Structure.of(m) is None
+
+
+def test_a_child_moved_to_the_next_module_in_the_walk_is_a_change() -> None:
+    """`Structure.matches` compares what the modules hold as one flat sequence: a child
+    that one module lost at the end of its part, and the next module in the walk gained
+    at the start of its own, leaves the same sequence but for the marker that ends each
+    module's part."""
+    root = torch.nn.Module()
+    root.x = torch.nn.Linear(2, 2)
+    root.y = torch.nn.Linear(2, 2)
+    before = Structure.of(root)
+    assert before is not None and before.matches(root)
+    y = root._modules.pop("y")  # root's last child, the end of root's part
+    held = dict(root.x.__dict__)  # x follows root in the walk: y becomes its first value
+    root.x.__dict__.clear()
+    root.x.__dict__["moved"] = y
+    root.x.__dict__.update(held)
+    assert not before.matches(root)

@@ -111,3 +111,36 @@ def test_resolving_ahead_stops_when_told_and_resumes_where_it_stopped() -> None:
     assert res.done and [n for a in asked for n in a] == [s.name for s in SPECS]
     res.restart()
     assert not res.has.any() and all(d is None for d in res.dests) and res.upto == 0
+
+
+# -- the landing description (`CudaIpcReceiver._landing`) --------------------------------
+def test_a_landing_description_is_given_again_only_for_the_same_pieces() -> None:
+    """A window that lands the same pieces at the same addresses as the last push gets
+    the last description again (the same arrays: the re-read finds its launch table by
+    them), with this push's sums; a piece landed anywhere else, or another layout, gets
+    a description of its own. Protective line: the column comparison in `_landing`
+    (without it a moved destination is described at its old address, and verification
+    re-reads memory the push did not write)."""
+    import numpy as np
+
+    from enginehooks.transports.cuda_ipc import CudaIpcReceiver
+
+    recv = object.__new__(CudaIpcReceiver)  # only the description's state: no store, no GPU
+    recv._landings = {}
+    lay = layout()
+    i64 = lambda *v: np.array(v, dtype=np.int64)  # noqa: E731
+    t_idx, base, nb, wd, bk = i64(0, 1), i64(4096, 8192), i64(64, 32), i64(0, 16), i64(0, 0)
+    sums = [torch.zeros(2, dtype=torch.int64) for _ in range(3)]
+    first = recv._landing(0, sums[0], lay, t_idx, base, base.copy(), nb, wd, bk)
+    assert first.names == {"a": (4096, 64), "b": (8192, 32)}
+    assert first.by_bucket == {0: ["a", "b"]}
+    again = recv._landing(0, sums[1], lay, t_idx.copy(), base.copy(), base.copy(), nb.copy(),
+                          wd.copy(), bk.copy())
+    assert again.sums is sums[1] and again.names is first.names and again.dst is first.dst
+    moved = base.copy()
+    moved[1] = 12288  # "b" landed elsewhere this push
+    other = recv._landing(0, sums[2], lay, t_idx, moved, moved, nb, wd, bk)
+    assert other.names == {"a": (4096, 64), "b": (12288, 32)}
+    assert list(other.dst) == [4096, 12288]
+    fresh = recv._landing(0, sums[2], layout(), t_idx, moved, moved, nb, wd, bk)
+    assert fresh.names == other.names and fresh.names is not other.names
