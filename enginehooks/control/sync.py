@@ -508,10 +508,7 @@ class WeightSync:
                         # senders): they cannot follow a second stream in the same push,
                         # so the push fails; the next one plans in full (every rank
                         # dropped its part of the layout with the push's failed `end`).
-                        # A scheduled push never started a stream: no rank reads a STOP
-                        # (one sent would block this rank in its collective).
-                        if SCHEDULE_KEY not in manifest.meta:
-                            self._cancel(adapter, f"{type(e).__name__}: {e}")
+                        self._cancel(adapter, manifest, f"{type(e).__name__}: {e}")
                         raise
                     # a replica lost the layout (restarted): nothing changed there; the
                     # others may have begun and failed with the broken group (torn):
@@ -681,16 +678,19 @@ class WeightSync:
             # Sharded trainers: the other ranks iterate the same stream in lockstep and
             # wait for the sender's go; tell them this push is off, with the reason, so
             # they return instead of blocking in a collective (trainer_side.lockstep).
-            # (A scheduled push never started the stream: no rank waits on it.)
-            if prepared is None and SCHEDULE_KEY not in manifest.meta:
-                self._cancel(adapter, f"{type(e).__name__}: {e}")
+            # (A prepared push's failure is handled by `_push`, which may fall back.)
+            if prepared is None:
+                self._cancel(adapter, manifest, f"{type(e).__name__}: {e}")
             raise
 
-    def _cancel(self, adapter: TrainerAdapter, reason: str) -> None:
-        """Release the ranks that stream in lockstep with this one (`adapter.cancel`).
-        With several senders only where they were told to send (their streams started):
-        before that they wait for a command, not a flag, and hear of the failure from
-        the push's `end` (a flag nobody reads would block this rank in its collective)."""
+    def _cancel(self, adapter: TrainerAdapter, manifest: Manifest, reason: str) -> None:
+        """Release the ranks that stream in lockstep with this one (`adapter.cancel`),
+        where a stream was started: a flag nobody reads would block this rank in its
+        collective. So not for a scheduled manifest (its stream is never started), and
+        with several senders only where they were told to send: before that they wait
+        for a command, not a flag, and hear of the failure from the push's `end`."""
+        if SCHEDULE_KEY in manifest.meta:
+            return
         if self.senders is not None and not self._ranks_sent:
             return
         adapter.cancel(reason)

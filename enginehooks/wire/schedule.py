@@ -20,9 +20,9 @@ runs that are not ranges of the tensor.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 from enginehooks.core.errors import ConfigError, ManifestError
 from enginehooks.core.manifest import Manifest, TensorSpec
@@ -140,25 +140,31 @@ class ShardSchedule:
         return self.instances.index(instance)
 
     def bytes_to(self, dst: int) -> dict[str, int]:
-        """How many bytes of each tensor the schedule sends engine rank `dst`: one pass
-        over the transfers per schedule and rank, kept with the schedule (a prepared
-        push's schedule is the same object, `SCHEDULE_MEMO`). Read only."""
-        memo: dict[int, dict[str, int]] = self.__dict__.setdefault("_bytes_to", {})
-        out = memo.get(dst)
-        if out is None:
-            out = {}
+        """How many bytes of each tensor the schedule sends engine rank `dst` (`_kept`).
+        Read only."""
+        def per_tensor() -> dict[str, int]:
+            out: dict[str, int] = {}
             for t in self.transfers:
                 if t.dst == dst:
                     out[t.name] = out.get(t.name, 0) + t.nbytes
-            memo[dst] = out
-        return out
+            return out
+
+        return cast("dict[str, int]", self._kept("bytes_to", dst, per_tensor))
 
     def count_from(self, src: int) -> int:
-        """How many transfers trainer rank `src` sends (kept with the schedule)."""
-        memo: dict[int, int] = self.__dict__.setdefault("_count_from", {})
-        if src not in memo:
-            memo[src] = sum(1 for t in self.transfers if t.src == src)
-        return memo[src]
+        """How many transfers trainer rank `src` sends (`_kept`)."""
+        return cast(int, self._kept("count_from", src,
+                                    lambda: sum(1 for t in self.transfers if t.src == src)))
+
+    def _kept(self, what: str, rank: int, compute: Callable[[], object]) -> object:
+        """`compute()` for one rank: one pass over the transfers per schedule, answer and
+        rank, kept with the schedule (a prepared push's schedule is the same object,
+        `SCHEDULE_MEMO`)."""
+        memo: dict[tuple[str, int], object] = self.__dict__.setdefault("_kept_answers", {})
+        key = (what, rank)
+        if key not in memo:
+            memo[key] = compute()
+        return memo[key]
 
     def into(self, meta: Mapping[str, Any]) -> dict[str, Any]:
         """`meta` with this schedule under `SCHEDULE_KEY` (for `plan(meta=...)`)."""
