@@ -230,3 +230,38 @@ def test_fused_pack_trailer_digest_is_plain_sum64_of_the_poisoned_bucket() -> No
             got[name] = t.clone()
     for name, t in tensors.items():
         assert torch.equal(got[name].cpu(), t.cpu()), name
+
+
+@needs_gpu
+def test_a_replayed_reread_reads_the_memory_as_it_is_now() -> None:
+    """`fused_copy.Replay` (verification's re-read of the same landings, push after
+    push): launched the first time, captured as a CUDA graph the second and replayed
+    from then on, it gives the digests of the bytes as they are at each call: equal to
+    the launched digests while nothing changed, a changed byte named by its bucket at
+    the next replay, and equal again once restored. Protective line: the replay itself
+    (a replay that gave back the last digests, or a graph captured over a copy of the
+    memory, would miss the flipped byte)."""
+    from enginehooks.core import fused_copy
+
+    dev = torch.device("cuda", 0)
+    assert fused_copy.available(dev), fused_copy._state_reason
+    g = torch.Generator().manual_seed(3)
+    runs = [torch.randint(0, 256, (n,), dtype=torch.uint8, generator=g).to(dev)
+            for n in (3 * fused_copy.CHUNK_BYTES + 8, 4096, 777)]
+    ptr = np.array([r.data_ptr() for r in runs], dtype=np.int64)
+    nb = np.array([r.numel() for r in runs], dtype=np.int64)
+    w = np.array([0, 0, 1024], dtype=np.int64)
+    bk = np.array([0, 1, 1], dtype=np.int64)
+    want = torch.zeros(2, dtype=torch.int64, device=dev)
+    fused_copy.launch(fused_copy.build(ptr, ptr, nb, w, bk, dev), want, copy=False)
+    replay = fused_copy.Replay(fused_copy.build(ptr, ptr, nb, w, bk, dev), 2, dev)
+    for _ in range(3):  # launched, captured (and replayed), replayed
+        assert replay.differs(want).tolist() == [False, False]
+    assert replay.captured, replay.failed
+    runs[1][100] ^= 1  # bucket 1
+    assert replay.differs(want).tolist() == [False, True]
+    runs[1][100] ^= 1
+    runs[0][fused_copy.CHUNK_BYTES * 2 + 5] ^= 0x80  # bucket 0, the third program's chunk
+    assert replay.differs(want).tolist() == [True, False]
+    runs[0][fused_copy.CHUNK_BYTES * 2 + 5] ^= 0x80
+    assert replay.differs(want).tolist() == [False, False]
