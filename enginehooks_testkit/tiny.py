@@ -14,7 +14,7 @@ from typing import Any
 from enginehooks.demo.tiny import hf_greedy, make_tiny_model, save_tiny, save_tokenizer
 
 __all__ = ["hf_greedy", "load_tiny", "make_test_models", "make_tiny_model", "perturb", "save_tiny",
-           "save_tokenizer"]
+           "save_tokenizer", "step_in_place"]
 
 
 def make_test_models(root: str | os.PathLike[str]) -> dict[str, Path]:
@@ -46,3 +46,19 @@ def perturb(model: Any, seed: int, scale: float = 0.3) -> Any:
             if t.is_floating_point():
                 t.add_(torch.randn(t.shape, generator=g).to(t.dtype) * scale)
     return model
+
+
+def step_in_place(model: Any, state: dict[str, Any]) -> None:
+    """A training step's effect on `model`: `state`'s values written into its own
+    parameters, as an optimizer step writes them (the same parameter objects, at the
+    same addresses: what lets a push reuse a prepared layout). A sharded parameter
+    (FSDP2's `DTensor`) takes its shard of the value."""
+    import torch
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            value = state[name]
+            if isinstance(p, DTensor):
+                value = distribute_tensor(value, p.device_mesh, p.placements)
+            p.copy_(value)

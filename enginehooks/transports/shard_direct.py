@@ -643,73 +643,92 @@ class ShardReceiver(Receiver):
         if len(groups) != sched.senders or any(g is None for g in groups):
             raise TransportError(f"the schedule has {sched.senders} senders; this worker is in "
                                  f"the groups of {len(groups)}")
-        me = self.rank - 1
-        specs = {t.name: t for t in manifest.tensors}
-        covered = sched.bytes_to(me)  # the schedule's ranges are disjoint (`from_meta`)
-        whole = [n for n in specs if covered.get(n) == specs[n].nbytes]
-        got, t1 = 0, t0
-        staged: dict[str, torch.Tensor] = {}
-        direct: dict[str, torch.Tensor] = {}
-        started: list[bool] = []
-
-        def stream(land: bool = True) -> Iterator[tuple[str, torch.Tensor]]:
-            # Pulled by the target's `apply`, inside its session: the live tensors that a
-            # planned plain copy of a tensor sent whole lands in are received into
-            # (`Target.destinations`); the replay then copies nothing for them.
-            nonlocal got, t1, staged
-            started.append(True)
-            if land:
-                direct.update((n, d) for n, d in zip(whole, target.destinations(whole))
-                              if d is not None and _in_place(d, specs[n], self.device))
-            # the target's apply up to its first pull, and its destinations
-            phases["destinations"] = time.perf_counter() - t0 - sum(phases.values())
-            staging = _Staging({n: s.nbytes for n, s in specs.items()}, self.device,
-                               whole=set(whole), direct=direct)
-            staged = staging.staged
-            try:
-                if self.device.type == "cuda":
-                    torch.cuda.set_device(self.device)  # NCCL's batch runs on this GPU
-                got = receive_shards(None, sched.transfers, me, staging.dest,
-                                     senders=sched.senders, mid=manifest_id(manifest),
-                                     secret=self.secret, checksum=manifest.checksum,
-                                     timeout_s=self.timeout_s, peer=lambda j: (groups[j], 0),
-                                     places=staging, phases=phases)
-            except ChecksumError:
-                # the groups are intact: the update is refused before the target gets a
-                # tensor (what landed in place already makes the worker `torn`)
-                raise
-            except BaseException:
-                self.close()  # a failed receive leaves the groups in an unknown state
-                raise
-            t1 = time.perf_counter()
-            for name, spec in specs.items():
-                if name in direct:
-                    yield name, direct[name]
-                elif name in staged:
-                    yield name, staged[name].view(torch_dtype(spec.dtype)).view(
-                        tuple(spec.shape))
-
+        push = _ScheduledReceive(self, manifest, sched, groups, target, t0, phases)
         try:
-            target.apply(stream())
-            if not started:
+            target.apply(push.stream())
+            if not push.started:
                 raise TransportError("the target's apply took no tensor of the update")
         except BaseException:
-            if not started:
+            if not push.started:
                 # the target failed before it pulled a tensor: the senders are sending
                 # this worker its ranges all the same; receive them (into staging,
                 # thrown away) so that they finish instead of waiting out their timeout
                 with contextlib.suppress(BaseException):
-                    for _ in stream(land=False):
+                    for _ in push.stream(land=False):
                         pass
             raise
+        t1 = push.t1
         phases["apply"] = time.perf_counter() - t1
-        return {"bytes": got, "seconds": time.perf_counter() - t0,
-                "schedule": {"engine_rank": me, "received": got, "tensors": len(staged),
+        return {"bytes": push.got, "seconds": time.perf_counter() - t0,
+                "schedule": {"engine_rank": push.me, "received": push.got,
+                             "tensors": len(push.staged),
                              # tensors received straight into the target's own
-                             "in_place": len(direct),
+                             "in_place": len(push.direct),
                              "receive_s": round(t1 - t0, 4),
                              "apply_s": round(time.perf_counter() - t1, 4)},
                 "phases_ms": {k: round(v * 1e3, 3) for k, v in phases.items()}}
+
+
+class _ScheduledReceive:
+    """One scheduled push into one worker (`ShardReceiver.deliver`): the ranges the
+    schedule sends it are received when the target's `apply` first pulls (inside the
+    target's session), then handed to it tensor by tensor. A tensor sent whole, which
+    the target holds as a planned plain copy (`Target.destinations`: same dtype, shape
+    and device, contiguous), is received straight into the target's own tensor, and
+    the replay then copies nothing for it."""
+
+    def __init__(self, owner: ShardReceiver, manifest: Manifest, sched: ShardSchedule,
+                 groups: list[Any], target: Target, t0: float,
+                 phases: dict[str, float]) -> None:
+        self.owner, self.manifest, self.sched, self.groups = owner, manifest, sched, groups
+        self.target, self.t0, self.phases = target, t0, phases
+        self.me = owner.rank - 1
+        self.specs = {t.name: t for t in manifest.tensors}
+        covered = sched.bytes_to(self.me)  # the schedule's ranges are disjoint (`from_meta`)
+        self.whole = [n for n in self.specs if covered.get(n) == self.specs[n].nbytes]
+        self.got, self.t1 = 0, t0
+        self.staged: dict[str, torch.Tensor] = {}
+        self.direct: dict[str, torch.Tensor] = {}
+        self.started = False
+
+    def stream(self, land: bool = True) -> Iterator[tuple[str, torch.Tensor]]:
+        """Receive every range, then yield the update's tensors. `land`: into the
+        target's own tensors where it can (False: into staging only, to drain a push
+        whose target failed before it pulled)."""
+        owner, specs, phases, groups = self.owner, self.specs, self.phases, self.groups
+        self.started = True
+        if land:
+            self.direct.update(
+                (n, d) for n, d in zip(self.whole, self.target.destinations(self.whole))
+                if d is not None and _in_place(d, specs[n], owner.device))
+        # the target's apply up to its first pull, and its destinations
+        phases["destinations"] = time.perf_counter() - self.t0 - sum(phases.values())
+        staging = _Staging({n: s.nbytes for n, s in specs.items()}, owner.device,
+                           whole=set(self.whole), direct=self.direct)
+        self.staged = staging.staged
+        try:
+            if owner.device.type == "cuda":
+                torch.cuda.set_device(owner.device)  # NCCL's batch runs on this GPU
+            self.got = receive_shards(
+                None, self.sched.transfers, self.me, staging.dest,
+                senders=self.sched.senders, mid=manifest_id(self.manifest),
+                secret=owner.secret, checksum=self.manifest.checksum,
+                timeout_s=owner.timeout_s, peer=lambda j: (groups[j], 0),
+                places=staging, phases=phases)
+        except ChecksumError:
+            # the groups are intact: the update is refused before the target gets a
+            # tensor (what landed in place already makes the worker `torn`)
+            raise
+        except BaseException:
+            owner.close()  # a failed receive leaves the groups in an unknown state
+            raise
+        self.t1 = time.perf_counter()
+        for name, spec in specs.items():
+            if name in self.direct:
+                yield name, self.direct[name]
+            elif name in self.staged:
+                yield name, self.staged[name].view(torch_dtype(spec.dtype)).view(
+                    tuple(spec.shape))
 
 
 def _in_place(dest: torch.Tensor, spec: Any, device: torch.device) -> bool:

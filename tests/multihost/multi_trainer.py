@@ -29,13 +29,12 @@ import time
 import traceback
 from typing import Any
 
-import torch
 import torch.distributed as dist
 
 from enginehooks import WeightSync
 from enginehooks.trainer_side import TrainerRanks
 from enginehooks.trainer_side.choose import adapter_for
-from enginehooks_testkit.tiny import load_tiny, perturb
+from enginehooks_testkit.tiny import load_tiny, perturb, step_in_place
 from tests.multihost.trainer import handle_of
 
 
@@ -85,13 +84,9 @@ def main(spec: dict[str, Any]) -> None:
                 mine = {n for i, n in enumerate(names) if i % world == rank}
                 what = adapter_for(model, include=mine.__contains__)
             elif mode == "fsdp2" and spec.get("keep_model") and sharded:
-                from torch.distributed.tensor import distribute_tensor
-
                 new = perturb(load_tiny(spec["model_dir"]), seed=int(cmd["seed"])).state_dict()
                 what = sharded[0]
-                with torch.no_grad():  # the step: new values in the same sharded parameters
-                    for name, p in what.named_parameters():
-                        p.copy_(distribute_tensor(new[name], p.device_mesh, p.placements))
+                step_in_place(what, new)  # new values in the same sharded parameters
             elif mode == "fsdp2":
                 from torch.distributed.fsdp import fully_shard
 

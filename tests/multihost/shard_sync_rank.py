@@ -157,9 +157,9 @@ def probe(sync: WeightSync, worker: TPWorker) -> dict[str, Any]:
 def main(spec: dict[str, Any]) -> dict[str, Any]:
     from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.fsdp import fully_shard
-    from torch.distributed.tensor import distribute_tensor
 
     import enginehooks.transports.shard_direct as sd
+    from enginehooks_testkit.tiny import step_in_place
 
     rank, world = int(spec["rank"]), int(spec["world"])
     timeout_s = float(spec["timeout_s"])
@@ -200,9 +200,7 @@ def main(spec: dict[str, Any]) -> dict[str, Any]:
     for i, version in enumerate(spec["pushes"]):
         at[0] = i
         state = tp.TinyFull(int(spec["seed"]) + i).state_dict()
-        with torch.no_grad():  # the step: new values in the same sharded parameters
-            for name, p in model.named_parameters():
-                p.copy_(distribute_tensor(state[name], p.device_mesh, p.placements))
+        step_in_place(model, state)  # the step: new values in the same sharded parameters
         if rank == 0 and spec.get("replan_at") == i:
             workers[1].target.replan(specs)
         if rank == 0 and spec.get("off_at") == i:
