@@ -238,7 +238,6 @@ class Replay:
         self.out = torch.zeros(buckets, dtype=torch.int64, device=device)
         self.graph: Any = None
         self.calls = 0
-        self.captured = False
         self.failed = ""
         self._lock = threading.Lock()  # `out` is this object's: one use at a time
 
@@ -267,7 +266,12 @@ class Replay:
             self.failed = f"{type(e).__name__}: {e}"
             log.info("enginehooks: the re-read is launched, not replayed: %s", self.failed)
             return
-        self.graph, self.captured = graph, True
+        self.graph = graph
+
+    @property
+    def captured(self) -> bool:
+        """Whether the re-read is replayed from a captured graph."""
+        return self.graph is not None
 
 
 def copy_digest(dst: torch.Tensor, src: torch.Tensor, word_base: int = 0,

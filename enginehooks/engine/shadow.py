@@ -232,7 +232,7 @@ def _materialize(model: torch.nn.Module, device: torch.device) -> None:
 
 
 def _drop(root: torch.nn.Module, live_ids: Collection[int],
-          released: list[weakref.ref[torch.Tensor]] | None = None) -> None:
+          released: list[weakref.ref[torch.Tensor]]) -> None:
     """Drop the tensors and callables a processed unit holds (its modules reference each
     other through their parameters' loaders, so waiting for the garbage collector would
     keep every unit alive at once); modules the live model shares (an engine's cached
@@ -241,15 +241,14 @@ def _drop(root: torch.nn.Module, live_ids: Collection[int],
     for m in list(root.modules()):
         if id(m) in live_ids:
             continue
-        if released is not None:
-            released.extend(weakref.ref(t) for own in (m._parameters, m._buffers)
-                            for t in own.values() if t is not None)
+        released.extend(weakref.ref(t) for own in (m._parameters, m._buffers)
+                        for t in own.values() if t is not None)
         m._parameters.clear()
         m._buffers.clear()
         for k, v in list(vars(m).items()):
             if isinstance(v, torch.Tensor) or (callable(v) and not isinstance(v, torch.nn.Module)
                                                 and not isinstance(v, type)):
-                if released is not None and isinstance(v, torch.Tensor):
+                if isinstance(v, torch.Tensor):
                     released.append(weakref.ref(v))
                 with suppress(AttributeError):
                     delattr(m, k)

@@ -1154,9 +1154,8 @@ class CudaIpcReceiver(ColocatedReceiver):
         """Window w's pieces landed in the target's own tensors, for verification (which
         re-reads them after the load with the same weights and buckets). In a training
         loop a window lands the same pieces at the same addresses push after push: the
-        last description is given again where every column is the same (its arrays the
-        same objects, so the re-read's launch table is found by identity,
-        `verify.DigestCheck.reread`); only `sums` is this push's."""
+        last description is given again where every column is the same (no loop over
+        the pieces again); only `sums` is this push's."""
         cols = (t_idx, base, at, nb, wd, bk)
         kept = self._landings.get(w)
         if kept is None or kept.lay is not lay or not all(

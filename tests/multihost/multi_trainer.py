@@ -84,9 +84,10 @@ def main(spec: dict[str, Any]) -> None:
                 mine = {n for i, n in enumerate(names) if i % world == rank}
                 what = adapter_for(model, include=mine.__contains__)
             elif mode == "fsdp2" and spec.get("keep_model") and sharded:
-                new = perturb(load_tiny(spec["model_dir"]), seed=int(cmd["seed"])).state_dict()
                 what = sharded[0]
-                step_in_place(what, new)  # new values in the same sharded parameters
+                # `model` holds this push's values (perturbed above): the step writes
+                # them into the same sharded parameters
+                step_in_place(what, model.state_dict())
             elif mode == "fsdp2":
                 from torch.distributed.fsdp import fully_shard
 

@@ -116,8 +116,8 @@ def test_resolving_ahead_stops_when_told_and_resumes_where_it_stopped() -> None:
 # -- the landing description (`CudaIpcReceiver._landing`) --------------------------------
 def test_a_landing_description_is_given_again_only_for_the_same_pieces() -> None:
     """A window that lands the same pieces at the same addresses as the last push gets
-    the last description again (the same arrays: the re-read finds its launch table by
-    them), with this push's sums; a piece landed anywhere else, or another layout, gets
+    the last description again (the same names and arrays, no loop over the pieces),
+    with this push's sums; a piece landed anywhere else, or another layout, gets
     a description of its own. Protective line: the column comparison in `_landing`
     (without it a moved destination is described at its old address, and verification
     re-reads memory the push did not write)."""
