@@ -18,10 +18,7 @@ it rarely fits. So the shadow is streamed instead, one **unit** at a time:
   loader dry run says land there are loaded through the engine's own loader, then the
   engine's own post-load processing runs over the tree as it stands (the engine's
   function, on the model: its per-module steps see this unit's modules only); the unit
-  is compared and repaired, then its tensors are dropped before the next one. On the
-  host the next unit is loaded and processed on a worker thread while one is compared
-  (`ahead`): two units at a time there, the engine's processing overlapping the
-  comparison.
+  is compared and repaired, then its tensors are dropped before the next one.
 
 What the engine's loader and processing do is theirs; what is ours is only which
 modules are in the tree at a time. That is exact where post-load processing is local
@@ -41,7 +38,6 @@ import os
 import time
 import weakref
 from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager, suppress
 from dataclasses import dataclass, field
 from typing import Any
@@ -55,8 +51,6 @@ SHADOW_ENV = "ENGINEHOOKS_SHADOW"
 #: kept to measure against and as the fallback)
 SHADOW_MODES = ("streamed", "whole")
 REST = ""  # the unit of everything outside the first-level lists
-#: `0` turns the overlap of `ahead` off (to measure against it)
-AHEAD_ENV = "ENGINEHOOKS_SHADOW_AHEAD"
 
 
 def shadow_mode() -> str:
@@ -305,29 +299,14 @@ class Timers(dict[str, float]):
 @dataclass
 class Pass:
     """One unit of the streamed shadow, loaded and processed: compare the modules named
-    in `modules` of `model` with the live model's. `tree` is the shadow's modules by
-    name as the unit's processing saw them (the tree may show the next unit already:
-    read the unit through `tree`, never through `model`)."""
+    in `modules` of `model` with the live model's."""
 
     unit: str
     modules: set[str]
     model: torch.nn.Module
     loaded_bytes: int
-    #: the shadow's modules by name while only this unit was in the tree
-    tree: dict[str, torch.nn.Module] = field(default_factory=dict)
-    #: bytes the unit held after processing (`held_bytes`)
-    held_bytes: int = 0
     #: the stream's timers so far (the same object in every pass: its totals at the end)
     timers: Timers = field(default_factory=lambda: Timers())
-
-
-def ahead(device: torch.device) -> bool:
-    """Whether the next unit is prepared on a worker thread while this one is compared.
-    On the host: the engine's processing (oneDNN prepacking, most of a CPU shadow's
-    time) releases the GIL, so with a core to spare the comparison of one unit and the
-    processing of the next overlap, at the price of two units held at once. Not on an
-    accelerator, where work is queued on the calling thread's stream."""
-    return device.type == "cpu" and os.environ.get(AHEAD_ENV, "1").strip() != "0"
 
 
 def stream(parts: ShadowParts, weights: list[tuple[str, torch.Tensor]], live: torch.nn.Module,
@@ -376,45 +355,23 @@ def stream(parts: ShadowParts, weights: list[tuple[str, torch.Tensor]], live: to
     live_ids = {id(m) for m in live.modules()}
     all_modules = dict(model.named_modules())
     released: list[weakref.ref[torch.Tensor]] = []  # what `_drop` dropped
-
-    def prepare(u: str) -> Pass:
-        # (on the worker thread when `ahead`: grad mode is per thread)
-        with torch.no_grad(), _only(slots, [u] if u != REST else rest):
-            with timers.time("load"):
-                _materialize(model, parts.device)
-                parts.load(model, by_unit.get(u, []))
-                loaded = held_bytes(model)
-            if before_processing is not None:
-                before_processing(model, by_unit.get(u, []))
-            with timers.time("process"):
-                parts.process(model)
-            mods = {n for n in all_modules if unit_of(n, names) == u}
-            return Pass(u, mods, model, loaded, dict(model.named_modules()), held_bytes(model),
-                        timers)
-
-    pool = ThreadPoolExecutor(1, thread_name_prefix="enginehooks-shadow") \
-        if ahead(parts.device) and len(todo) > 1 else None
-    nxt: Future[Pass] | None = None
     try:
-        for i, u in enumerate(todo):
-            if nxt is None:
-                p = prepare(u)
-            else:
-                p, nxt = nxt.result(), None
-            if pool is not None and i + 1 < len(todo):
-                # the next unit's tree is built while this one is compared: the
-                # comparison reads this unit through `p.tree`, not the model's tree
-                nxt = pool.submit(prepare, todo[i + 1])
-            yield p
-            with timers.time("drop"):
-                for s in ([u] if u != REST else rest):
-                    _drop(slots[s][2], live_ids, released)
+        for u in todo:
+            with _only(slots, [u] if u != REST else rest):
+                with timers.time("load"):
+                    _materialize(model, parts.device)
+                    parts.load(model, by_unit.get(u, []))
+                    loaded = held_bytes(model)
+                if before_processing is not None:
+                    before_processing(model, by_unit.get(u, []))
+                with timers.time("process"):
+                    parts.process(model)
+                mods = {n for n in all_modules if unit_of(n, names) == u}
+                yield Pass(u, mods, model, loaded, timers)
+                with timers.time("drop"):
+                    for s in ([u] if u != REST else rest):
+                        _drop(slots[s][2], live_ids, released)
     finally:
-        if nxt is not None:  # (closed early: the next unit is dropped once it is done)
-            with suppress(BaseException):
-                nxt.result()
-        if pool is not None:
-            pool.shutdown(wait=True)
         with timers.time("drop"):
             _drop(model, live_ids, released)
             del model, all_modules, slots

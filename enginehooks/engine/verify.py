@@ -234,7 +234,7 @@ def probe(live: torch.nn.Module, fresh: torch.nn.Module, device: torch.device) -
     if width is None:
         return None
     g = torch.Generator().manual_seed(PROBE_SEED)
-    x = torch.randn(PROBE_ROWS, width, generator=g, dtype=torch.float32).to(device=device, dtype=_dtype_of(live))
+    x = torch.randn(PROBE_ROWS, width, generator=g).to(device=device, dtype=_dtype_of(live))
     try:
         with torch.no_grad():
             a, b = _outputs(live(x)), _outputs(fresh(x.clone()))
@@ -251,7 +251,7 @@ def _probe_input(module: torch.nn.Module, device: torch.device) -> torch.Tensor 
     if not isinstance(width, int) or width <= 0:
         return None
     g = torch.Generator().manual_seed(PROBE_SEED)
-    return torch.randn(PROBE_ROWS, width, generator=g, dtype=torch.float32).to(device=device, dtype=_dtype_of(module))
+    return torch.randn(PROBE_ROWS, width, generator=g).to(device=device, dtype=_dtype_of(module))
 
 
 def probe_callable(live: torch.nn.Module, fresh: torch.nn.Module, attr: str,
@@ -785,8 +785,7 @@ class Prepared:
 def compare(live: torch.nn.Module, fresh: torch.nn.Module, landed: Collection[str],
             verdict: Verdict, skip: Collection[str] = (),
             only: Collection[str] | None = None,
-            prepared: Prepared | None = None,
-            tree: Mapping[str, torch.nn.Module] | None = None) -> list[Mismatch]:
+            prepared: Prepared | None = None) -> list[Mismatch]:
     """Every readable tensor of the touched modules of `live` that differs from
     `fresh`. Parameters are compared where this update landed something in them (others
     hold whatever they were initialised with, in both models); buffers, attributes and
@@ -795,15 +794,13 @@ def compare(live: torch.nn.Module, fresh: torch.nn.Module, landed: Collection[st
     are left for another unit of a streamed shadow. Bits that cannot be read are
     compared through the modules' forwards on a probe input (`probe`), once per module;
     what that cannot compare either is listed in `verdict.unverified`. `prepared`: the
-    walks of the live model every compare of one verification shares (`Prepared`).
-    `tree`: `fresh`'s modules by name where its tree no longer shows them (a streamed
-    shadow's unit, `shadow.Pass.tree`)."""
+    walks of the live model every compare of one verification shares (`Prepared`)."""
     prepared = prepared if prepared is not None else Prepared.of(live, landed)
     landed = prepared.landed
     touched = prepared.touched - set(skip)
     if only is not None:
         touched &= set(only)
-    fresh_modules = tree if tree is not None else dict(fresh.named_modules())
+    fresh_modules = dict(fresh.named_modules())
     out: list[Mismatch] = []
     device = next((t.device for _, t in live.named_parameters()), torch.device("cpu"))
     # views of the live model and the shadow already compared equal in this call (a tied
@@ -967,9 +964,9 @@ def verify_and_repair(live: torch.nn.Module, build_fresh: Callable[[], torch.nn.
                     verdict.shadow_units += 1
                     timers = p.timers
                     verdict.shadow_tensor_bytes = max(verdict.shadow_tensor_bytes,
-                                                      p.loaded_bytes, p.held_bytes)
+                                                      p.loaded_bytes, held_bytes(p.model))
                     _compare_and_repair(live, p.model, landed, verdict, skip, engine, p.modules,
-                                        prepared, p.tree)
+                                        prepared)
                     compared += time.perf_counter() - tc
                 verdict.shadow_kind = "streamed"
                 verdict.shadow_peak_bytes = peak.peak()
@@ -1020,12 +1017,10 @@ def verify_and_repair(live: torch.nn.Module, build_fresh: Callable[[], torch.nn.
 def _compare_and_repair(live: torch.nn.Module, fresh: torch.nn.Module, landed: Collection[str],
                         verdict: Verdict, skip: Collection[str], engine: str,
                         only: Collection[str] | None = None,
-                        prepared: Prepared | None = None,
-                        tree: Mapping[str, torch.nn.Module] | None = None) -> None:
-    """Compare `fresh` (the shadow, or one unit of it, whose modules `tree` gives) with
-    `live`, repair in place what differs, compare again; raise `WeightsMismatch` naming
-    what still differs."""
-    first = compare(live, fresh, landed, verdict, skip, only, prepared, tree)
+                        prepared: Prepared | None = None) -> None:
+    """Compare `fresh` (the shadow, or one unit of it) with `live`, repair in place what
+    differs, compare again; raise `WeightsMismatch` naming what still differs."""
+    first = compare(live, fresh, landed, verdict, skip, only, prepared)
     for m in first:
         if m.why == "values" and m.live is not None and m.fresh is not None:
             m.live.copy_(m.fresh.to(m.live.device))
@@ -1040,7 +1035,7 @@ def _compare_and_repair(live: torch.nn.Module, fresh: torch.nn.Module, landed: C
                 "weights (%s); repaired in place from the fresh load: %s", engine,
                 len(first), ", ".join(f"{m.name} [{m.why}]" for m in first[:8]),
                 sum(1 for m in first if m.name in verdict.repaired))
-    again = compare(live, fresh, landed, Verdict(), skip, only, prepared, tree)
+    again = compare(live, fresh, landed, Verdict(), skip, only, prepared)
     if again:
         raise WeightsMismatch(
             f"after the update, {len(again)} tensors the {engine} engine's forward reads "

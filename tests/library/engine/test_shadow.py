@@ -5,9 +5,8 @@ post-load processing derives a packed copy of its weight (as vLLM's CPU linears 
 prepacked one), parameters carrying a `weight_loader` bound to their module (as vLLM's
 do: a reference cycle), and a rotary-like module shared with the live model (as vLLM's
 cached rotary embedding is). The live model is verified with the shadow streamed and
-with it whole: the verdicts agree, the streamed one holds one unit at a time (two on the
-host, where the next is processed on a worker thread while one is compared), and a
-packed copy corrupted in the live model is repaired from either.
+with it whole: the verdicts agree, the streamed one never holds more than one unit, and
+a packed copy corrupted in the live model is repaired from either.
 """
 
 from __future__ import annotations
@@ -164,13 +163,7 @@ def test_streamed_agrees_with_whole_and_holds_one_unit() -> None:
     assert torch.equal(live.layers[0].rotary.scale, torch.full((4,), 3.0))
 
 
-@pytest.mark.parametrize("ahead", ["0", "1"])
-def test_units_are_released_before_the_next(monkeypatch: pytest.MonkeyPatch,
-                                             ahead: str) -> None:
-    """Serially (`ENGINEHOOKS_SHADOW_AHEAD=0`) no earlier unit is alive while one is
-    processed; with the next unit prepared ahead on the host, at most the one being
-    compared is (each unit here holds one parameter)."""
-    monkeypatch.setenv(shadow.AHEAD_ENV, ahead)
+def test_units_are_released_before_the_next() -> None:
     w = _weights(2)
     refs: list[weakref.ref[torch.Tensor]] = []
     alive: list[int] = []
@@ -185,53 +178,7 @@ def test_units_are_released_before_the_next(monkeypatch: pytest.MonkeyPatch,
         _verify(_live(w), w, _parts(log=log))
     finally:
         gc.enable()
-    assert len(alive) == LAYERS + 1
-    assert alive == [0] * (LAYERS + 1) if ahead == "0" else max(alive) <= 1
-
-
-@pytest.mark.parametrize("ahead", ["0", "1"])
-def test_the_next_unit_is_processed_while_one_is_compared(monkeypatch: pytest.MonkeyPatch,
-                                                          ahead: str) -> None:
-    """On the host the next unit is loaded and processed on a worker thread while the
-    verifier compares this one (the compare is made to wait until it is: the overlap
-    is observed, not assumed); the verdict is the serial one, a corrupted packed copy
-    repaired from its own unit."""
-    import threading
-
-    monkeypatch.setenv(shadow.AHEAD_ENV, ahead)
-    w = _weights(11)
-    live = _live(w)
-    good = live.layers[3].proj.packed.clone()
-    live.layers[3].proj.packed.mul_(2.0)
-    processed: list[tuple[str, int]] = []
-    done = threading.Event()
-
-    def log(model: torch.nn.Module) -> None:
-        unit = next(n for n, m in model.named_modules() if isinstance(m, Layer)) \
-            if any(isinstance(m, Layer) for m in model.modules()) else ""
-        processed.append((unit, threading.get_ident()))
-        if unit == "layers.1":
-            done.set()
-
-    from enginehooks.engine import verify
-
-    real = verify.compare
-
-    def compare(*a: Any, **kw: Any) -> Any:
-        if ahead == "1" and "layers.0.proj" in a[5]:  # `only`: unit 0's modules
-            assert done.wait(10), "the next unit was not processed during this compare"
-        return real(*a, **kw)
-
-    monkeypatch.setattr(verify, "compare", compare)
-    v = _verify(live, w, _parts(log=log))
-    assert v.shadow_kind == "streamed" and v.shadow_units == LAYERS + 1
-    assert v.mismatched == ["layers.3.proj.packed"] == v.repaired
-    assert torch.equal(live.layers[3].proj.packed, good)
-    main = threading.get_ident()
-    assert [u for u, _ in processed] == [f"layers.{i}" for i in range(LAYERS)] + [""]
-    threads = {t for _, t in processed[1:]}
-    assert threads == {main} if ahead == "0" else main not in threads
-    assert processed[0][1] == main  # (the first unit: nothing to overlap with yet)
+    assert alive == [0] * (LAYERS + 1)
 
 
 def test_a_corrupted_packed_copy_is_repaired_from_its_unit() -> None:
