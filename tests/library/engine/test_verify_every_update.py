@@ -309,3 +309,54 @@ def test_a_planned_copy_the_engine_always_processes_sends_only_its_module_to_the
                 assert v["how"] == "digest+shadow", v
                 assert 0 < v["digest_bytes"] < total, v
     engine.close()
+
+
+@pytest.mark.parametrize("spread", [False, True])
+def test_host_digests_spread_over_threads_judge_each_destination(
+        monkeypatch: pytest.MonkeyPatch, spread: bool) -> None:
+    """After apply the host digests of an update's plain copies are computed on several
+    threads where there are many bytes (`verify._host_digests`): each destination is
+    still judged by its own runs, in whatever order they finish. A fused destination
+    written by two runs is bad when either run is, a flipped byte in a large run among
+    many small ones is found, and the rest are good. The spread path is forced on (and
+    off) by the byte threshold, and its threads observed."""
+    import threading
+
+    from enginehooks.engine import verify
+    from enginehooks.engine.copy_plan import Step, View
+    from enginehooks.engine.verify import DigestCheck
+
+    monkeypatch.setattr(verify, "_SPREAD_BYTES", 0 if spread else 1 << 60)
+    monkeypatch.setattr(verify.os, "cpu_count", lambda: 4)
+    threads: set[str] = set()
+    real = verify._digest
+
+    def digest(algo: str, b: torch.Tensor) -> int:
+        threads.add(threading.current_thread().name)
+        return real(algo, b)
+
+    monkeypatch.setattr(verify, "_digest", digest)
+    g = torch.Generator().manual_seed(7)
+    sizes = [(256, 64)] + [(4, 8)] * 12  # one large run, many small ones
+    names = [f"w{i}" for i in range(len(sizes))]
+    received = [torch.randn(*s, generator=g) for s in sizes]
+    live = {n: t.clone() for n, t in zip(names, received, strict=True)}
+    dtypes = {n: torch.float32 for n in [*names, "fused"]}
+    check = DigestCheck()
+    for n, t in zip(names, received, strict=True):
+        full = View(0, tuple(t.shape), (t.shape[1], 1))
+        check.add([Step(n, full, full)], t, dtypes)
+    # two received tensors land in the halves of one fused destination
+    a, b = torch.randn(2, 8, generator=g), torch.randn(2, 8, generator=g)
+    live["fused"] = torch.cat([a, b])
+    check.add([Step("fused", View(0, (2, 8), (8, 1)), View(0, (2, 8), (8, 1)))], a, dtypes)
+    check.add([Step("fused", View(16, (2, 8), (8, 1)), View(0, (2, 8), (8, 1)))], b, dtypes)
+
+    good, bad = check.check(live)
+    assert sorted(good) == sorted([*names, "fused"]) and bad == []
+    assert any(t.startswith("enginehooks-digest") for t in threads) == spread
+    live["w0"][200, 3] += 1.0  # the large run
+    live["fused"][3, 7] += 1.0  # the second half of the fused one
+    good, bad = check.check(live)
+    assert sorted(bad) == ["fused", "w0"]
+    assert sorted(good) == sorted(names[1:])
