@@ -310,6 +310,13 @@ class ApplyTarget(Target, ABC):
     def landing_wanted(self) -> bool:
         return self._digests is not None
 
+    def buffers_reused(self, buffers: Sequence[torch.Tensor]) -> None:
+        """The receive loop is about to reuse `buffers`: the digests of what planned
+        copies received, computed on other threads from views of them, are finished
+        first (`DigestCheck.transport_buffers`)."""
+        if self._digests is not None:
+            self._digests.transport_buffers(buffers)
+
     def wire_landed(self, landing: WireLanding) -> None:
         """A receiver landed these tensors in `destination`s itself and digested them as
         it did: verification proves them by one re-read after apply (`DigestCheck.wire`)

@@ -45,7 +45,7 @@ import os
 import time
 import types
 from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -371,7 +371,8 @@ class DigestCheck:
     destination of theirs that fails its digest cannot be repaired from a shadow in
     this update."""
 
-    runs: dict[str, list[tuple[int, int, str, int | torch.Tensor]]] = field(default_factory=dict)
+    runs: dict[str, list[tuple[int, int, str, int | torch.Tensor | Future[int]]]] = field(
+        default_factory=dict)
     unproved: set[str] = field(default_factory=set)
     uncopied: set[str] = field(default_factory=set)
     received_bytes: int = 0
@@ -388,6 +389,39 @@ class DigestCheck:
     _rereads: list[tuple[torch.Tensor, list[Any]]] | None = None
     #: runs digested here as they arrived (not proved by a receiver's landing)
     digested: int = 0
+    #: storages of a receive loop's own buffers (`transport_buffers`): host digests of
+    #: views into them are computed on other threads, finished before the loop reuses them
+    _buffers: frozenset[int] = frozenset()
+    _pending: list[Future[int]] = field(default_factory=list)
+
+    def transport_buffers(self, buffers: Sequence[torch.Tensor]) -> None:
+        """A receive loop is about to receive into `buffers` again (`Target.
+        buffers_reused`): finish every digest pending on views of them; from now on
+        the host digests of views into them run on other threads while the stream
+        goes on (they no longer cost the receiving thread: it waits for the wire
+        between buckets). Only the loop's own buffers: no engine code writes there,
+        so a digest computed later is still of what arrived; a tensor received in
+        the engine's own storage is digested at once, before the engine can touch it."""
+        self.join()
+        self._buffers = frozenset(b.untyped_storage().data_ptr() for b in buffers
+                                  if b.device.type == "cpu")
+
+    def join(self) -> None:
+        """Wait for the digests pending on other threads (raising what one raised)."""
+        pending, self._pending = self._pending, []
+        for f in pending:
+            f.result()
+
+    def _host_digest(self, algo: str, b: torch.Tensor) -> int | Future[int]:
+        """The digest of received host bytes `b`: a future where `b` is a view into a
+        receive loop's own buffer and there are cores to spare, else computed now."""
+        if self._buffers and b.untyped_storage().data_ptr() in self._buffers:
+            pool = _digest_pool()
+            if pool is not None:
+                f = pool.submit(_digest, algo, b)
+                self._pending.append(f)
+                return f
+        return _digest(algo, b)
 
     def only_landed(self) -> bool:
         """Whether a receiver's landing proves every run, whole destination by whole
@@ -470,7 +504,7 @@ class DigestCheck:
             self.digested += 1
             want = self._device_term(b) if algo == DIGEST else None
             self.runs.setdefault(dest, []).append(
-                (d[0], d[1], algo, want if want is not None else _digest(algo, b)))
+                (d[0], d[1], algo, want if want is not None else self._host_digest(algo, b)))
             self.received_bytes += b.numel()
 
     def check(self, live: Mapping[str, torch.Tensor]) -> tuple[list[str], list[str]]:
@@ -531,9 +565,10 @@ class DigestCheck:
                 settled.append(dest)
         # the host digests, spread over the cores where they are many bytes; a
         # destination with one wrong run is bad whatever its other runs hold
+        self.join()  # (the digests of what arrived, where they were computed aside)
         wrong_here = {dest for (dest, _, _, want), got in zip(
             hosted, _host_digests([(a, b) for _, a, b, _ in hosted]), strict=True)
-            if got != want}
+            if got != (want.result() if isinstance(want, Future) else want)}
         bad.extend(dest for dest in dict.fromkeys(d for d, _, _, _ in hosted)
                    if dest in wrong_here and dest not in bad)
         good.extend(dest for dest in settled if dest not in wrong_here)
@@ -626,20 +661,33 @@ def _step_runs(steps: Sequence[Any]) -> tuple[tuple[str, Any, Any, bool], ...]:
 _SPREAD_BYTES = 64 << 20
 
 
+_POOL: list[ThreadPoolExecutor] = []  # (made once, where there are cores to spare)
+
+
+def _digest_pool() -> ThreadPoolExecutor | None:
+    """The threads host digests are computed on (xxhash releases the GIL): one per core
+    up to 8, made on first use; None on one core."""
+    cores = min(os.cpu_count() or 1, 8)
+    if cores < 2:
+        return None
+    if not _POOL:
+        _POOL.append(ThreadPoolExecutor(cores, thread_name_prefix="enginehooks-digest"))
+    return _POOL[0]
+
+
 def _host_digests(items: Sequence[tuple[str, torch.Tensor]]) -> list[int]:
     """The digests of host runs `items` ((algorithm, bytes)), in order: on several
     threads where there are cores and bytes enough (xxhash releases the GIL: 1 GB in
     two halves on two threads took 61-73 ms against 125-131 ms on one, 2-core Intel
     host), the largest runs first so one big run does not end last; else one after the
     other."""
-    workers = min(len(items), os.cpu_count() or 1, 8)
-    if workers < 2 or sum(b.numel() for _, b in items) < _SPREAD_BYTES:
+    pool = _digest_pool() if len(items) > 1 else None
+    if pool is None or sum(b.numel() for _, b in items) < _SPREAD_BYTES:
         return [_digest(a, b) for a, b in items]
     order = sorted(range(len(items)), key=lambda i: -items[i][1].numel())
     out = [0] * len(items)
-    with ThreadPoolExecutor(workers, thread_name_prefix="enginehooks-digest") as pool:
-        for i, d in zip(order, pool.map(lambda i: _digest(*items[i]), order), strict=True):
-            out[i] = d
+    for i, d in zip(order, pool.map(lambda i: _digest(*items[i]), order), strict=True):
+        out[i] = d
     return out
 
 
@@ -1107,7 +1155,7 @@ class Settled:
     update replaces it, so what an engine dropped meanwhile is released then."""
 
     landed: frozenset[str]
-    runs: dict[str, list[tuple[int, int, str, int | torch.Tensor]]]
+    runs: dict[str, list[tuple[int, int, str, int | torch.Tensor | Future[int]]]]
     structure: Structure
     digest: int
     digest_bytes: int
