@@ -617,6 +617,12 @@ class Unpacker:
         _status, _mid, _index, nbytes, dig, _mac = read_trailer(buf if trailer is None
                                                                 else trailer)
         self._check_digest(index, buf, nbytes, dig)
+        checksum = self.manifest.checksum
+        if (checksum is not None and self.manifest.buckets[index].direct
+                and self.target is not None and self.target.landing_wanted()):
+            # one piece of one tensor, checked just now: its digest is the sender's
+            ((entry, piece),) = self._per_bucket[index]
+            self.target.arrived_piece(entry.name, piece.start, piece.nbytes, checksum, dig)
 
     def landing(self, index: int) -> torch.Tensor | None:
         """Where direct bucket `index`'s payload should be received: its bytes in the

@@ -310,6 +310,14 @@ class ApplyTarget(Target, ABC):
     def landing_wanted(self) -> bool:
         return self._digests is not None
 
+    def arrived_piece(self, name: str, start: int, nbytes: int, checksum: str,
+                      digest: int) -> None:
+        """The receive loop checked these bytes of `name` against the sender's digest
+        as they arrived: verification takes that digest instead of reading them again
+        (`DigestCheck.arrived`)."""
+        if self._digests is not None:
+            self._digests.arrived(name, start, nbytes, checksum, digest)
+
     def buffers_reused(self, buffers: Sequence[torch.Tensor]) -> None:
         """The receive loop is about to reuse `buffers`: the digests of what planned
         copies received, computed on other threads from views of them, are finished

@@ -393,6 +393,9 @@ class DigestCheck:
     #: views into them are computed on other threads, finished before the loop reuses them
     _buffers: frozenset[int] = frozenset()
     _pending: list[Future[int]] = field(default_factory=list)
+    #: received name -> its pieces the receive loop checked: (first byte, bytes,
+    #: algorithm, the sender's digest)
+    _arrived: dict[str, list[tuple[int, int, str, int]]] = field(default_factory=dict)
 
     def transport_buffers(self, buffers: Sequence[torch.Tensor]) -> None:
         """A receive loop is about to receive into `buffers` again (`Target.
@@ -405,6 +408,30 @@ class DigestCheck:
         self.join()
         self._buffers = frozenset(b.untyped_storage().data_ptr() for b in buffers
                                   if b.device.type == "cpu")
+
+    def arrived(self, name: str, start: int, nbytes: int, algo: str, digest: int) -> None:
+        """Bytes [start, start + nbytes) of tensor `name` arrived in a bucket of their own
+        and the receive loop checked them against the sender's `digest` (`Target.
+        arrived_piece`), before the tensor is fed: where its pieces tile it, `add`
+        takes their digests for a host copy of all of it in the same algorithm instead
+        of reading the bytes again (the transport read them for its check)."""
+        self._arrived.setdefault(name, []).append((start, nbytes, algo, digest))
+
+    def _pieces(self, name: str | None, algo: str, received: torch.Tensor
+                ) -> list[tuple[int, int, int]] | None:
+        """(first element, end element, digest) of each piece of `received` the receive
+        loop checked (`arrived`), in order, where they tile it exactly in elements and
+        in `algo`; else None."""
+        got = self._arrived.get(name) if name is not None else None
+        if not got:
+            return None
+        es, at, out = received.element_size(), 0, []
+        for start, nbytes, a, dig in sorted(got):
+            if a != algo or start != at or start % es or nbytes % es:
+                return None
+            out.append((start // es, (start + nbytes) // es, dig))
+            at = start + nbytes
+        return out if at == received.nbytes else None
 
     def join(self) -> None:
         """Wait for the digests pending on other threads (raising what one raised)."""
@@ -502,9 +529,18 @@ class DigestCheck:
                 continue
             algo = digest_algorithm(b)
             self.digested += 1
-            want = self._device_term(b) if algo == DIGEST else None
+            term = self._device_term(b) if algo == DIGEST else None
+            if term is not None:
+                self.runs.setdefault(dest, []).append((d[0], d[1], algo, term))
+                continue
+            pieces = (self._pieces(name, algo, received)
+                      if s == (0, numel) and b.device.type == "cpu" else None)
+            if pieces is not None:  # checked piece by piece as it arrived: not read again
+                self.runs.setdefault(dest, []).extend(
+                    (d[0] + p0, d[0] + p1, algo, dig) for p0, p1, dig in pieces)
+                continue
             self.runs.setdefault(dest, []).append(
-                (d[0], d[1], algo, want if want is not None else self._host_digest(algo, b)))
+                (d[0], d[1], algo, self._host_digest(algo, b)))
             self.received_bytes += b.numel()
 
     def check(self, live: Mapping[str, torch.Tensor]) -> tuple[list[str], list[str]]:

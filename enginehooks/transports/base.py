@@ -69,6 +69,14 @@ class Target(ABC):
         tensors in a pass that also summed what it read, before it yields those tensors
         (see `WireLanding`), where `landing_wanted()`. Default: ignored."""
 
+    def arrived_piece(  # noqa: B027 - optional
+            self, name: str, start: int, nbytes: int, checksum: str, digest: int) -> None:
+        """Called by a receive loop that checked bytes [start, start + nbytes) of tensor
+        `name`, arrived in a bucket of their own, against the sender's `digest`
+        (algorithm `checksum`, over exactly those bytes) before it yields the tensor,
+        where `landing_wanted()`: the digest of what arrived, known without reading it
+        again. Default: ignored."""
+
     def buffers_reused(self, buffers: Sequence[torch.Tensor]) -> None:  # noqa: B027 - optional
         """Called by a receive loop that yields views of its own `buffers` and keeps each
         valid past the next tensor, until it receives into that buffer again: right

@@ -441,3 +441,72 @@ def test_only_views_of_the_loops_own_buffers_are_digested_aside(
     with torch.no_grad():
         engine_own.mul_(2.0)  # the engine's processing, run twice
     assert check.check(live) == (["b"], ["a"])
+
+
+@pytest.mark.parametrize("bucket", [1 << 16, 4 << 20])
+def test_a_tensor_the_transport_checked_as_it_landed_is_not_read_again(
+        monkeypatch: pytest.MonkeyPatch, bucket: int) -> None:
+    """Over gloo a tensor of 1 MB or more travels in buckets of its own (one, or pieces
+    of a bucket each where it is larger), which the receive loop checks against the
+    sender's digests as they land in the replica's own tensor: verification takes those
+    digests (`Target.arrived_piece`), one run per piece, instead of reading the tensor
+    again at receipt, and still proves it after apply. Pushed into a real `ApplyTarget`
+    on CPU: the digest-verified pushes read none of the large tensor at receipt, and one
+    whose bytes the engine's post-load step changes after they landed ends torn, naming
+    it (the sender's digests no longer hold)."""
+    from enginehooks import WeightSync
+    from enginehooks.engine import verify
+    from enginehooks_testkit.inprocess_replica import inprocess_replica
+
+    monkeypatch.delenv("ENGINEHOOKS_VERIFY", raising=False)
+
+    class Model(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.big = torch.nn.Linear(1024, 512, bias=True)  # 2 MB: a bucket of its own
+            self.small = torch.nn.Linear(16, 16, bias=True)  # packed
+
+        def load_weights(self, weights: Any) -> None:
+            params = dict(self.named_parameters())
+            with torch.no_grad():
+                for name, t in weights:
+                    params[name].copy_(t)
+
+    fault = {"on": False}
+
+    def after_load(m: torch.nn.Module, landed: set[str]) -> None:
+        if fault["on"]:
+            with torch.no_grad():
+                m.big.weight.mul_(2.0)  # type: ignore[union-attr, operator]
+
+    read: list[int] = []
+    real = verify.DigestCheck._host_digest
+
+    def host_digest(self: Any, algo: str, b: torch.Tensor) -> Any:
+        read.append(b.numel())
+        return real(self, algo, b)
+
+    monkeypatch.setattr(verify.DigestCheck, "_host_digest", host_digest)
+    handle, live = inprocess_replica(lambda dev: Model().to(dev), torch.device("cpu"),
+                                     after_load=after_load)
+    trainer = Model()
+    big = trainer.big.weight.nbytes
+    with WeightSync("gloo", bucket_bytes=bucket, timeout_s=60) as sync:
+        sync.add_replica(handle)
+        for v in range(1, 5):
+            with torch.no_grad():
+                for p in trainer.parameters():
+                    p.copy_(torch.randn_like(p))
+            read.clear()
+            sync.push(trainer, version=v)
+            last = handle.side.info()["verification"]["last"]
+            assert last["ok"] is True and not last["repaired"], last
+            for (n, a), b in zip(trainer.state_dict().items(), live.state_dict().values(),
+                                 strict=True):
+                assert torch.equal(a, b), n
+            if v >= 3:  # proved by digests: the big weight was not read at receipt
+                assert last["how"] == "digest", last
+                assert read and big not in read, read
+        fault["on"] = True
+        with pytest.raises(WeightsMismatch, match=r"big\.weight"):
+            sync.push(trainer, version=5)
