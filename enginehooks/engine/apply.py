@@ -318,13 +318,6 @@ class ApplyTarget(Target, ABC):
         if self._digests is not None:
             self._digests.arrived(name, start, nbytes, checksum, digest)
 
-    def buffers_reused(self, buffers: Sequence[torch.Tensor]) -> None:
-        """The receive loop is about to reuse `buffers`: the digests of what planned
-        copies received, computed on other threads from views of them, are finished
-        first (`DigestCheck.transport_buffers`)."""
-        if self._digests is not None:
-            self._digests.transport_buffers(buffers)
-
     def wire_landed(self, landing: WireLanding) -> None:
         """A receiver landed these tensors in `destination`s itself and digested them as
         it did: verification proves them by one re-read after apply (`DigestCheck.wire`)

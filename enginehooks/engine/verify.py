@@ -45,7 +45,7 @@ import os
 import time
 import types
 from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -371,8 +371,7 @@ class DigestCheck:
     destination of theirs that fails its digest cannot be repaired from a shadow in
     this update."""
 
-    runs: dict[str, list[tuple[int, int, str, int | torch.Tensor | Future[int]]]] = field(
-        default_factory=dict)
+    runs: dict[str, list[tuple[int, int, str, int | torch.Tensor]]] = field(default_factory=dict)
     unproved: set[str] = field(default_factory=set)
     uncopied: set[str] = field(default_factory=set)
     received_bytes: int = 0
@@ -389,25 +388,9 @@ class DigestCheck:
     _rereads: list[tuple[torch.Tensor, list[Any]]] | None = None
     #: runs digested here as they arrived (not proved by a receiver's landing)
     digested: int = 0
-    #: storages of a receive loop's own buffers (`transport_buffers`): host digests of
-    #: views into them are computed on other threads, finished before the loop reuses them
-    _buffers: frozenset[int] = frozenset()
-    _pending: list[Future[int]] = field(default_factory=list)
     #: received name -> its pieces the receive loop checked: (first byte, bytes,
     #: algorithm, the sender's digest)
     _arrived: dict[str, list[tuple[int, int, str, int]]] = field(default_factory=dict)
-
-    def transport_buffers(self, buffers: Sequence[torch.Tensor]) -> None:
-        """A receive loop is about to receive into `buffers` again (`Target.
-        buffers_reused`): finish every digest pending on views of them; from now on
-        the host digests of views into them run on other threads while the stream
-        goes on (they no longer cost the receiving thread: it waits for the wire
-        between buckets). Only the loop's own buffers: no engine code writes there,
-        so a digest computed later is still of what arrived; a tensor received in
-        the engine's own storage is digested at once, before the engine can touch it."""
-        self.join()
-        self._buffers = frozenset(b.untyped_storage().data_ptr() for b in buffers
-                                  if b.device.type == "cpu")
 
     def arrived(self, name: str, start: int, nbytes: int, algo: str, digest: int) -> None:
         """Bytes [start, start + nbytes) of tensor `name` arrived in a bucket of their own
@@ -432,23 +415,6 @@ class DigestCheck:
             out.append((start // es, (start + nbytes) // es, dig))
             at = start + nbytes
         return out if at == received.nbytes else None
-
-    def join(self) -> None:
-        """Wait for the digests pending on other threads (raising what one raised)."""
-        pending, self._pending = self._pending, []
-        for f in pending:
-            f.result()
-
-    def _host_digest(self, algo: str, b: torch.Tensor) -> int | Future[int]:
-        """The digest of received host bytes `b`: a future where `b` is a view into a
-        receive loop's own buffer and there are cores to spare, else computed now."""
-        if self._buffers and b.untyped_storage().data_ptr() in self._buffers:
-            pool = _digest_pool()
-            if pool is not None:
-                f = pool.submit(_digest, algo, b)
-                self._pending.append(f)
-                return f
-        return _digest(algo, b)
 
     def only_landed(self) -> bool:
         """Whether a receiver's landing proves every run, whole destination by whole
@@ -529,6 +495,7 @@ class DigestCheck:
                 continue
             algo = digest_algorithm(b)
             self.digested += 1
+            self.received_bytes += b.numel()
             term = self._device_term(b) if algo == DIGEST else None
             if term is not None:
                 self.runs.setdefault(dest, []).append((d[0], d[1], algo, term))
@@ -539,9 +506,7 @@ class DigestCheck:
                 self.runs.setdefault(dest, []).extend(
                     (d[0] + p0, d[0] + p1, algo, dig) for p0, p1, dig in pieces)
                 continue
-            self.runs.setdefault(dest, []).append(
-                (d[0], d[1], algo, self._host_digest(algo, b)))
-            self.received_bytes += b.numel()
+            self.runs.setdefault(dest, []).append((d[0], d[1], algo, _digest(algo, b)))
 
     def check(self, live: Mapping[str, torch.Tensor]) -> tuple[list[str], list[str]]:
         """(destinations proved to hold the bytes sent, those whose bytes differ).
@@ -601,10 +566,9 @@ class DigestCheck:
                 settled.append(dest)
         # the host digests, spread over the cores where they are many bytes; a
         # destination with one wrong run is bad whatever its other runs hold
-        self.join()  # (the digests of what arrived, where they were computed aside)
         wrong_here = {dest for (dest, _, _, want), got in zip(
             hosted, _host_digests([(a, b) for _, a, b, _ in hosted]), strict=True)
-            if got != (want.result() if isinstance(want, Future) else want)}
+            if got != want}
         bad.extend(dest for dest in dict.fromkeys(d for d, _, _, _ in hosted)
                    if dest in wrong_here and dest not in bad)
         good.extend(dest for dest in settled if dest not in wrong_here)
@@ -1191,7 +1155,7 @@ class Settled:
     update replaces it, so what an engine dropped meanwhile is released then."""
 
     landed: frozenset[str]
-    runs: dict[str, list[tuple[int, int, str, int | torch.Tensor | Future[int]]]]
+    runs: dict[str, list[tuple[int, int, str, int | torch.Tensor]]]
     structure: Structure
     digest: int
     digest_bytes: int

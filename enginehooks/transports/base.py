@@ -77,14 +77,6 @@ class Target(ABC):
         where `landing_wanted()`: the digest of what arrived, known without reading it
         again. Default: ignored."""
 
-    def buffers_reused(self, buffers: Sequence[torch.Tensor]) -> None:  # noqa: B027 - optional
-        """Called by a receive loop that yields views of its own `buffers` and keeps each
-        valid past the next tensor, until it receives into that buffer again: right
-        before each such receive. Until this call a target may still read views of
-        `buffers` it was given earlier (verification digests them on other threads);
-        it must be done with them when the call returns. Default: ignored."""
-
-
 
 @dataclass
 class SendStats:

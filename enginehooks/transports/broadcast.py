@@ -583,7 +583,6 @@ def receive_in_order(
     if not n:
         return
     bufs = [r.buffers(m) if m.buckets else [] for r, m in zip(receivers, manifests)]
-    reused = [b for slots in bufs for b in slots]  # what `post` receives into again
     sizes = [[message_bytes(b.nbytes) for b in m.buckets] for m in manifests]
     # direct buckets: their trailers (received first) and where each payload went
     heads = [[torch.empty(TRAILER_BYTES, dtype=torch.uint8, device=device)
@@ -675,8 +674,6 @@ def receive_in_order(
                 else:
                     u.verify(k, buf, check_digest=False)
             if g + 1 < n:
-                if target is not None:  # (the views of the bucket before this one)
-                    target.buffers_reused(reused)
                 work, ev = post(g + 1)
                 j = order[g][0]  # errors below are this bucket's
             if direct and landed[j][slot]:

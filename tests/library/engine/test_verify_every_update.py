@@ -362,87 +362,6 @@ def test_host_digests_spread_over_threads_judge_each_destination(
     assert sorted(good) == sorted(names[1:])
 
 
-def test_receipt_digests_run_aside_and_finish_before_the_buffer_is_reused(
-        model_dirs: dict[str, Path], monkeypatch: pytest.MonkeyPatch) -> None:
-    """Over gloo the digests of what planned copies received are computed on other
-    threads, from views of the receive loop's own buffers, while the loop goes on
-    (`DigestCheck.transport_buffers`); each is finished before the loop receives into
-    its buffer again (`Target.buffers_reused`). The digests are made slow here (each
-    waits before it reads): one not waited for would read the next bucket's bytes, and
-    the check after apply would find every such destination wrong. Every push is
-    verified by digests, no repair, and meets the oracle; the digests did run aside."""
-    import threading
-    import time
-
-    from enginehooks.engine import verify
-
-    monkeypatch.delenv("ENGINEHOOKS_VERIFY", raising=False)
-    real = verify._digest
-    aside: list[int] = []
-
-    def slow(algo: str, b: torch.Tensor) -> int:
-        if threading.current_thread().name.startswith("enginehooks-digest"):
-            aside.append(b.numel())
-            time.sleep(0.02)
-        return real(algo, b)
-
-    monkeypatch.setattr(verify, "_digest", slow)
-    engine = MinimalEngine(model_dirs["llama"])
-    handle = engine.handle()
-    versions = [perturb(load_tiny(model_dirs["llama"]), seed=s) for s in (41, 42, 43, 44)]
-    with WeightSync("gloo", bucket_bytes=16 << 10, timeout_s=60) as sync:
-        sync.add_replica(handle)
-        for i, model in enumerate(versions):
-            sync.push(model, version=i + 1)
-            assert _holds(engine, model) == [], i
-    v = _verification(handle)
-    assert v["updates"] == {"verified": 4, "repaired": 0, "unverified": 0, "failed": 0}, v
-    assert v["last"]["how"] == "digest" and not v["last"]["repaired"], v
-    assert aside  # the receipt digests of pushes 3 and 4 ran on the digest threads
-    engine.close()
-
-
-def test_only_views_of_the_loops_own_buffers_are_digested_aside(
-        monkeypatch: pytest.MonkeyPatch) -> None:
-    """A tensor received into the engine's own storage (a landed destination) is
-    digested as it arrives, never later: the engine's post-load processing could change
-    it before a later digest read it, and the digest would then vouch for the change.
-    Views of the receive loop's registered buffers are digested aside. The digests are
-    slowed (each waits before it reads), and both tensors changed right after they were
-    added: the destination's change is found, the buffer's view (which no engine code
-    writes) is digested as it was when it is read."""
-    import threading
-    import time
-
-    from enginehooks.engine import verify
-    from enginehooks.engine.copy_plan import Step, View
-    from enginehooks.engine.verify import DigestCheck
-
-    real = verify._digest
-
-    def slow(algo: str, b: torch.Tensor) -> int:
-        if threading.current_thread().name.startswith("enginehooks-digest"):
-            time.sleep(0.05)
-        return real(algo, b)
-
-    monkeypatch.setattr(verify, "_digest", slow)
-    monkeypatch.setattr(verify.os, "cpu_count", lambda: 4)
-    buffer = torch.randn(64)
-    engine_own = torch.randn(8, 8)  # landed in place: the destination itself
-    full = View(0, (8, 8), (8, 1))
-    dtypes = {"a": torch.float32, "b": torch.float32}
-    check = DigestCheck()
-    check.transport_buffers([buffer])
-    check.add([Step("a", full, full)], engine_own, dtypes)
-    check.add([Step("b", full, full)], buffer.view(8, 8), dtypes)
-    assert not isinstance(check.runs["a"][0][3], verify.Future)  # digested at once
-    assert isinstance(check.runs["b"][0][3], verify.Future)  # aside
-    live = {"a": engine_own, "b": buffer.view(8, 8).clone()}
-    with torch.no_grad():
-        engine_own.mul_(2.0)  # the engine's processing, run twice
-    assert check.check(live) == (["b"], ["a"])
-
-
 @pytest.mark.parametrize("bucket", [1 << 16, 4 << 20])
 def test_a_tensor_the_transport_checked_as_it_landed_is_not_read_again(
         monkeypatch: pytest.MonkeyPatch, bucket: int) -> None:
@@ -480,13 +399,23 @@ def test_a_tensor_the_transport_checked_as_it_landed_is_not_read_again(
                 m.big.weight.mul_(2.0)  # type: ignore[union-attr, operator]
 
     read: list[int] = []
-    real = verify.DigestCheck._host_digest
+    real, real_add = verify._digest, verify.DigestCheck.add
+    receiving = [False]
 
-    def host_digest(self: Any, algo: str, b: torch.Tensor) -> Any:
-        read.append(b.numel())
-        return real(self, algo, b)
+    def digest(algo: str, b: torch.Tensor) -> int:
+        if receiving[0]:  # (the check after apply reads every destination, as it must)
+            read.append(b.numel())
+        return real(algo, b)
 
-    monkeypatch.setattr(verify.DigestCheck, "_host_digest", host_digest)
+    def add(self: Any, *a: Any, **kw: Any) -> None:
+        receiving[0] = True
+        try:
+            real_add(self, *a, **kw)
+        finally:
+            receiving[0] = False
+
+    monkeypatch.setattr(verify, "_digest", digest)
+    monkeypatch.setattr(verify.DigestCheck, "add", add)
     handle, live = inprocess_replica(lambda dev: Model().to(dev), torch.device("cpu"),
                                      after_load=after_load)
     trainer = Model()
