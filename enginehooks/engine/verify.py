@@ -518,7 +518,7 @@ class DigestCheck:
         bad: list[str] = []
         batched: list[tuple[str, torch.Tensor, torch.Tensor]] = []  # (dest, live run, want)
         hosted: list[tuple[str, str, torch.Tensor, Any]] = []  # (dest, algo, live run, want)
-        settled: list[str] = []  # destinations judged once their host digests are
+        by_host: list[str] = []  # destinations judged by their host digests alone
         wired: list[str] = []  # destinations proved by a receiver's landing
         for dest, runs in self.runs.items():
             t = live.get(dest)
@@ -563,7 +563,7 @@ class DigestCheck:
             if not same:
                 bad.append(dest)
             elif not later:
-                settled.append(dest)
+                by_host.append(dest)
         # the host digests, spread over the cores where they are many bytes; a
         # destination with one wrong run is bad whatever its other runs hold
         wrong_here = {dest for (dest, _, _, want), got in zip(
@@ -571,7 +571,7 @@ class DigestCheck:
             if got != want}
         bad.extend(dest for dest in dict.fromkeys(d for d, _, _, _ in hosted)
                    if dest in wrong_here and dest not in bad)
-        good.extend(dest for dest in settled if dest not in wrong_here)
+        good.extend(dest for dest in by_host if dest not in wrong_here)
         if batched:
             differs = _device_terms_differ([b for _, b, _ in batched], [w for _, _, w in batched])
             wrong = {dest for (dest, _, _), d in zip(batched, differs, strict=True) if d}
