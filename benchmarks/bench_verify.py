@@ -394,7 +394,7 @@ def push_rows(handle: Any, trainer: Callable[[int], Any], rounds: int, transport
                          "apply_phases_ms": plan.get("phases_ms"),
                          "verification": {k: last.get(k) for k in (
                              "ok", "outcome", "how", "settled", "digest", "digest_bytes",
-                             "landed_bytes",
+                             "landed_bytes", "arrived_bytes",
                              "shadow_bytes",
                              "compared", "probed", "unverified", "repaired", "error", "seconds",
                              "shadow_kind", "shadow_units", "shadow_why",
@@ -441,6 +441,7 @@ def summary(rows: list[dict[str, Any]]) -> dict[str, Any]:
                                       if pairs else None),
             "how": last.get("how"), "digest_bytes": last.get("digest_bytes"),
             "landed_bytes": last.get("landed_bytes"),
+            "arrived_bytes": last.get("arrived_bytes"),
             "shadow_bytes": last.get("shadow_bytes")}
 
 

@@ -318,6 +318,9 @@ class Verdict:
     #: of `digest_bytes`, those a receiver landed itself and proved by one re-read
     #: (`DigestCheck.wire`): nothing was digested for them while the update streamed
     landed_bytes: int = 0
+    #: of `digest_bytes`, those whose digests as received were the transport's own
+    #: check of each piece as it landed (`DigestCheck.arrived`): not read at receipt
+    arrived_bytes: int = 0
     shadow_bytes: int = 0
     probed: list[str] = field(default_factory=list)
     unverified: list[str] = field(default_factory=list)
@@ -349,7 +352,8 @@ class Verdict:
         return {"compared": self.compared, "mismatched": self.mismatched[:50],
                 "repaired": self.repaired[:50], "unreadable": self.unreadable[:50],
                 "how": self.how, "digest": self.digest, "digest_bytes": self.digest_bytes,
-                "landed_bytes": self.landed_bytes, "shadow_bytes": self.shadow_bytes,
+                "landed_bytes": self.landed_bytes, "arrived_bytes": self.arrived_bytes,
+                "shadow_bytes": self.shadow_bytes,
                 "settled": self.settled,
                 "probed": self.probed[:50],
                 "unverified": self.unverified[:50], "shadow_kind": self.shadow_kind,
@@ -391,6 +395,8 @@ class DigestCheck:
     #: received name -> its pieces the receive loop checked: (first byte, bytes,
     #: algorithm, the sender's digest)
     _arrived: dict[str, list[tuple[int, int, str, int]]] = field(default_factory=dict)
+    #: destination -> bytes of it whose received digests `add` took from `_arrived`
+    arrived_dests: dict[str, int] = field(default_factory=dict)
 
     def arrived(self, name: str, start: int, nbytes: int, algo: str, digest: int) -> None:
         """Bytes [start, start + nbytes) of tensor `name` arrived in a bucket of their own
@@ -505,6 +511,7 @@ class DigestCheck:
             if pieces is not None:  # checked piece by piece as it arrived: not read again
                 self.runs.setdefault(dest, []).extend(
                     (d[0] + p0, d[0] + p1, algo, dig) for p0, p1, dig in pieces)
+                self.arrived_dests[dest] = self.arrived_dests.get(dest, 0) + b.nbytes
                 continue
             self.runs.setdefault(dest, []).append((d[0], d[1], algo, _digest(algo, b)))
 
@@ -1015,6 +1022,7 @@ def verify_and_repair(live: torch.nn.Module, build_fresh: Callable[[], torch.nn.
             verdict.digest_bytes = sum(tensors[d].nbytes for d in proved)
             by_landing = digests.landed_dests()
             verdict.landed_bytes = sum(tensors[d].nbytes for d in proved if d in by_landing)
+            verdict.arrived_bytes = sum(digests.arrived_dests.get(d, 0) for d in proved)
     t1 = time.perf_counter()
     verdict.seconds["digest"] = round(t1 - t0, 5)
     if touched <= skip:

@@ -436,6 +436,8 @@ def test_a_tensor_the_transport_checked_as_it_landed_is_not_read_again(
             if v >= 3:  # proved by digests: the big weight was not read at receipt
                 assert last["how"] == "digest", last
                 assert read and big not in read, read
+                # and the verdict says so: its received digests were the transport's
+                assert last["arrived_bytes"] == big, last
         fault["on"] = True
         with pytest.raises(WeightsMismatch, match=r"big\.weight"):
             sync.push(trainer, version=5)

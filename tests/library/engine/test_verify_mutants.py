@@ -34,8 +34,8 @@ def test_a_verdict_reports_every_list_capped_at_50() -> None:
                 shadow_bytes=9)
     assert v.to_dict() == {"compared": 7, "mismatched": names[:50], "repaired": names[1:51],
                            "unreadable": names[2:52], "how": "digest+shadow", "digest": 2,
-                           "digest_bytes": 8, "landed_bytes": 0, "shadow_bytes": 9,
-                           "settled": False, "probed": names[3:53],
+                           "digest_bytes": 8, "landed_bytes": 0, "arrived_bytes": 0,
+                           "shadow_bytes": 9, "settled": False, "probed": names[3:53],
                            "unverified": names[4:54], "shadow_kind": "", "shadow_units": 0, "shadow_why": "",
                            "shadow_tensor_bytes": 0, "shadow_peak_bytes": None}
 
@@ -73,8 +73,8 @@ def test_state_reports_each_verification_exactly(monkeypatch: pytest.MonkeyPatch
     v.skipped()
     last = {"ok": True, "outcome": "verified", "compared": 3, "mismatched": [], "repaired": [],
             "unreadable": [], "how": "shadow", "digest": 0, "digest_bytes": 0,
-            "landed_bytes": 0, "shadow_bytes": 3 * 4 * 3 * 4, "settled": False, "probed": [],
-            "unverified": [],
+            "landed_bytes": 0, "arrived_bytes": 0, "shadow_bytes": 3 * 4 * 3 * 4,
+            "settled": False, "probed": [], "unverified": [],
             "shadow_kind": "whole", "shadow_units": 0, "shadow_tensor_bytes": 3 * 4 * 4,
             "shadow_why": "no streamed shadow offered (the engine gives none, or the copy "
                           "plan's first check reads the whole loader's result)",
