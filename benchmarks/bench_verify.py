@@ -401,6 +401,7 @@ def push_rows(handle: Any, trainer: Callable[[int], Any], rounds: int, transport
                              "shadow_tensor_bytes", "shadow_peak_bytes")},
                          "rss_peak_added_bytes": rss_peak, "cuda_peak_added_bytes": cuda_peak,
                          "planned_last": plan.get("planned_last"),
+                         "twins_last": plan.get("twins_last"),
                          "loader_last": plan.get("loader_last")})
             print(json.dumps(rows[-1]), flush=True)
     return rows

@@ -266,6 +266,8 @@ def probe_callable(live: torch.nn.Module, fresh: torch.nn.Module, attr: str,
     f_live, f_fresh = getattr(live, attr), getattr(fresh, attr, None)
     if f_fresh is None:
         return None
+    if f_live is f_fresh:  # the fresh load's own callable, moved into the live module
+        return True
     for args in ((getattr(live, "weight", None), getattr(live, "bias", None)), ()):
         fargs = (getattr(fresh, "weight", None), getattr(fresh, "bias", None)) if args else ()
         try:
@@ -922,6 +924,8 @@ def compare(live: torch.nn.Module, fresh: torch.nn.Module, landed: Collection[st
             pair = _view_pair(t, f)
             if pair is not None and pair in equal:
                 continue  # this very pair of views compared equal under another name
+            if t is f:  # the fresh load's own tensor (a product moved into the live model)
+                continue
             a, b = _bits(t), _bits(f.to(t.device))
             if a is None or b is None:
                 verdict.unreadable.append(full)

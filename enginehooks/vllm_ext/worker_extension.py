@@ -27,7 +27,7 @@ from __future__ import annotations
 import copy
 import logging
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Collection, Iterator, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
@@ -48,8 +48,9 @@ from enginehooks.engine.copy_plan import (
     replay,
 )
 from enginehooks.engine.expectations import skeleton_on_meta
-from enginehooks.engine.shadow import ShadowParts
+from enginehooks.engine.shadow import Pass, ShadowParts, Timers
 from enginehooks.engine.side import EngineSide
+from enginehooks.engine.twin import TwinLayers, twin_mode
 from enginehooks.engine.verify import ensure_room
 from enginehooks.vllm_ext.cpu_amx import allow_amx
 
@@ -86,6 +87,8 @@ class VLLMTarget(ApplyTarget):
         self.worker = worker
         self.loader_too = False  # some of this update's tensors go through the loader
         self.layers: PlannedLayers | None = None  # during `apply`: where planned bytes land
+        #: this update's twins (`engine.twin`), from `writable` until it is verified
+        self.twins: TwinLayers | None = None
 
     def model(self) -> torch.nn.Module:
         return self.worker.model_runner.get_model()
@@ -128,8 +131,53 @@ class VLLMTarget(ApplyTarget):
     def writable(self, routes: dict[str, Route]) -> dict[str, Route]:
         # post-load processing on a thread of its own on CPU only, where it is oneDNN's
         # prepacking on the cores; on GPUs it is queued on the receiving thread's stream
-        self.layers = PlannedLayers(self.model(), routes, background=self.device.type == "cpu")
+        self.twins = self._twins()
+        self.layers = PlannedLayers(self.model(), routes, background=self.device.type == "cpu",
+                                    twins=self.twins)
         return routes
+
+    def _twins(self) -> TwinLayers | None:
+        """Twins for this update's planned layers (`engine.twin`): where it is verified in
+        the plan's steady state (the plan's first use is judged against a whole fresh
+        load) and `ENGINEHOOKS_TWIN=on`, on the host only (a GPU would hold every twin's
+        processed tensors until the check)."""
+        if (twin_mode() != "on" or self.device.type != "cpu" or self.plan.state == "verifying"
+                or not self.verifier.wanted(self.requested)):
+            return None
+        try:
+            return TwinLayers(self.shadow_parts().build, self.model())
+        except Exception as e:  # our limitation: the live layers process themselves
+            logging.getLogger(__name__).info("no twins for this update: %s: %s",
+                                             type(e).__name__, e)
+            return None
+
+    def _streamer(self, kept: list[tuple[str, torch.Tensor]]) -> Callable[..., Iterator[Pass]] | None:
+        """The shadow streamed unit by unit, where this update's twins (their layers'
+        fresh loads, processed as the update applied) stand for the units it needs."""
+        base = super()._streamer(kept)
+        twins = self.twins
+        if twins is None or base is None or twins.model is None:
+            return base
+
+        def streamer(needed: Collection[str], before_processing: Any = None) -> Iterator[Pass]:
+            done = twins.processed()
+            covered = {m for m in needed if m in done}
+            if covered:
+                assert twins.model is not None
+                yield Pass("twins", covered, twins.model, 0, Timers(twins.seconds))
+            left = set(needed) - covered
+            if left:
+                yield from base(left, before_processing)
+
+        return streamer
+
+    def _record_and_verify(self, *args: Any, **kw: Any) -> None:
+        try:
+            super()._record_and_verify(*args, **kw)
+        finally:
+            twins, self.twins = self.twins, None
+            if twins is not None:
+                twins.drop()
 
     def write_planned(self, name: str, t: torch.Tensor, route: Route) -> None:
         assert self.layers is not None
@@ -185,12 +233,16 @@ class VLLMTarget(ApplyTarget):
         self.layers = None
 
     def session_stats(self) -> tuple[float, dict[str, Any]]:
-        layers = self.layers
-        return ((layers.worker_cpu, {"in_place_last": layers.in_place}) if layers is not None
-                else (0.0, {"in_place_last": 0}))
+        layers, twins = self.layers, self.twins
+        extra: dict[str, Any] = {"in_place_last": layers.in_place if layers is not None else 0}
+        if twins is not None:  # layers processed on their twins, and moved (`engine.twin`)
+            extra["twins_last"] = {"moved": len(twins.moved), "kept_live": len(twins.kept_live),
+                                   "refused": dict(list(twins.refused.items())[:8]),
+                                   "seconds": {k: round(v, 4) for k, v in twins.seconds.items()}}
+        return (layers.worker_cpu if layers is not None else 0.0), extra
 
     def after_load(self, model: torch.nn.Module, landed: set[str]) -> None:
-        _repair_after_reload(model, landed)
+        _repair_after_reload(model, landed, self.twins)
 
     def fresh_load(self, weights: list[tuple[str, torch.Tensor]],
                    before_processing: Callable[[torch.nn.Module], None] | None = None
@@ -290,6 +342,11 @@ class VLLMTarget(ApplyTarget):
         return True
 
 
+def _process_own(layer: torch.nn.Module) -> None:
+    """A layer's own quant method's post-load processing (a twin's: `engine.twin`)."""
+    layer.quant_method.process_weights_after_loading(layer)  # type: ignore[union-attr, operator]
+
+
 def _split(name: str) -> tuple[str, str]:
     module, _, attr = name.rpartition(".")
     return module, attr
@@ -379,7 +436,8 @@ class PlannedLayers:
     ahead = 2
 
     def __init__(self, model: torch.nn.Module, routes: Mapping[str, Route],
-                 background: bool = True) -> None:
+                 background: bool = True, twins: TwinLayers | None = None) -> None:
+        self.twins = twins
         self.modules = dict(model.named_modules())
         self.routes = routes
         self.pending: dict[str, set[str]] = {}
@@ -496,7 +554,9 @@ class PlannedLayers:
             delattr(layer, "_already_called_process_weights_after_loading")
         qm = getattr(layer, "quant_method", None)
         if isinstance(qm, QuantizeMethodBase):
-            qm.process_weights_after_loading(layer)
+            # on a verified update, where wanted: processed on its twin, products moved
+            if self.twins is None or not self.twins.process(mname, layer, _process_own):
+                qm.process_weights_after_loading(layer)
             if hasattr(layer, "update_param_tp_status"):
                 layer.update_param_tp_status()
         info.loaded_weights = [(a, None) for a in sorted(self.loaded.get(mname, ()))]
@@ -530,7 +590,8 @@ class PlannedLayers:
         self.open.clear()
 
 
-def _repair_after_reload(model: torch.nn.Module, loaded: set[str]) -> None:
+def _repair_after_reload(model: torch.nn.Module, loaded: set[str],
+                         twins: TwinLayers | None = None) -> None:
     """Re-run the post-load processing vLLM's layerwise reload skips, for the layers
     whose parameters this update loaded (`loaded`: parameter names).
 
@@ -558,7 +619,9 @@ def _repair_after_reload(model: torch.nn.Module, loaded: set[str]) -> None:
                 continue
             aliases = [owners[id(p)] for full, p in own if owners[id(p)] != full]
             if len(aliases) == len(own) and loaded.intersection(aliases):
-                qm.process_weights_after_loading(module)
+                # processed on its twin where the update has them (`engine.twin`)
+                if twins is None or not twins.process(mname, module, _process_own, tied=True):
+                    qm.process_weights_after_loading(module)
                 continue
             kernel = getattr(qm, "moe_kernel", None)
             if cpu and kernel is not None and loaded.intersection(full for full, _ in own):

@@ -32,11 +32,16 @@ pytestmark = [requires_vllm, pytest.mark.vllm, pytest.mark.slow]
 NORM = "model.layers.0.input_layernorm.weight"
 
 
-@pytest.fixture(scope="module")
-def engine(model_dirs: dict[str, Path]) -> Iterator[VLLMInProcess]:
+@pytest.fixture(scope="module", params=["off", "on"], ids=["live-processing", "twins"])
+def engine(request: pytest.FixtureRequest, model_dirs: dict[str, Path]
+           ) -> Iterator[VLLMInProcess]:
+    """The default, and `ENGINEHOOKS_TWIN=on` (`engine.twin`: verified updates process
+    the planned layers on fresh twins and move the products in)."""
     with pytest.MonkeyPatch.context() as mp:
         mp.delenv("ENGINEHOOKS_VERIFY", raising=False)  # the default policy
+        mp.setenv("ENGINEHOOKS_TWIN", request.param)
         with VLLMInProcess(model_dirs["qwen2"], dtype="bfloat16") as llm:
+            llm.twins = request.param == "on"  # type: ignore[attr-defined]
             yield llm
 
 
@@ -116,6 +121,14 @@ def test_successive_pushes_are_each_verified_and_a_repeated_post_load_step_is_re
         handlers = engine.llm.collective_rpc(_onednn_handlers)[0]
         assert any(p.endswith("cpu_linear<handler>") for p in v["last"]["probed"]) == (
             handlers > 0), (handlers, v)
+        twins = engine.handle().info(30)[0]["copy_plan"].get("twins_last")
+        if engine.twins:  # type: ignore[attr-defined]
+            # every planned layer processed on its twin, its products moved in; the
+            # check compared them with the twins, no shadow unit built besides
+            assert twins is not None and twins["moved"] > 0 and twins["kept_live"] == 0, twins
+            assert v["last"]["shadow_units"] == 1, v
+        else:
+            assert twins is None
 
         assert engine.llm.collective_rpc(_post_load_twice, args=(True,))[0]
         try:

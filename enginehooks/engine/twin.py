@@ -1,0 +1,250 @@
+"""Post-load processing on a fresh twin of each layer, its products moved into the live one.
+
+An engine that processes a layer after its weights load (oneDNN prepacking on CPU, MoE
+repacking, quantisation) runs that processing again on the live layer at every update:
+the same module object, holding what the last processing left (its packed handles,
+flags, converted biases). Where that processing is not safe to run twice, the update is
+wrong in ways only a comparison with a fresh load finds; and verifying it means
+processing the layer a second time, on the shadow (`engine.shadow`), which on vLLM CPU
+is most of what a verified push costs (the prepack is done twice, then both handles are
+probed).
+
+A twin is the same layer from the engine's own model class, constructed fresh (on the
+meta device, the shadow's `construct`), never processed. Given copies of the live
+layer's loader-layout tensors (what the update wrote, the loader's layout), the engine's
+own processing runs on the twin, exactly as a fresh load runs it on that layer; what it
+produced (the tensors it left, the attributes it set or rebound) is then moved into the
+live layer, which the engine's code then finishes as it would have after processing it
+(vLLM copies the processed tensors into the kernel tensors its graphs hold).
+
+What is moved must stand on its own: a product that refers to a module (a bound method,
+a closure over the twin) would keep the twin alive and serve from it, so where any does
+the live layer is processed as before. The twin stays as it was processed until the
+update is verified: `verify` then compares the live layer with it (a moved callable is
+the twin's own object, equal by identity, no probe; tensors are compared as always), in
+place of a shadow unit the verification would otherwise build, load and process again.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+import time
+import types
+from collections.abc import Callable, Collection
+from typing import Any
+
+import torch
+
+from enginehooks.engine.shadow import construct
+
+log = logging.getLogger("enginehooks.verify")
+
+TWIN_ENV = "ENGINEHOOKS_TWIN"
+#: `on`: verified updates process planned layers on twins; `off` (default): on the live
+#: layers, and the verification builds its shadow
+TWIN_MODES = ("on", "off")
+
+#: what every `nn.Module` holds in its `__dict__`: never a product of processing
+_MODULE_STATE = frozenset(vars(torch.nn.Module()))
+_PLAIN = (int, float, bool, str, bytes, type(None), torch.dtype, torch.device, torch.Size)
+
+
+def _adopt(p: torch.Tensor, t: torch.Tensor) -> None:
+    """Turn meta parameter `p` into one on `t`'s storage, in place (the same object, of
+    its class, with its attributes: `shadow._move` with the data given)."""
+    twin = torch.Tensor._make_subclass(type(p), t, p.requires_grad)
+    twin.__dict__.update(p.__dict__)
+    torch.utils.swap_tensors(p, twin)
+
+
+def _recast(t: torch.Tensor, dtype: torch.dtype) -> bool:
+    """Whether every value of `t` is exactly one of `dtype` (floating both): a live
+    loader-layout tensor held wider than the fresh model's (vLLM CPU restores a small
+    linear's bias in float32 on AMX hosts) whose bytes, cast back, are exactly what a
+    fresh load's loader wrote there from the same update."""
+    if not (t.is_floating_point() and dtype.is_floating_point):
+        return False
+    return bool(torch.equal(t.to(dtype).to(t.dtype), t))
+
+
+def twin_mode() -> str:
+    mode = os.environ.get(TWIN_ENV, "off").strip().lower()
+    return mode if mode in TWIN_MODES else "off"
+
+
+def movable(value: Any, twin: Collection[int] = (), depth: int = 0) -> bool:
+    """Whether `value`, a product of processing, can serve from the live layer: a tensor
+    of its own, a plain value, an engine's object (a packed handle), or a function,
+    partial or container holding only such (looked into four levels deep, an object's
+    attributes too). Never a module, a method bound to anything, or anything reaching
+    one of the twin's own tensors (`twin`: their ids): the live layer would keep serving
+    from the twin."""
+    if depth > 4:
+        return False
+    if isinstance(value, torch.Tensor):
+        return id(value) not in twin
+    if isinstance(value, (*_PLAIN, type)):
+        return True
+    if isinstance(value, (torch.nn.Module, types.MethodType)):
+        return False
+    deeper = depth + 1
+    if isinstance(value, (tuple, list, set, frozenset)):
+        return all(movable(v, twin, deeper) for v in value)
+    if isinstance(value, dict):
+        return all(movable(v, twin, deeper) for v in value.values())
+    if isinstance(value, functools.partial):
+        return (movable(value.func, twin, deeper) and movable(value.args, twin, deeper)
+                and movable(value.keywords, twin, deeper))
+    if isinstance(value, types.FunctionType):
+        cells = []
+        for cell in value.__closure__ or ():
+            try:
+                cells.append(cell.cell_contents)
+            except ValueError:  # an empty cell
+                continue
+        return all(movable(v, twin, deeper) for v in (*cells, *(value.__defaults__ or ())))
+    if isinstance(value, types.BuiltinFunctionType):
+        return getattr(value, "__self__", None) is None or isinstance(
+            value.__self__, types.ModuleType)
+    attrs = getattr(value, "__dict__", None)  # an engine's object: what it holds
+    return attrs is None or movable(dict(attrs), twin, deeper)
+
+
+class TwinLayers:
+    """The twins of one update's planned layers: built (`construct`) once per update,
+    each processed when its live layer is complete (`process`), kept until the update
+    is verified (`model`, `moved`, `kept_live`), then dropped (`drop`).
+
+    `build`: the engine's model class as its fresh load constructs it (parameters on the
+    meta device as they register); `live`: the live model."""
+
+    def __init__(self, build: Callable[[], torch.nn.Module], live: torch.nn.Module) -> None:
+        t0 = time.perf_counter()
+        #: modules the engine shares between its models (a cached rotary embedding):
+        #: the live model's, never dropped with the twins
+        self.live_ids = {id(m) for m in live.modules()}
+        self.model: torch.nn.Module | None = construct(build)
+        self.modules = dict(self.model.named_modules())
+        #: layers whose twin's products now serve in the live layer
+        self.moved: set[str] = set()
+        #: layers processed on their twin but served by the live layer's own processing
+        #: (a product that could not be moved): the twin is still their fresh load
+        self.kept_live: set[str] = set()
+        #: layers not moved, and why
+        self.refused: dict[str, str] = {}
+        self.seconds = {"twin_construct": time.perf_counter() - t0, "twin_clone": 0.0,
+                        "twin_process": 0.0}
+
+    def process(self, mname: str, live: torch.nn.Module,
+                run: Callable[[torch.nn.Module], None], tied: bool = False) -> bool:
+        """Process the twin of live layer `mname` (complete, in the loader's layout) with
+        `run` (the engine's processing of one layer) and move its products into `live`.
+        True when moved (the live layer needs no processing of its own); False where it
+        must process itself (no twin of that class and layout, or a product that cannot
+        move; the twin is then still kept as its fresh load where it was processed).
+
+        The live layer's loader-layout tensors are handed to the twin, not copied: once
+        moved the live layer holds the twin's products, and where it processes itself
+        after all, the check compares it with the twin and repairs it from there.
+        `tied`: every tensor of the layer is another layer's (a tied output head,
+        processed after its owner): only what processing set besides its tensors moves,
+        and where processing replaced a tensor of it, the live layer processes itself."""
+        twin = self.modules.get(mname)
+        if twin is None or type(twin) is not type(live):
+            self.refused[mname] = "no twin of its class"
+            return False
+        mine = {k: t for k, t in (*live._parameters.items(), *live._buffers.items())
+                if t is not None}
+        theirs = {k: t for k, t in (*twin._parameters.items(), *twin._buffers.items())
+                  if t is not None}
+        wrong = [k for k, t in mine.items() if k not in theirs or t.shape != theirs[k].shape
+                 or (t.dtype != theirs[k].dtype and not _recast(t, theirs[k].dtype))]
+        if mine.keys() != theirs.keys() or wrong:
+            self.refused[mname] = "not the twin's layout: " + ", ".join(
+                f"{k} {tuple(t.shape)} {t.dtype}" + (
+                    f" (twin {tuple(theirs[k].shape)} {theirs[k].dtype})" if k in theirs else "")
+                for k, t in mine.items() if k in wrong)[:200]
+            return False
+        if tied and any(t.is_meta for t in theirs.values()):
+            self.refused[mname] = "its owner's twin was not processed"
+            return False  # its owner's twin was not processed: nothing of the live one's
+            # (the owner's kernel tensors) is ever handed to a twin
+        t0 = time.perf_counter()
+        with torch.no_grad():
+            for k, t in mine.items():
+                p = theirs[k]
+                if p.is_meta:  # handed over: the live layer will not process them itself
+                    _adopt(p, t.detach() if t.dtype == p.dtype else t.detach().to(p.dtype))
+                elif not tied:
+                    p.copy_(t)
+                # (tied: the twin's own, which the twin owning it was given and processed,
+                # as a fresh load processes the owner before the module sharing it)
+        t1 = time.perf_counter()
+        before = dict(vars(twin))
+        try:
+            run(twin)
+        except Exception as e:  # the live layer processes itself; its check takes a shadow
+            log.info("%s: processing its twin failed (%s: %s): processed in place", mname,
+                     type(e).__name__, e)
+            self.modules.pop(mname, None)  # half processed: never compared against
+            self.refused[mname] = f"processing raised {type(e).__name__}"
+            return False
+        t2 = time.perf_counter()
+        self.seconds["twin_clone"] += t1 - t0
+        self.seconds["twin_process"] += t2 - t1
+        after = vars(twin)
+        products = {k: v for k, v in after.items()
+                    if k not in _MODULE_STATE and (k not in before or before[k] is not v)}
+        removed = [k for k in before if k not in after]
+        now = {k: t for k, t in (*twin._parameters.items(), *twin._buffers.items())
+               if t is not None}
+        if tied and (now.keys() != theirs.keys()
+                     or any(now[k] is not t for k, t in theirs.items())):
+            self.kept_live.add(mname)  # its tensors replaced: not the owner's any more
+            self.refused[mname] = "processing replaced the owner's tensors"
+            return False
+        # a moved product must not reach the twin's tensors (moved tensors are the
+        # live layer's own from here on: vLLM copies them into its kernel tensors)
+        owned = {id(t) for t in now.values()}
+        wrong = sorted(k for k, v in products.items() if not movable(v, owned))
+        if wrong:
+            log.info("%s: products of processing its twin cannot move (%s): processed in "
+                     "place", mname, wrong)
+            self.kept_live.add(mname)
+            self.refused[mname] = f"products reach the twin: {wrong[:3]}"
+            return False
+        for own in ("_parameters", "_buffers") if not tied else ():
+            mine_d, theirs_d = getattr(live, own), getattr(twin, own)
+            for k in [k for k in mine_d if k not in theirs_d]:
+                del mine_d[k]
+            mine_d.update(theirs_d)
+        if not tied:
+            live._non_persistent_buffers_set = set(twin._non_persistent_buffers_set)
+        for k in removed:
+            live.__dict__.pop(k, None)
+        live.__dict__.update(products)
+        self.moved.add(mname)
+        return True
+
+    def processed(self) -> set[str]:
+        """Layers whose twin was processed: the fresh load of each, kept for the check."""
+        return self.moved | self.kept_live
+
+    def drop(self) -> None:
+        """Release the twins (their modules reference each other through their
+        parameters' loaders: the tensors are dropped at once, not left to the collector)."""
+        model, self.model = self.model, None
+        if model is None:
+            return
+        for m in model.modules():
+            if id(m) in self.live_ids:
+                continue
+            m._parameters.clear()
+            m._buffers.clear()
+            for k, v in list(vars(m).items()):
+                if k not in _MODULE_STATE and (isinstance(v, torch.Tensor) or (
+                        callable(v) and not isinstance(v, (torch.nn.Module, type)))):
+                    m.__dict__.pop(k, None)
+        self.modules = {}
