@@ -49,6 +49,7 @@ TWIN_MODES = ("on", "off")
 #: what every `nn.Module` holds in its `__dict__`: never a product of processing
 _MODULE_STATE = frozenset(vars(torch.nn.Module()))
 _PLAIN = (int, float, bool, str, bytes, type(None), torch.dtype, torch.device, torch.Size)
+_OPS = (torch._ops.OpOverloadPacket, torch._ops.OpOverload)
 
 
 def _adopt(p: torch.Tensor, t: torch.Tensor) -> None:
@@ -105,9 +106,12 @@ def movable(value: Any, twin: Collection[int] = (), depth: int = 0) -> bool:
             except ValueError:  # an empty cell
                 continue
         return all(movable(v, twin, deeper) for v in (*cells, *(value.__defaults__ or ())))
+    if isinstance(value, _OPS):  # an operator of torch's registry (a handle's destructor)
+        return True
     if isinstance(value, types.BuiltinFunctionType):
-        return getattr(value, "__self__", None) is None or isinstance(
-            value.__self__, types.ModuleType)
+        owner = getattr(value, "__self__", None)
+        return (owner is None or isinstance(owner, types.ModuleType)
+                or movable(owner, twin, deeper))
     attrs = getattr(value, "__dict__", None)  # an engine's object: what it holds
     return attrs is None or movable(dict(attrs), twin, deeper)
 

@@ -599,7 +599,8 @@ def _repair_after_reload(model: torch.nn.Module, loaded: set[str],
       reprocesses only the owner (its reload's documented limitation 2), so on CPU the
       head keeps the packed copy of the old embedding. Its quant method's
       `process_weights_after_loading` is re-run; for embeddings that only rebuilds the
-      packed copy.
+      packed copy. Where this update's `twins` processed the owner, the head is
+      processed on its twin instead and what that sets is moved in (`engine.twin`).
     - On CPU, fused-MoE experts: vLLM prepacks their weights for the CPU kernel at first
       load only (`_setup_kernel` skips it on updates), so reloaded experts would be read
       in the wrong layout. The experts' own `process_weights_after_loading` is re-run.

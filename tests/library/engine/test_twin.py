@@ -207,6 +207,7 @@ def test_movable_refuses_whatever_would_serve_from_the_twin() -> None:
     assert movable(mine, owned) and movable(3) and movable(torch.float32) and movable(None)
     assert movable(lambda x: x + mine, owned) and movable(Handle(mine), owned)
     assert movable(functools.partial(torch.add, other=mine), owned)
+    assert movable(Handle(torch.ops.aten.add), owned)  # (vLLM's handle holds its destructor)
     assert not movable(twin.weight, owned)
     assert not movable(lambda x: twin.weight @ x, owned)
     assert not movable(twin) and not movable(twin.forward)
