@@ -10,9 +10,10 @@ is most of what a verified push costs (the prepack is done twice, then both hand
 probed).
 
 A twin is the same layer from the engine's own model class, constructed fresh (on the
-meta device, the shadow's `construct`), never processed. Given copies of the live
-layer's loader-layout tensors (what the update wrote, the loader's layout), the engine's
-own processing runs on the twin, exactly as a fresh load runs it on that layer; what it
+meta device, the shadow's `construct`), never processed. Handed the live layer's
+loader-layout tensors (what the update wrote, in the loader's layout: the live layer
+will not process them itself), the engine's processing of that layer runs on the twin
+as on a layer of a fresh load; what it
 produced (the tensors it left, the attributes it set or rebound) is then moved into the
 live layer, which the engine's code then finishes as it would have after processing it
 (vLLM copies the processed tensors into the kernel tensors its graphs hold).
@@ -79,9 +80,9 @@ def movable(value: Any, twin: Collection[int] = (), depth: int = 0) -> bool:
     """Whether `value`, a product of processing, can serve from the live layer: a tensor
     of its own, a plain value, an engine's object (a packed handle), or a function,
     partial or container holding only such (looked into four levels deep, an object's
-    attributes too). Never a module, a method bound to anything, or anything reaching
-    one of the twin's own tensors (`twin`: their ids): the live layer would keep serving
-    from the twin."""
+    attributes too; an object without a `__dict__`, a C++ one, is taken as it is). Never
+    a module, a method bound to anything, or anything reaching one of the twin's own
+    tensors (`twin`: their ids): the live layer would keep serving from the twin."""
     if depth > 4:
         return False
     if isinstance(value, torch.Tensor):
@@ -138,7 +139,7 @@ class TwinLayers:
         self.kept_live: set[str] = set()
         #: layers not moved, and why
         self.refused: dict[str, str] = {}
-        self.seconds = {"twin_construct": time.perf_counter() - t0, "twin_clone": 0.0,
+        self.seconds = {"twin_construct": time.perf_counter() - t0, "twin_hand_over": 0.0,
                         "twin_process": 0.0}
 
     def process(self, mname: str, live: torch.nn.Module,
@@ -196,7 +197,7 @@ class TwinLayers:
             self.refused[mname] = f"processing raised {type(e).__name__}"
             return False
         t2 = time.perf_counter()
-        self.seconds["twin_clone"] += t1 - t0
+        self.seconds["twin_hand_over"] += t1 - t0
         self.seconds["twin_process"] += t2 - t1
         after = vars(twin)
         products = {k: v for k, v in after.items()

@@ -141,6 +141,9 @@ class VLLMTarget(ApplyTarget):
         the plan's steady state (the plan's first use is judged against a whole fresh
         load) and `ENGINEHOOKS_TWIN=on`, on the host only (a GPU would hold every twin's
         processed tensors until the check)."""
+        if self.twins is not None:  # an update that failed before its check: released
+            self.twins.drop()
+            self.twins = None
         if (twin_mode() != "on" or self.device.type != "cpu" or self.plan.state == "verifying"
                 or not self.verifier.wanted(self.requested)):
             return None

@@ -231,3 +231,27 @@ def test_dropping_the_twins_leaves_the_modules_the_engine_shares() -> None:
     assert shared.weight is not None and callable(shared.cached)
     x = torch.randn(1, 8)
     assert live.layers[0](x).shape == (1, 8)  # the moved products outlive the twins
+
+
+def test_a_tensor_held_wider_than_the_twins_is_cast_back_only_where_exact() -> None:
+    """vLLM CPU restores a small linear's bias in float32 on AMX hosts, where the fresh
+    model holds it in bf16: the twin takes it cast back only where every value survives
+    the round trip (then it is what the fresh load's loader wrote); a value that would
+    round is refused, never handed over altered."""
+    def build() -> Model:
+        m = Model()
+        for layer in m.layers:
+            layer.weight.data = layer.weight.data.to(torch.bfloat16)
+        return m
+
+    live = _live()  # float32, as restored wider
+    twins = TwinLayers(build, live)
+    exact = torch.randn(8, 8).to(torch.bfloat16).to(torch.float32)
+    kernel = _reloading(live.layers[0], exact)
+    assert twins.process("layers.0", live.layers[0], _run)
+    _finish(live.layers[0], kernel)
+    x = torch.randn(2, 8).to(torch.bfloat16)
+    assert torch.equal(live.layers[0](x), x @ (exact.to(torch.bfloat16).t().contiguous() * 1.0))
+    _reloading(live.layers[1], exact + 1e-3)  # bf16 cannot hold these
+    assert not twins.process("layers.1", live.layers[1], _run)
+    assert "layout" in twins.refused["layers.1"] and "layers.1" not in twins.processed()
