@@ -946,7 +946,14 @@ def compare(live: torch.nn.Module, fresh: torch.nn.Module, landed: Collection[st
                 verdict.probed.extend(opaque)
             else:
                 out.append(Mismatch(mname or "<model>", "forward", "forward", None, None))
-        for attr, captured in opaque_captures(module).items():
+        probed = dict(opaque_captures(module))
+        # a callable whose captured tensors are not the fresh one's by name (another
+        # kernel's packing, a stale closure): its tensors matched nothing above, so its
+        # forward is compared instead
+        for attr, names in _captures(mine).items():
+            if attr not in probed and names != _captures(theirs).get(attr):
+                probed[attr] = ",".join(sorted(names))
+        for attr, captured in probed.items():
             full = f"{mname}.{attr}<{captured}>".lstrip(".")
             verdict.compared += 1
             tp = time.perf_counter()
@@ -959,6 +966,17 @@ def compare(live: torch.nn.Module, fresh: torch.nn.Module, landed: Collection[st
             else:
                 out.append(Mismatch(full, "opaque", "forward", None, None,
                                     module=module, fresh_module=fresh_modules[mname], attr=attr))
+    return out
+
+
+def _captures(tensors: Mapping[str, tuple[str, torch.Tensor]]) -> dict[str, set[str]]:
+    """Attribute -> the names of the tensors its callable captured, from
+    `readable_tensors`' keys (`attr<name>`)."""
+    out: dict[str, set[str]] = {}
+    for key, (kind, _) in tensors.items():
+        if kind == "closure":
+            attr, _, name = key.partition("<")
+            out.setdefault(attr, set()).add(name.rstrip(">"))
     return out
 
 

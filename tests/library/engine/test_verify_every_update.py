@@ -265,6 +265,40 @@ def test_a_packed_weight_held_by_a_closure_is_probed_and_repaired() -> None:
     assert digest_only_modules(Packed(w), {"weight"}, {"weight"}, set()) == set()
 
 
+class TensorPacked(torch.nn.Module):
+    """A linear layer packed into a readable tensor a closure captures under `name`
+    (vLLM CPU's sgl-kernel packing captures `packed_weight`)."""
+
+    def __init__(self, w: torch.Tensor, name: str) -> None:
+        super().__init__()
+        self.input_size_per_partition = w.shape[1]
+        self.weight = torch.nn.Parameter(torch.empty(0))
+        packed = w.t().contiguous()
+        self.cpu_linear = {
+            "packed_weight": lambda x, weight, bias: x @ packed,
+            "stale": (lambda stale: lambda x, weight, bias: x @ stale)(packed),
+        }[name]
+
+
+def test_a_callable_capturing_other_tensors_than_the_fresh_ones_is_probed() -> None:
+    """The live callable captured tensors under other names than the fresh load's (a
+    closure left by another kernel's packing, or an older one): no tensor of it matches
+    one of the fresh load's by name, so its forward is compared instead; without that
+    check nothing would compare it at all."""
+    from enginehooks.engine.verify import verify_and_repair
+
+    w = torch.randn(2, 3)
+    same = verify_and_repair(TensorPacked(w, "stale"), lambda: TensorPacked(w, "packed_weight"),
+                             {"weight"}, engine="toy")
+    assert same.mismatched == [] and same.probed == ["cpu_linear<stale>"], same
+    wrong = TensorPacked(w * 3, "stale")
+    got = verify_and_repair(wrong, lambda: TensorPacked(w, "packed_weight"), {"weight"},
+                            engine="toy")
+    assert got.repaired == ["cpu_linear<stale>"], got
+    x = torch.randn(4, 3)
+    assert torch.equal(wrong.cpu_linear(x, None, None), x @ w.t().contiguous())
+
+
 def test_a_planned_copy_the_engine_always_processes_sends_only_its_module_to_the_shadow(
         model_dirs: dict[str, Path], monkeypatch: pytest.MonkeyPatch) -> None:
     """An engine whose post-load processing rewrites one planned tensor on every load,
