@@ -30,7 +30,8 @@ from enginehooks.sglang_ext.versions import answer_version
 from enginehooks_testkit.generation import NEW_TOKENS, PROMPTS, Generation, first_difference
 
 __all__ = ["NEW_TOKENS", "PROMPTS", "EngineUnavailable", "Generation", "RunningEngine",
-           "first_difference", "fresh_generate", "hf_generate", "register_driver", "start_engine"]
+           "first_difference", "fresh_generate", "fresh_generate_of", "hf_generate",
+           "register_driver", "start_engine"]
 
 def synthetic_image(seed: int, side: int) -> Any:
     """A small RGB image drawn from `seed`, the same every time (a prompt
@@ -367,6 +368,20 @@ def register_driver(driver: type[RunningEngine]) -> None:
 def start_engine(engine: str, model_dir: str | Path, *, dtype: str = "float32",
                  engine_args: dict[str, Any] | None = None) -> RunningEngine:
     return DRIVERS[engine](model_dir, dtype=dtype, engine_args=engine_args)  # type: ignore[call-arg]
+
+
+def fresh_generate_of(engine: str, model: Any, source: str | Path, folder: str | Path, *,
+                      dtype: str = "float32") -> list[Generation]:
+    """`fresh_generate` of `model` (a pushed HF model): saved with `save_pretrained` in
+    `folder`, with the tokenizer files of the checkpoint `source` beside it."""
+    import shutil
+
+    folder = Path(folder)
+    model.save_pretrained(folder)
+    for f in Path(source).iterdir():
+        if f.name.startswith(("tokenizer", "special_tokens")):
+            shutil.copy(f, folder / f.name)
+    return fresh_generate(engine, folder, dtype=dtype)
 
 
 def fresh_generate(engine: str, model_dir: str | Path, *, dtype: str = "float32",

@@ -14,7 +14,6 @@ turned off.
 
 from __future__ import annotations
 
-import shutil
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -23,7 +22,7 @@ import pytest
 import torch
 
 from enginehooks import WeightSync
-from enginehooks_testkit.engines import VLLMInProcess, first_difference, fresh_generate
+from enginehooks_testkit.engines import VLLMInProcess, first_difference, fresh_generate_of
 from enginehooks_testkit.tiny import load_tiny, perturb
 from tests.support import requires_vllm
 
@@ -50,11 +49,7 @@ def _trainer(src: Path, seed: int) -> Any:
 
 
 def _fresh(model: Any, src: Path, folder: Path) -> list:
-    model.save_pretrained(folder)
-    for f in src.iterdir():
-        if f.name.startswith(("tokenizer", "special_tokens")):
-            shutil.copy(f, folder / f.name)
-    return fresh_generate("vllm", folder, dtype="bfloat16")
+    return fresh_generate_of("vllm", model, src, folder, dtype="bfloat16")
 
 
 def _onednn_handlers(worker: Any) -> int:
