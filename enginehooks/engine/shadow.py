@@ -81,13 +81,13 @@ class ShadowParts:
     device: torch.device
 
 
-def _move(p: torch.Tensor, device: torch.device | str) -> None:
-    """Turn parameter `p` into an empty one on `device`, in place: the same object (so
-    every reference the engine's code holds, ties between modules, and attributes it
-    sets on it later, such as `weight_loader` after registering it, all follow), of its
-    own class, with its attributes."""
-    twin = torch.Tensor._make_subclass(type(p), torch.empty_like(p, device=device),
-                                       p.requires_grad)
+def _move(p: torch.Tensor, device: torch.device | str, data: torch.Tensor | None = None) -> None:
+    """Turn parameter `p` into an empty one on `device` (or one on `data`'s storage), in
+    place: the same object (so every reference the engine's code holds, ties between
+    modules, and attributes it sets on it later, such as `weight_loader` after
+    registering it, all follow), of its own class, with its attributes."""
+    twin = torch.Tensor._make_subclass(
+        type(p), torch.empty_like(p, device=device) if data is None else data, p.requires_grad)
     twin.__dict__.update(p.__dict__)
     torch.utils.swap_tensors(p, twin)
 

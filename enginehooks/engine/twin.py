@@ -33,12 +33,14 @@ import logging
 import os
 import time
 import types
+import weakref
 from collections.abc import Callable, Collection
 from typing import Any
 
 import torch
 
-from enginehooks.engine.shadow import construct
+from enginehooks.engine.shadow import _collect_if_held, _drop, _move, construct
+from enginehooks.engine.verify import _MODULE_STATE
 
 log = logging.getLogger("enginehooks.verify")
 
@@ -47,18 +49,8 @@ TWIN_ENV = "ENGINEHOOKS_TWIN"
 #: layers, and the verification builds its shadow
 TWIN_MODES = ("on", "off")
 
-#: what every `nn.Module` holds in its `__dict__`: never a product of processing
-_MODULE_STATE = frozenset(vars(torch.nn.Module()))
 _PLAIN = (int, float, bool, str, bytes, type(None), torch.dtype, torch.device, torch.Size)
 _OPS = (torch._ops.OpOverloadPacket, torch._ops.OpOverload)
-
-
-def _adopt(p: torch.Tensor, t: torch.Tensor) -> None:
-    """Turn meta parameter `p` into one on `t`'s storage, in place (the same object, of
-    its class, with its attributes: `shadow._move` with the data given)."""
-    twin = torch.Tensor._make_subclass(type(p), t, p.requires_grad)
-    twin.__dict__.update(p.__dict__)
-    torch.utils.swap_tensors(p, twin)
 
 
 def _recast(t: torch.Tensor, dtype: torch.dtype) -> bool:
@@ -181,7 +173,8 @@ class TwinLayers:
             for k, t in mine.items():
                 p = theirs[k]
                 if p.is_meta:  # handed over: the live layer will not process them itself
-                    _adopt(p, t.detach() if t.dtype == p.dtype else t.detach().to(p.dtype))
+                    _move(p, t.device, t.detach() if t.dtype == p.dtype
+                          else t.detach().to(p.dtype))
                 elif not tied:
                     p.copy_(t)
                 # (tied: the twin's own, which the twin owning it was given and processed,
@@ -238,18 +231,14 @@ class TwinLayers:
         return self.moved | self.kept_live
 
     def drop(self) -> None:
-        """Release the twins (their modules reference each other through their
-        parameters' loaders: the tensors are dropped at once, not left to the collector)."""
+        """Release the twins, as the streamed shadow releases a unit (`shadow._drop`: the
+        modules reference each other through their parameters' loaders, so the tensors
+        are dropped at once, not left to the collector; modules the engine shares with
+        the live model are left alone)."""
         model, self.model = self.model, None
         if model is None:
             return
-        for m in model.modules():
-            if id(m) in self.live_ids:
-                continue
-            m._parameters.clear()
-            m._buffers.clear()
-            for k, v in list(vars(m).items()):
-                if k not in _MODULE_STATE and (isinstance(v, torch.Tensor) or (
-                        callable(v) and not isinstance(v, (torch.nn.Module, type)))):
-                    m.__dict__.pop(k, None)
+        released: list[weakref.ref[torch.Tensor]] = []
+        _drop(model, self.live_ids, released)
         self.modules = {}
+        _collect_if_held(released, TwinLayers)
