@@ -950,8 +950,9 @@ def compare(live: torch.nn.Module, fresh: torch.nn.Module, landed: Collection[st
         # a callable whose captured tensors are not the fresh one's by name (another
         # kernel's packing, a stale closure): its tensors matched nothing above, so its
         # forward is compared instead
+        fresh_captures = _captures(theirs)
         for attr, names in _captures(mine).items():
-            if attr not in probed and names != _captures(theirs).get(attr):
+            if attr not in probed and names != fresh_captures.get(attr):
                 probed[attr] = ",".join(sorted(names))
         for attr, captured in probed.items():
             full = f"{mname}.{attr}<{captured}>".lstrip(".")
