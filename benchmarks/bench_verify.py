@@ -200,7 +200,7 @@ def _profile_steady_applies(path: Path) -> None:
     real_apply, real_call = ApplyTarget.apply, EngineSide.call
     stats: dict[str, pstats.Stats] = {}
     applies = [0]
-    kinds = phases(1000)
+    kinds = phases(1000, int(os.environ.get("ENGINEHOOKS_BENCH_STEADY", STEADY)))
 
     def apply(self: ApplyTarget, tensors: Iterator[tuple[str, torch.Tensor]]) -> None:
         applies[0] += 1
@@ -303,7 +303,7 @@ class Memory:
 STEADY = 2
 
 
-def phases(rounds: int) -> list[str]:
+def phases(rounds: int, steady: int = STEADY) -> list[str]:
     """The pushes `push_rows` makes. Each round: unverified pushes, then verified ones.
     The first two of each kind are not counted. The first ("-first"): the trainer's
     `verify` is part of the layout key, so a push after a switch takes the full path
@@ -315,16 +315,17 @@ def phases(rounds: int) -> list[str]:
     repeat push after push only once the addresses do (measured on 1x H200: the
     trainer's digest launch 0.85-0.93 ms in that push against 0.22-0.35 ms in the
     next). A training loop verifies every push or none; it never switches. What is
-    compared is the steady state of each: `STEADY` prepared pushes of each kind per
+    compared is the steady state of each: `steady` prepared pushes of each kind per
     round, the k-th against the k-th (`layout` is in every row)."""
     return (["record", "plan-first"]
-            + (["never-first", "never-settle"] + ["never"] * STEADY
-               + ["always-after-never", "always-settle"] + ["always"] * STEADY) * rounds)
+            + (["never-first", "never-settle"] + ["never"] * steady
+               + ["always-after-never", "always-settle"] + ["always"] * steady) * rounds)
 
 
 def push_rows(handle: Any, trainer: Callable[[int], Any], rounds: int, transport: str = "gloo",
               sender: str | None = None, measure_rss: bool = False,
-              cuda_device: torch.device | None = None) -> list[dict[str, Any]]:
+              cuda_device: torch.device | None = None,
+              steady: int = STEADY) -> list[dict[str, Any]]:
     import cProfile
     import pstats
 
@@ -347,7 +348,7 @@ def push_rows(handle: Any, trainer: Callable[[int], Any], rounds: int, transport
         # what its digests prove: the update before it was not verified), then the
         # verified one the summary counts: a verified push after a verified one, the
         # steady state of the default policy (no copies where digests proved all).
-        for i, phase in enumerate(phases(rounds)):
+        for i, phase in enumerate(phases(rounds, steady)):
             weights = trainer(1000 + i)
             sync.verify = phase.startswith("always")
             remote = hasattr(handle, "_call")  # a replica process: its allocator's peak
@@ -377,7 +378,7 @@ def push_rows(handle: Any, trainer: Callable[[int], Any], rounds: int, transport
             # the first worker's own stats of this update (`EngineSide.receive`)
             workers = report.replicas[0].stats.get("workers") if report.replicas else None
             worker = workers[0] if isinstance(workers, list) and workers else {}
-            rows.append({"phase": phase, "seconds": round(wall, 4),
+            rows.append({"phase": phase, "seconds": round(wall, 6),
                          "report_seconds": round(report.seconds, 4), "bytes": report.bytes,
                          "layout": report.layout,
                          # where the push's time went, both sides (ms): the trainer's
@@ -440,6 +441,13 @@ def summary(rows: list[dict[str, Any]]) -> dict[str, Any]:
             "always_median_s": statistics.median(always) if always else None,
             "added_fraction_median": (statistics.median([(b - a) / a for a, b in pairs])
                                       if pairs else None),
+            # the same, less sensitive to a slow unverified push paired with a fast
+            # verified one: the medians' ratio, and the median of the pairs' differences
+            "added_fraction_of_medians": (statistics.median(always) / statistics.median(never)
+                                          - 1 if never and always else None),
+            "added_seconds_median": (statistics.median([b - a for a, b in pairs])
+                                     if pairs else None),
+            "pairs": len(pairs),
             "how": last.get("how"), "digest_bytes": last.get("digest_bytes"),
             "landed_bytes": last.get("landed_bytes"),
             "arrived_bytes": last.get("arrived_bytes"),
@@ -453,7 +461,10 @@ def main() -> int:
     ap.add_argument("--engine", choices=["vllm", "sglang", "module"], required=True)
     ap.add_argument("--gb", type=float, default=1.0, help="module replica size")
     ap.add_argument("--device", default="cuda", help="module replica device")
-    ap.add_argument("--rounds", type=int, default=3, help="never/always pairs")
+    ap.add_argument("--rounds", type=int, default=3, help="rounds of unverified, then "
+                    "verified pushes")
+    ap.add_argument("--steady", type=int, default=STEADY, help="steady pushes of each kind "
+                    "per round (the pairs compared); more where a push takes milliseconds")
     ap.add_argument("--transport", default="gloo", help="gloo (one process, any device) or "
                     "nccl (with --sender-device on another GPU than --device)")
     ap.add_argument("--sender-device", default=None, help="where the trainer's tensors live")
@@ -464,6 +475,7 @@ def main() -> int:
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
     os.environ["ENGINEHOOKS_SHADOW"] = args.shadow
+    os.environ["ENGINEHOOKS_BENCH_STEADY"] = str(args.steady)  # a replica process's profile
 
     desc = machine()
     running = None
@@ -487,7 +499,8 @@ def main() -> int:
         cuda = (torch.device(args.device) if args.engine == "module"
                 and torch.device(args.device).type == "cuda" else None)
         rows = push_rows(handle, trainer, args.rounds, args.transport, args.sender_device,
-                         measure_rss=args.engine != "sglang", cuda_device=cuda)
+                         measure_rss=args.engine != "sglang", cuda_device=cuda,
+                         steady=args.steady)
     finally:
         if running is not None:
             if hasattr(running, "stop"):

@@ -177,6 +177,14 @@ SGLANG_ENGINE_ARGS: dict[str, Any] = dict(
 )
 
 
+def sglang_path_here() -> None:
+    """PYTHONPATH's folders in this process's path too (where `cpu_env` put the
+    `sgl_kernel` CPU stand-in for SGLang's children): SGLang's modules import here."""
+    for p in reversed(os.environ.get("PYTHONPATH", "").split(os.pathsep)):
+        if p and p not in sys.path:
+            sys.path.insert(0, p)
+
+
 class SGLangInProcess(RunningEngine):
     """`sglang.Engine` on CPU (its scheduler runs in a child process; the enginehooks
     plugin loads there by itself). Started under a deadline: when SGLang's child dies
@@ -194,9 +202,7 @@ class SGLangInProcess(RunningEngine):
         # in this process's path and in the environment its children inherit.
         os.environ.update(cpu_env())
         os.environ.setdefault("SGLANG_PLUGINS", "enginehooks")
-        for p in reversed(os.environ.get("PYTHONPATH", "").split(os.pathsep)):
-            if p and p not in sys.path:
-                sys.path.insert(0, p)
+        sglang_path_here()
         try:
             import sglang
         except ImportError as e:

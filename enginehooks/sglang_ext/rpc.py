@@ -11,6 +11,13 @@ It runs in the process that binds the socket: the trainer's process for an in-pr
 `sglang.Engine` (the Engine binds it), the HTTP server's main process for
 `launch_server` (our route binds it; see `plugin.py`). The socket carries SGLang's own
 IPC encoding between SGLang's processes on one host; what leaves this module is JSON.
+
+One call at a time per socket, however many clients wrap it: a ZMQ socket is not safe
+for two threads, and two calls polling one socket take each other's replies (each
+handle of one `sglang.Engine` wraps the same socket; after a failed push the trainer's
+`leave` calls run on in the background while the caller asks the engine's state
+through another handle: the reply one took from the other left that call waiting out
+its whole timeout, and every later call on its handle behind it).
 """
 
 from __future__ import annotations
@@ -19,6 +26,7 @@ import json
 import threading
 import time
 import uuid
+import weakref
 from typing import Any
 
 from enginehooks.core.errors import PushTimeout, ReplicaError
@@ -30,13 +38,27 @@ class RpcTimeout(PushTimeout):
     """The scheduler did not answer within the deadline."""
 
 
+_LOCKS: weakref.WeakKeyDictionary[Any, threading.Lock] = weakref.WeakKeyDictionary()
+_LOCKS_GUARD = threading.Lock()
+
+
+def socket_lock(socket: Any) -> threading.Lock:
+    """The one lock of `socket`, shared by every client that wraps it."""
+    with _LOCKS_GUARD:
+        lock = _LOCKS.get(socket)
+        if lock is None:
+            lock = _LOCKS[socket] = threading.Lock()
+        return lock
+
+
 class SchedulerRpc:
-    """One ZMQ DEALER socket to the scheduler(s), used by one thread at a time."""
+    """One ZMQ DEALER socket to the scheduler(s), used by one call at a time (the
+    socket's lock, `socket_lock`, whichever client holds it)."""
 
     def __init__(self, socket: Any, who: str = "sglang") -> None:
         self.socket = socket
         self.who = who
-        self._lock = threading.Lock()
+        self._lock = socket_lock(socket)
 
     def call(self, method: str, args: list[Any], timeout_s: float) -> list[Any]:
         """Run `method(*args)` on every TP rank; one JSON result per rank. Raises
@@ -58,7 +80,10 @@ class SchedulerRpc:
                     raise RpcTimeout(
                         f"{self.who}: the scheduler did not answer {method} within "
                         f"{timeout_s}s (stopped, hung, or busy with a long update)")
-                out = sock_recv(self.socket, zmq.NOBLOCK)
+                try:
+                    out = sock_recv(self.socket, zmq.NOBLOCK)
+                except zmq.Again:  # read by someone outside these clients meanwhile
+                    continue
                 if not isinstance(out, RpcReqOutput):
                     continue
                 reply = _parse(out.message)

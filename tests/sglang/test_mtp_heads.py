@@ -19,8 +19,6 @@ tested: SGLang's scheduler wiring of its draft worker as a companion (no CPU run
 
 from __future__ import annotations
 
-import os
-import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -38,6 +36,7 @@ from enginehooks.engine.companions import CompanionBinding
 from enginehooks.engine.contract import verb_of
 from enginehooks.engine.expectations import skeleton_on_meta
 from enginehooks.engine.side import EngineSide
+from enginehooks_testkit.engines import sglang_path_here
 from enginehooks_testkit.mtp import (
     MTP_PREFIX,
     copying_head,
@@ -57,10 +56,7 @@ def mimo(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
     """A tiny MiMo checkpoint, and SGLang's process state for building its models here:
     its server arguments (speculative decoding with the checkpoint as its own draft),
     a one-rank gloo world and its parallel groups."""
-    # the `sgl_kernel` CPU stand-in, which conftest puts on the children's path: here too
-    for p in reversed(os.environ.get("PYTHONPATH", "").split(os.pathsep)):
-        if p and p not in sys.path:
-            sys.path.insert(0, p)
+    sglang_path_here()  # the `sgl_kernel` CPU stand-in, which conftest puts on the children's path
     from sglang.srt.distributed import (
         destroy_distributed_environment,
         destroy_model_parallel,

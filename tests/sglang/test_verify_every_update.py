@@ -14,12 +14,14 @@ after SGLang's own step, injected into the scheduler process by a test-only SGLa
 plugin, `fault_plugin/`, since no real loader misbehaves on demand) changes the
 embedding after it landed: the first such push ends torn, naming it (no copy was kept:
 the digests were to prove it); this test fails exactly when the check after apply of
-the arrived tensors is lost. With `ENGINEHOOKS_SGLANG_REPAIR_CELL=1` it goes on: the
-next push keeps copies, compares the embedding on a fresh-load shadow, repairs it, and
-meets the exact oracle; with verification off for one push, the same fault leaves the
-engine answering wrong. (That part passed twice on 2026-11-29, once in CI, then hung
-at the repairing push in three runs in a row on the same machine: not in CI until that
-is understood.)
+the arrived tensors is lost. The next push keeps copies, compares the embedding on a
+fresh-load shadow, repairs it, and meets the exact oracle; with verification off for
+one push, the same fault leaves the engine answering wrong.
+
+(The repairing push once hung here past its timeout, three runs in a row: the failed
+push's `leave` calls, still running in the background, and this test's `info` through
+a new handle of the same engine polled one socket with two locks and took each other's
+replies. One lock per socket now, `sglang_ext/rpc.py`; `test_rpc_socket.py`.)
 """
 
 from __future__ import annotations
@@ -45,10 +47,6 @@ PLUGIN_DIR = Path(__file__).parent / "fault_plugin"
 EMBED = "model.embed_tokens.weight"
 VOCAB, HIDDEN = 4096, 256  # 2 MB tensors in bf16: each over gloo in a bucket of its own
 BUCKET = 1 << 20
-#: the pushes after the torn one (repaired on a shadow, then verification off) run only
-#: with this set: on 2026-11-29 the repairing push hung past its timeout in three runs
-#: in a row on this machine after passing twice (once in CI), not yet diagnosed
-REPAIR_ENV = "ENGINEHOOKS_SGLANG_REPAIR_CELL"
 
 
 @pytest.fixture(scope="module")
@@ -129,8 +127,6 @@ def test_large_tensors_proved_as_they_arrived_and_a_change_after_landing_is_caug
             with pytest.raises(WeightsMismatch, match=r"model\.embed_tokens\.weight"):
                 sync.push(a, version=5)  # no copy kept (digests were to prove it): torn
             assert engine.handle().info(30)[0]["state"] == "torn"
-            if os.environ.get(REPAIR_ENV) != "1":
-                return  # (the fault file is removed below)
             sync.push(a, version=6)  # copies kept: compared on a shadow, repaired
             assert first_difference(engine.generate(), out_a) is None
             last = _verification(engine)["last"]

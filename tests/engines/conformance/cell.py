@@ -279,7 +279,7 @@ def copy_plan(handle: Any) -> dict[str, Any] | None:
     if not info:
         return None
     keys = ("state", "reason", "planned", "loader", "planned_last", "loader_last",
-            "loader_examples")
+            "loader_examples", "twins_last")
     return {k: info.get(k) for k in keys}
 
 
