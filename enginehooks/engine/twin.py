@@ -45,8 +45,8 @@ from enginehooks.engine.verify import _MODULE_STATE
 log = logging.getLogger("enginehooks.verify")
 
 TWIN_ENV = "ENGINEHOOKS_TWIN"
-#: `on`: verified updates process planned layers on twins; `off` (default): on the live
-#: layers, and the verification builds its shadow
+#: `on` (default): verified updates in the copy plan's steady state process planned
+#: layers on twins; `off`: on the live layers, and the verification builds its shadow
 TWIN_MODES = ("on", "off")
 
 _PLAIN = (int, float, bool, str, bytes, type(None), torch.dtype, torch.device, torch.Size)
@@ -64,8 +64,19 @@ def _recast(t: torch.Tensor, dtype: torch.dtype) -> bool:
 
 
 def twin_mode() -> str:
-    mode = os.environ.get(TWIN_ENV, "off").strip().lower()
-    return mode if mode in TWIN_MODES else "off"
+    """`ENGINEHOOKS_TWIN`: "on" (the default) or "off"; anything else is logged and
+    taken as "off" (the live layers process themselves, as they always could)."""
+    raw = os.environ.get(TWIN_ENV, "on").strip().lower()
+    if raw in TWIN_MODES:
+        return raw
+    if raw not in _WARNED:
+        _WARNED.add(raw)
+        log.warning("%s=%r is not one of %s: twins are off", TWIN_ENV, raw,
+                    "/".join(TWIN_MODES))
+    return "off"
+
+
+_WARNED: set[str] = set()
 
 
 def movable(value: Any, twin: Collection[int] = (), depth: int = 0) -> bool:
@@ -169,16 +180,26 @@ class TwinLayers:
             return False  # its owner's twin was not processed: nothing of the live one's
             # (the owner's kernel tensors) is ever handed to a twin
         t0 = time.perf_counter()
-        with torch.no_grad():
-            for k, t in mine.items():
-                p = theirs[k]
-                if p.is_meta:  # handed over: the live layer will not process them itself
-                    _move(p, t.device, t.detach() if t.dtype == p.dtype
-                          else t.detach().to(p.dtype))
-                elif not tied:
-                    p.copy_(t)
-                # (tied: the twin's own, which the twin owning it was given and processed,
-                # as a fresh load processes the owner before the module sharing it)
+        try:
+            with torch.no_grad():
+                for k, t in mine.items():
+                    p = theirs[k]
+                    if p.is_meta:  # handed over: the live layer will not process them
+                        _move(p, t.device, t.detach() if t.dtype == p.dtype
+                              else t.detach().to(p.dtype))
+                    elif not tied:
+                        p.copy_(t)
+                    # (tied: the twin's own, which the twin owning it was given and
+                    # processed, as a fresh load processes the owner before the module
+                    # sharing it)
+        except Exception as e:  # a twin tensor something else holds (a view of it: vLLM's
+            # Mamba mixers alias their conv weight), which `_move` cannot swap in place:
+            # half handed over, never compared against; the live layer processes itself
+            log.info("%s: its twin could not be handed the live tensors (%s: %s): processed "
+                     "in place", mname, type(e).__name__, e)
+            self.modules.pop(mname, None)
+            self.refused[mname] = f"hand-over failed: {type(e).__name__}"
+            return False
         t1 = time.perf_counter()
         before = dict(vars(twin))
         try:

@@ -40,6 +40,9 @@ def engine(deep: Path) -> Iterator[VLLMInProcess]:
     with pytest.MonkeyPatch.context() as mp:
         mp.delenv("ENGINEHOOKS_VERIFY", raising=False)  # the default policy: always
         mp.delenv("ENGINEHOOKS_SHADOW", raising=False)  # the default: streamed
+        # the shadow itself, unit by unit, is what this tests: with twins (the default)
+        # the steady state's planned layers are compared with their twins instead
+        mp.setenv("ENGINEHOOKS_TWIN", "off")
         with VLLMInProcess(deep, dtype="bfloat16") as llm:
             yield llm
 

@@ -34,8 +34,9 @@ NORM = "model.layers.0.input_layernorm.weight"
 @pytest.fixture(scope="module", params=["off", "on"], ids=["live-processing", "twins"])
 def engine(request: pytest.FixtureRequest, model_dirs: dict[str, Path]
            ) -> Iterator[VLLMInProcess]:
-    """The default, and `ENGINEHOOKS_TWIN=on` (`engine.twin`: verified updates process
-    the planned layers on fresh twins and move the products in)."""
+    """`ENGINEHOOKS_TWIN=off`, and the default, on (`engine.twin`: verified updates in
+    the plan's steady state process the planned layers on fresh twins and move the
+    products in)."""
     with pytest.MonkeyPatch.context() as mp:
         mp.delenv("ENGINEHOOKS_VERIFY", raising=False)  # the default policy
         mp.setenv("ENGINEHOOKS_TWIN", request.param)

@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 import torch
 
-from enginehooks.engine.twin import TwinLayers, movable
+from enginehooks.engine.twin import TWIN_ENV, TwinLayers, movable, twin_mode
 from enginehooks.engine.verify import Verdict, compare
 
 
@@ -141,6 +141,28 @@ def test_a_twin_whose_processing_fails_is_never_compared_against() -> None:
     assert twins.processed() == set() and "layers.1" not in twins.modules
 
 
+def test_a_twin_that_cannot_be_handed_the_live_tensors_is_not_used() -> None:
+    """A twin parameter something else holds (a view of it made at construction, as
+    vLLM's Mamba mixers alias their conv weight) cannot be swapped in place: that layer
+    processes itself, its twin is never compared against, the update goes on."""
+    class Aliasing(Model):
+        def __init__(self) -> None:
+            super().__init__()
+            self.layers[1].alias = self.layers[1].weight.view(-1)
+
+    live = _live()
+    twins = TwinLayers(Aliasing, live)
+    layer = live.layers[1]
+    _reloading(layer, torch.randn(8, 8))
+    before = dict(vars(layer))
+    assert not twins.process("layers.1", layer, _run)
+    assert twins.refused["layers.1"].startswith("hand-over failed")
+    assert twins.processed() == set() and "layers.1" not in twins.modules
+    assert vars(layer) == before  # nothing moved into the live layer
+    _reloading(live.layers[0], torch.randn(8, 8))
+    assert twins.process("layers.0", live.layers[0], _run)  # the other layers still are
+
+
 def test_a_twin_of_another_class_or_layout_is_not_used() -> None:
     live = _live()
     twins = TwinLayers(lambda: Model(shared=live.rotary), live)
@@ -255,3 +277,15 @@ def test_a_tensor_held_wider_than_the_twins_is_cast_back_only_where_exact() -> N
     _reloading(live.layers[1], exact + 1e-3)  # bf16 cannot hold these
     assert not twins.process("layers.1", live.layers[1], _run)
     assert "layout" in twins.refused["layers.1"] and "layers.1" not in twins.processed()
+
+
+def test_twins_are_on_by_default_and_a_bad_setting_turns_them_off(
+        monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    monkeypatch.delenv(TWIN_ENV, raising=False)
+    assert twin_mode() == "on"
+    monkeypatch.setenv(TWIN_ENV, " OFF ")
+    assert twin_mode() == "off"
+    monkeypatch.setenv(TWIN_ENV, "yes-please")
+    with caplog.at_level("WARNING", logger="enginehooks.verify"):
+        assert twin_mode() == "off"
+    assert "ENGINEHOOKS_TWIN='yes-please' is not one of on/off" in caplog.text
