@@ -29,7 +29,9 @@ and the resident memory of the engine's processes and of the trainer after every
 
 Every push also records its verification verdict from the push report (each engine
 worker's `verification`, `engine/verify.py`): outcome (verified / repaired / unverified /
-failed), how (digest, shadow), what was repaired and what could not be compared. Under
+failed), how (digest, shadow), what was repaired and what could not be compared, and how
+many layers the engine processed on twins (`engine/twin.py`; `with_twins` counts the
+pushes that had any). Under
 the default policy (`ENGINEHOOKS_VERIFY` unset or `always`) a push on a CPU engine that is
 not verified, or whose verification failed, fails the soak: issue 38's "100% of pushes
 report a verification that passed (or a repair that passed)".
@@ -314,6 +316,8 @@ def soak(args: argparse.Namespace, work: Path) -> dict[str, Any]:
                 ev.trainer_rss_mb = rss_mb(os.getpid())
                 events.append(ev)
                 verdict = (f" {ev.verdict['outcome']}({'+'.join(ev.verdict['how'])})"
+                           + (f" twins {ev.verdict['twins_moved']}"
+                              if ev.verdict.get("twins_moved") else "")
                            if ev.verdict else "")
                 print(f"{k:4d} {kind:18s} ok={ev.ok!s:5s} {ev.seconds:6.2f}s{verdict} "
                       f"engine {ev.engine_rss_mb:7.1f} MB trainer {ev.trainer_rss_mb:7.1f} MB "
@@ -369,6 +373,11 @@ def run_one(kind: str, ev: Event, sync: WeightSync, handle: Any, server: Any, mo
         report = sync.push(model, version=ev.version)
         ev.ok = True
         ev.verdict = push_verdict(report)
+        # what the engine's copy plan did with it: layers processed on twins and moved
+        # (`engine/twin.py`, vLLM on CPU), where any
+        plan = handle.info(args.timeout_s)[0].get("copy_plan") or {}
+        twins = plan.get("twins_last") or {}
+        ev.verdict["twins_moved"] = int(twins.get("moved") or 0)
     elif kind == "bad-manifest":
         version_before = handle.version()
         try:
@@ -518,6 +527,8 @@ def summarise(args: argparse.Namespace, events: list[Event], answers: list[Answe
     verification = {
         "policy": engine_verification.get("policy",
                                           os.environ.get(VERIFY_ENV, DEFAULT_POLICY)),
+        # pushes whose planned layers were processed on twins (`engine/twin.py`)
+        "with_twins": sum(bool((ev.verdict or {}).get("twins_moved")) for ev in pushes),
         "engine_counts": engine_verification.get("updates"),
         **{o: outcomes.count(o) for o in VERDICTS},
         "how": dict(sorted(hows.items())),
