@@ -18,6 +18,7 @@ from __future__ import annotations
 import json
 import threading
 import time
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -34,15 +35,31 @@ def _reply(call_id: str, result: Any) -> str:
                        "workers": [{"ok": True, "result": result}]})
 
 
-def test_two_handles_on_one_socket_never_have_two_calls_outstanding() -> None:
+@pytest.fixture
+def sockets() -> Iterator[tuple[Any, Any]]:
+    """(the client's socket, bound on loopback as an Engine binds it; the scripted
+    scheduler's, connected to it)."""
     import zmq
-    from sglang.srt.managers.io_struct import RpcReqOutput, sock_recv, sock_send
 
     ctx = zmq.Context()
     client = ctx.socket(zmq.DEALER)
     port = client.bind_to_random_port("tcp://127.0.0.1")
     peer = ctx.socket(zmq.DEALER)
     peer.connect(f"tcp://127.0.0.1:{port}")
+    try:
+        yield client, peer
+    finally:
+        client.close(0)
+        peer.close(0)
+        ctx.term()
+
+
+def test_two_handles_on_one_socket_never_have_two_calls_outstanding(
+        sockets: tuple[Any, Any]) -> None:
+    import zmq
+    from sglang.srt.managers.io_struct import RpcReqOutput, sock_recv, sock_send
+
+    client, peer = sockets
     outstanding, most = [0], [0]
     stop = threading.Event()
 
@@ -78,38 +95,24 @@ def test_two_handles_on_one_socket_never_have_two_calls_outstanding() -> None:
     finally:
         stop.set()
         thread.join(5)
-        client.close(0)
-        peer.close(0)
-        ctx.term()
 
 
-def test_a_timed_out_call_never_poisons_the_next() -> None:
+def test_a_timed_out_call_never_poisons_the_next(sockets: tuple[Any, Any]) -> None:
     """The reply of a call that gave up arrives later: the next call skips it by its id."""
-    import zmq
     from sglang.srt.managers.io_struct import RpcReqOutput, sock_recv, sock_send
 
     from enginehooks.sglang_ext.rpc import RpcTimeout
 
-    ctx = zmq.Context()
-    client = ctx.socket(zmq.DEALER)
-    port = client.bind_to_random_port("tcp://127.0.0.1")
-    peer = ctx.socket(zmq.DEALER)
-    peer.connect(f"tcp://127.0.0.1:{port}")
-    try:
-        rpc = SchedulerRpc(client, "one")
-        with pytest.raises(RpcTimeout, match="did not answer late within"):
-            rpc.call("late", [], 0.2)
-        late = sock_recv(peer)
+    client, peer = sockets
+    rpc = SchedulerRpc(client, "one")
+    with pytest.raises(RpcTimeout, match="did not answer late within"):
+        rpc.call("late", [], 0.2)
+    late = sock_recv(peer)
+    sock_send(peer, RpcReqOutput(success=True, message=_reply(late.parameters["call_id"], "late")))
+    answered = threading.Thread(target=lambda: (
+        (req := sock_recv(peer)),
         sock_send(peer, RpcReqOutput(success=True,
-                                     message=_reply(late.parameters["call_id"], "late")))
-        answered = threading.Thread(target=lambda: (
-            (req := sock_recv(peer)),
-            sock_send(peer, RpcReqOutput(success=True,
-                                         message=_reply(req.parameters["call_id"], "next")))))
-        answered.start()
-        assert rpc.call("next", [], 5) == ["next"]
-        answered.join(5)
-    finally:
-        client.close(0)
-        peer.close(0)
-        ctx.term()
+                                     message=_reply(req.parameters["call_id"], "next")))))
+    answered.start()
+    assert rpc.call("next", [], 5) == ["next"]
+    answered.join(5)
