@@ -31,7 +31,7 @@ from enginehooks_testkit.generation import NEW_TOKENS, PROMPTS, Generation, firs
 
 __all__ = ["NEW_TOKENS", "PROMPTS", "EngineUnavailable", "Generation", "RunningEngine",
            "first_difference", "fresh_generate", "fresh_generate_of", "hf_generate",
-           "register_driver", "start_engine"]
+           "processor_files", "register_driver", "save_pushed", "start_engine"]
 
 def synthetic_image(seed: int, side: int) -> Any:
     """A small RGB image drawn from `seed`, the same every time (a prompt
@@ -376,18 +376,34 @@ def start_engine(engine: str, model_dir: str | Path, *, dtype: str = "float32",
     return DRIVERS[engine](model_dir, dtype=dtype, engine_args=engine_args)  # type: ignore[call-arg]
 
 
-def fresh_generate_of(engine: str, model: Any, source: str | Path, folder: str | Path, *,
-                      dtype: str = "float32") -> list[Generation]:
-    """`fresh_generate` of `model` (a pushed HF model): saved with `save_pretrained` in
-    `folder`, with the tokenizer files of the checkpoint `source` beside it."""
+#: what an engine loads beside the weights (tokenizer, image processor), which a model's
+#: own `save_pretrained` does not write
+PROCESSOR_FILES = ("tokenizer", "special_tokens", "preprocessor_config", "processor_config",
+                   "video_preprocessor_config", "chat_template")
+
+
+def processor_files(source: str | Path, folder: str | Path) -> None:
+    """Copy `PROCESSOR_FILES` of checkpoint `source` into `folder`."""
     import shutil
 
+    for f in Path(source).iterdir():
+        if f.name.startswith(PROCESSOR_FILES):
+            shutil.copy(f, Path(folder) / f.name)
+
+
+def save_pushed(model: Any, source: str | Path, folder: str | Path) -> Path:
+    """`model` (what a trainer pushed) as a checkpoint an engine starts from: its
+    `save_pretrained` in `folder`, with the processor files of checkpoint `source`."""
     folder = Path(folder)
     model.save_pretrained(folder)
-    for f in Path(source).iterdir():
-        if f.name.startswith(("tokenizer", "special_tokens")):
-            shutil.copy(f, folder / f.name)
-    return fresh_generate(engine, folder, dtype=dtype)
+    processor_files(source, folder)
+    return folder
+
+
+def fresh_generate_of(engine: str, model: Any, source: str | Path, folder: str | Path, *,
+                      dtype: str = "float32") -> list[Generation]:
+    """`fresh_generate` of `model` saved as `save_pushed` saves it (the exact oracle)."""
+    return fresh_generate(engine, save_pushed(model, source, folder), dtype=dtype)
 
 
 def fresh_generate(engine: str, model_dir: str | Path, *, dtype: str = "float32",

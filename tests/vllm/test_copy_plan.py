@@ -17,7 +17,6 @@ real loader fails on demand).
 
 from __future__ import annotations
 
-import shutil
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -26,7 +25,7 @@ import torch
 
 from enginehooks import WeightSync
 from enginehooks.core.errors import EngineHooksError
-from enginehooks_testkit.engines import VLLMInProcess, first_difference, fresh_generate
+from enginehooks_testkit.engines import VLLMInProcess, first_difference, fresh_generate_of
 from enginehooks_testkit.tiny import load_tiny, perturb
 from tests.support import requires_vllm
 
@@ -54,11 +53,7 @@ def _embedding_full_copy(worker: object) -> bool:
 
 
 def _fresh(model: object, src: Path, folder: Path) -> list:
-    model.save_pretrained(folder)  # type: ignore[attr-defined]
-    for f in src.iterdir():
-        if f.name.startswith(("tokenizer", "special_tokens")):
-            shutil.copy(f, folder / f.name)
-    return fresh_generate("vllm", folder, dtype="bfloat16")
+    return fresh_generate_of("vllm", model, src, folder, dtype="bfloat16")
 
 
 def test_planned_pushes_equal_a_fresh_load(engine: VLLMInProcess, model_dirs: dict[str, Path],

@@ -14,7 +14,6 @@ constructor reads a parameter (Apertus) run as conformance cells.
 
 from __future__ import annotations
 
-import shutil
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -25,7 +24,7 @@ from enginehooks import ManifestError
 from enginehooks.core.dtypes import dtype_name
 from enginehooks.core.manifest import TensorSpec, plan
 from enginehooks.vllm_ext import VLLMEngine
-from enginehooks_testkit.engines import VLLMInProcess, first_difference, fresh_generate
+from enginehooks_testkit.engines import VLLMInProcess, first_difference, fresh_generate_of
 from enginehooks_testkit.tiny import load_tiny, perturb
 from tests.support import requires_vllm
 
@@ -77,12 +76,9 @@ def test_fp32_trainer_into_bf16_engine_through_vllms_api_equals_fresh_load(
     assert report is not None and report.ok
     got = bf16.generate()
     assert first_difference(got, before) is not None, "the push did not change generation"
-    folder = tmp_path / "fresh"
-    model.save_pretrained(folder)  # fp32 on disk: vLLM's loader casts it to bf16
-    for f in model_dirs["llama"].iterdir():
-        if f.name.startswith(("tokenizer", "special_tokens")):
-            shutil.copy(f, folder / f.name)
-    diff = first_difference(got, fresh_generate("vllm", folder, dtype="bfloat16"))
+    # fp32 on disk: vLLM's loader casts it to bf16
+    diff = first_difference(got, fresh_generate_of("vllm", model, model_dirs["llama"],
+                                                   tmp_path / "fresh", dtype="bfloat16"))
     assert diff is None, f"bf16 vLLM after an fp32 push != bf16 vLLM freshly loaded: {diff}"
     # the first update in this process was verified against a fresh-load shadow
     verification = bf16.handle().info(30)[0]["verification"]

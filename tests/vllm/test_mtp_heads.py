@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -35,7 +34,7 @@ import pytest
 
 from enginehooks import WeightSync
 from enginehooks.core.errors import ManifestError
-from enginehooks_testkit.engines import NEW_TOKENS, PROMPTS, Generation
+from enginehooks_testkit.engines import NEW_TOKENS, PROMPTS, Generation, save_pushed
 from enginehooks_testkit.mtp import (
     MTP_PREFIX,
     copying_head,
@@ -118,11 +117,8 @@ def fresh_start(model: Any, seed: int, mimo: Path, tmp_path: Path
     pushed model (started once per model; call it with no other server running)."""
     if seed not in FRESH:
         folder = tmp_path / "pushed"
-        model.save_pretrained(folder)
+        save_pushed(model, mimo, folder)
         mimo_config(folder)
-        for f in mimo.iterdir():
-            if f.name.startswith(("tokenizer", "special_tokens")):
-                shutil.copy(f, folder / f.name)
         with VLLMServerProcess(folder, tmp_path / "vllm-mtp-fresh.log", extra_args=MTP) as fresh:
             answers, counts = run(fresh)
         FRESH[seed] = (oracle(answers), counts)

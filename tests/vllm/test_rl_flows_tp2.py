@@ -18,7 +18,6 @@ each rank against its own fresh-load shadow.
 from __future__ import annotations
 
 import os
-import shutil
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -27,6 +26,7 @@ import pytest
 
 from enginehooks.control._http import request_json
 from enginehooks.vllm_ext import VLLMServer
+from enginehooks_testkit.engines import fresh_generate, processor_files, save_pushed
 from enginehooks_testkit.generation import Generation, first_difference
 from enginehooks_testkit.tiny import load_tiny, perturb
 from tests.support import requires_vllm
@@ -69,14 +69,6 @@ def tp_env() -> dict[str, str]:
     # one core per worker; on a machine with more cores, the first two
     env.setdefault("VLLM_CPU_OMP_THREADS_BIND", "0|1")
     return env
-
-
-def checkpoint(model: Any, source: Path, folder: Path) -> Path:
-    model.save_pretrained(folder)  # fp32 on disk: vLLM's loader casts it to bf16
-    for f in source.iterdir():
-        if f.name.startswith(("tokenizer", "special_tokens")):
-            shutil.copy(f, folder / f.name)
-    return folder
 
 
 def serve(model_dir: Path, log: Path) -> Any:
@@ -136,7 +128,8 @@ def test_http_flow_fp32_trainer_into_bf16_tp2_server_equals_fresh_load(
         assert info["version"] == "tp2-1" and info["state"] == "current"
         assert info["verification"]["last"]["ok"] is True
         assert info["verification"]["last"]["mismatched"] == []
-    folder = checkpoint(model, model_dirs["llama"], tmp_path / "fresh")
+    # fp32 on disk: vLLM's loader casts it to bf16
+    folder = save_pushed(model, model_dirs["llama"], tmp_path / "fresh")
     with serve(folder, tmp_path / "fresh.log") as fresh:
         want = fresh.generations()
     diff = first_difference(got, want)
@@ -150,8 +143,6 @@ def test_llm_flow_fp32_trainer_into_bf16_tp2_llm_equals_fresh_load(
     import sys
 
     run_today("llm")
-
-    from enginehooks_testkit.engines import fresh_generate
 
     folder = tmp_path / "fresh"
     request = json.dumps({"model_dir": str(model_dirs["llama"]), "seed": 212, "tp": TP,
@@ -172,16 +163,11 @@ def test_llm_flow_fp32_trainer_into_bf16_tp2_llm_equals_fresh_load(
     for info in reply["infos"]:
         assert info["version"] == "llm-tp2" and info["state"] == "current"
         assert info["verification"]["last"]["ok"] is True
-    checkpoint_dir = checkpoint_tokenizer(model_dirs["llama"], folder)
+    checkpoint_dir = folder  # the child's save_pretrained, with the checkpoint's tokenizer
+    processor_files(model_dirs["llama"], folder)
     monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", tp_env()["VLLM_CPU_OMP_THREADS_BIND"])
     want = fresh_generate("vllm", checkpoint_dir, dtype="bfloat16",
                           engine_args={"tensor_parallel_size": TP}, timeout_s=600)
     diff = first_difference(got, want)
     assert diff is None, f"bf16 TP=2 LLM after an fp32 push != the same freshly loaded: {diff}"
 
-
-def checkpoint_tokenizer(source: Path, folder: Path) -> Path:
-    for f in source.iterdir():
-        if f.name.startswith(("tokenizer", "special_tokens")):
-            shutil.copy(f, folder / f.name)
-    return folder

@@ -15,7 +15,6 @@ greedy tokens.
 
 from __future__ import annotations
 
-import shutil
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -32,7 +31,7 @@ from enginehooks_testkit.engines import (
     PROMPTS,
     VLLMInProcess,
     first_difference,
-    fresh_generate,
+    fresh_generate_of,
 )
 from enginehooks_testkit.tiny import hf_greedy, load_tiny, perturb
 from tests.support import requires_vllm
@@ -50,12 +49,7 @@ def native(model_dirs: dict[str, Path]) -> Iterator[VLLMInProcess]:
 
 
 def fresh_outputs(model: Any, like: Path, tmp: Path) -> list[Any]:
-    folder = tmp / "fresh"
-    model.save_pretrained(folder)
-    for f in like.iterdir():
-        if f.name.startswith(("tokenizer", "special_tokens")):
-            shutil.copy(f, folder / f.name)
-    return fresh_generate("vllm", folder)
+    return fresh_generate_of("vllm", model, like, tmp / "fresh")
 
 
 def trainer_engine(client: Any, source: Any, **options: Any) -> Any:

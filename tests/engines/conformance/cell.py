@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import subprocess
 import sys
 import time
@@ -46,15 +45,6 @@ BUCKET = 64 << 10
 
 # Where the cell is, for `matrix.run` when this process dies without a result.
 from tests.engines.conformance.matrix import phase  # noqa: E402
-
-
-def _processor_files(src: Path, dst: Path) -> None:
-    """What the engine loads beside the weights (tokenizer, image processor), which the
-    model's own save_pretrained does not write."""
-    for f in src.iterdir():
-        if f.name.startswith(("tokenizer", "special_tokens", "preprocessor_config",
-                              "processor_config", "video_preprocessor_config", "chat_template")):
-            shutil.copy(f, dst / f.name)
 
 
 def checkpoint(family: str, engine: str, root: Path) -> Path:
@@ -98,9 +88,9 @@ def with_lora(model: Any) -> tuple[Any, Any]:
 
 
 def save_reference(model: Any, d0: Path, folder: Path) -> Path:
-    model.save_pretrained(folder)
-    _processor_files(d0, folder)
-    return folder
+    from enginehooks_testkit.engines import save_pushed
+
+    return save_pushed(model, d0, folder)
 
 
 def mutations(state: dict[str, Any]) -> list[tuple[str, dict[str, Any], str]]:

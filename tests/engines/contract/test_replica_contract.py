@@ -9,7 +9,6 @@ A refused update changes nothing: same version, same outputs, nothing streamed.
 
 from __future__ import annotations
 
-import shutil
 import zlib
 from pathlib import Path
 from typing import Any
@@ -26,6 +25,7 @@ from enginehooks_testkit.engines import (
     RunningEngine,
     first_difference,
     fresh_generate,
+    save_pushed,
 )
 from enginehooks_testkit.tiny import hf_greedy, load_tiny, perturb
 
@@ -35,12 +35,7 @@ READABLE = ["model.embed_tokens.weight", "model.norm.weight",
 
 def fresh_outputs(engine: str, model: Any, like: Path, tmp: Path) -> list[Any]:
     """The oracle: `engine` freshly started from `save_pretrained(model)`."""
-    folder = tmp / "fresh"
-    model.save_pretrained(folder)
-    for f in like.iterdir():  # the tokenizer
-        if f.name.startswith(("tokenizer", "special_tokens")):
-            shutil.copy(f, folder / f.name)
-    return fresh_generate(engine, folder)
+    return fresh_generate(engine, save_pushed(model, like, tmp / "fresh"))
 
 
 def checkpoint_state(model: Any) -> dict[str, torch.Tensor]:
