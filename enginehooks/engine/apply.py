@@ -496,7 +496,9 @@ class ApplyTarget(Target, ABC):
             if not verify:
                 self.verifier.skipped()
         elif verify:
-            planned = {st.dest for r in update.routes.values() for st in r.steps}
+            # (what the plan wrote: needed only to judge the plan's first use)
+            planned = ({st.dest for r in update.routes.values() for st in r.steps}
+                       if checking else set())
             self.plan.verify_update(self.verifier, model,
                                     lambda: self.fresh_load(kept, before_processing=mark_loaded),
                                     landed, checking and update.planned > 0, planned,

@@ -41,6 +41,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import logging
+import operator
 import os
 import time
 import types
@@ -437,6 +438,9 @@ class DigestCheck:
     def wire(self, landing: Any) -> None:
         """A receiver's `WireLanding`, before it yields the tensors it names."""
         self.landings.append(landing)
+        if not self._wired:  # the first (in a push of one doorbell, the only) landing
+            self._wired.update(landing.names)
+            return
         for name, (addr, nbytes) in landing.names.items():
             a, b = self._wired.get(name, (addr, 0))
             self._wired[name] = (addr if a == addr else -1, b + nbytes)
@@ -609,23 +613,32 @@ class DigestCheck:
             groups.setdefault(ld.sums.data_ptr(), (ld.sums, []))[1].append(ld)
         self._rereads = []
         for sums, lds in groups.values():
-            arrays = tuple(np.concatenate([getattr(ld, f) for ld in lds])
-                           for f in ("dst", "nbytes", "word", "bucket"))
-            dst, nb, word, bk = arrays
-            with torch.cuda.device(sums.device):
-                # in a training loop the landings repeat push after push: the device
-                # table of the last one is launched again where its rows are the same
-                hit = _RECHECKS.get(sums.device)
+            # in a training loop the landings repeat push after push: the device table
+            # of the last one is launched again where its rows are the same. A receiver
+            # hands the same arrays again where nothing changed (`cuda_ipc._landing`):
+            # the same objects (held by `_RECHECKS`, so never another array at a reused
+            # id) are the same rows without comparing them
+            hit = _RECHECKS.get(sums.device)
+            own = tuple(getattr(ld, f) for ld in lds for f in _LANDING_COLUMNS)
+            if (hit is not None and hit[1].out.shape == sums.shape and len(own) == len(hit[2])
+                    and all(map(operator.is_, own, hit[2]))):
+                replay = hit[1]
+            else:
+                arrays = tuple(np.concatenate([getattr(ld, f) for ld in lds])
+                               for f in _LANDING_COLUMNS)
                 if (hit is not None and hit[1].out.shape == sums.shape
                         and all(a.shape == b.shape and np.array_equal(a, b)
                                 for a, b in zip(hit[0], arrays, strict=True))):
                     replay = hit[1]
                 else:  # a table of its own (not a ring slot: it is kept)
-                    replay = fused_copy.Replay(
-                        fused_copy.build(dst, dst, nb, word, bk, sums.device),
-                        len(sums), sums.device)
-                    _RECHECKS[sums.device] = (arrays, replay)
-                # what differs, still on the device: one read of it in `_landed_changed`
+                    dst, nb, word, bk = arrays
+                    with torch.cuda.device(sums.device):
+                        replay = fused_copy.Replay(
+                            fused_copy.build(dst, dst, nb, word, bk, sums.device),
+                            len(sums), sums.device)
+                _RECHECKS[sums.device] = (arrays, replay, own)
+            # what differs, still on the device: one read of it in `_landed_changed`
+            with torch.cuda.device(sums.device):
                 self._rereads.append((replay.differs(sums), lds))
 
     def _landed_changed(self) -> set[str]:
@@ -716,8 +729,11 @@ def _digest(algo: str, b: torch.Tensor) -> int:
 _SLOTS = 1024
 #: a run a receiver's landing proves (`DigestCheck.wire`): its "digest" is the address
 _WIRE = "landed"
-#: per device, the last re-read's rows and its replayable launch (`DigestCheck.reread`)
-_RECHECKS: dict[torch.device, tuple[tuple[Any, ...], Any]] = {}
+#: per device, the last re-read's rows, its replayable launch, and the landings' own
+#: arrays it was made from (`DigestCheck.reread`)
+_RECHECKS: dict[torch.device, tuple[tuple[Any, ...], Any, tuple[Any, ...]]] = {}
+#: a `WireLanding`'s pieces, as the re-read's table takes them
+_LANDING_COLUMNS = ("dst", "nbytes", "word", "bucket")
 
 
 def _launch_terms(runs: list[torch.Tensor], out: torch.Tensor) -> None:

@@ -36,10 +36,12 @@ each (virtual, zero-padded) bucket is a read of its sources on a side stream, la
 right after the doorbell, so it runs beside the engine's copy rather than before it; it
 travels as soon as those reads are done (`ready/<last>`), so it is waiting when the
 receiver's copy ends; the receiver compares it with its own after its copy and answers
-one final ack: a corrupted or torn bucket ends the update with `ChecksumError` naming
-it, after its bytes landed (the engine is then `torn`, never `current`, as after any
-failure mid-update). Memory: the sender holds references to the stream's tensors until
-their doorbell is acked (nothing for parameters themselves; gathered temporaries stay alive until then, which
+one final ack (in `deliver`, on a thread, while the target's apply finishes: its
+post-load steps and verification overlap that round trip): a corrupted or torn bucket
+ends the update with `ChecksumError` naming it, after its bytes landed (the engine is
+then `torn`, never `current`, as after any failure mid-update). Memory: the sender
+holds references to the stream's tensors until their doorbell is acked (nothing for
+parameters themselves; gathered temporaries stay alive until then, which
 `window_bytes` bounds); the receiver allocates nothing but its tables. Mappings are
 dropped when the trainer's allocator has freed a segment since the last push (its
 `segment.all.freed` counter), so a reused address never reads through a stale mapping;
@@ -60,6 +62,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Generator, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, ClassVar, cast
 
@@ -851,6 +854,10 @@ class CudaIpcReceiver(ColocatedReceiver):
         self._witness: Target | None = None
         #: window -> its last landing description (`_landing`)
         self._landings: dict[int, _LandingKept] = {}
+        #: while `deliver` runs: the last exchange goes to `_final_pool` (`_final_job`)
+        self._defer_final = False
+        self._final_job: Future[None] | None = None
+        self._pool: ThreadPoolExecutor | None = None
 
     def connect(self) -> None:
         torch.cuda.set_device(self.device)
@@ -892,6 +899,9 @@ class CudaIpcReceiver(ColocatedReceiver):
         try:
             self._unmap_refs()
         finally:
+            if self._pool is not None:
+                self._pool.shutdown(wait=False)
+                self._pool = None
             super().close()
 
     # -- single copy ---------------------------------------------------------------------
@@ -1105,43 +1115,93 @@ class CudaIpcReceiver(ColocatedReceiver):
                     ph["sync"] += clock() - c3
                     w, b0 = w + 1, b1
                 ph["dests"] += res.seconds
-                c0 = clock()
-                final = self._ready(seq, w, mid)
-                want = final.get("digests")
-                if manifest.checksum is not None:
-                    if not isinstance(want, list) or len(want) != n:
-                        raise TransportError(f"malformed digests message {final!r:.200}")
-                    total = (digests[:n] + digests[n:]).tolist()
-                    for k, (v, wv) in enumerate(zip(total, want, strict=True)):
-                        mine = ((v & _MASK) ^ (manifest.buckets[k].nbytes << 40)) & _MASK
-                        if mine != int(wv):
-                            names = [lay.tensors[int(i)].name
-                                     for i in lay.p_t[lay.lo[k]:lay.hi[k]][:4]]
-                            raise ChecksumError(
-                                f"bucket {k}: sum64 {mine:#x} != sender's {int(wv):#x}; tensors "
-                                f"{names}... (single copy: the bytes landed before the check)")
-                self._ack(seq, w)
-                ph["final"] = clock() - c0
+                # what this receiver read, per bucket (the copies are done: no wait)
+                total = ((digests[:n] + digests[n:]).tolist()
+                         if manifest.checksum is not None else None)
+                final = functools.partial(self._final, seq, w, mid, manifest, lay, total)
+                if self._defer_final:
+                    # `deliver`: the sender's digests are awaited on a thread while the
+                    # target's apply goes on (its post-load steps and verification), and
+                    # compared before `deliver` returns
+                    self._final_job = self._final_pool().submit(final)
+                    return
         except BaseException as e:
             self._broken = True
             self._fail(seq, w, n + 1, f"error: {type(e).__name__}: {e}")
             raise
+        final()
+
+    def _final(self, seq: int, w: int, mid: int, manifest: Manifest, lay: _Layout,
+               total: list[int] | None) -> None:
+        """The last exchange of a single-copy update: the sender's digest of every
+        bucket (sent once its reads were done) against `total`, what this receiver read
+        as it copied; one final ack. A bucket that differs ends the update with
+        `ChecksumError` naming its tensors (its bytes landed: the engine is torn)."""
+        n = len(manifest.buckets)
+        c0 = time.perf_counter()
+        try:
+            msg = self._ready(seq, w, mid)
+            want = msg.get("digests")
+            if total is not None:
+                if not isinstance(want, list) or len(want) != n:
+                    raise TransportError(f"malformed digests message {msg!r:.200}")
+                for k, (v, wv) in enumerate(zip(total, want, strict=True)):
+                    mine = ((v & _MASK) ^ (manifest.buckets[k].nbytes << 40)) & _MASK
+                    if mine != int(wv):
+                        names = [lay.tensors[int(i)].name
+                                 for i in lay.p_t[lay.lo[k]:lay.hi[k]][:4]]
+                        raise ChecksumError(
+                            f"bucket {k}: sum64 {mine:#x} != sender's {int(wv):#x}; tensors "
+                            f"{names}... (single copy: the bytes landed before the check)")
+            self._ack(seq, w)
+        except BaseException as e:
+            self._broken = True
+            self._fail(seq, w, n + 1, f"error: {type(e).__name__}: {e}")
+            raise
+        finally:
+            self.phases["final"] = time.perf_counter() - c0
+
+    def _final_pool(self) -> ThreadPoolExecutor:
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(1, thread_name_prefix="enginehooks-cuda-ipc-final")
+        return self._pool
 
     def deliver(self, manifest: Manifest, target: Target) -> dict[str, Any]:
+        """The update into `target`. A single-copy update's last exchange (the sender's
+        digests, the final ack: `_final`) waits on a thread while the target's apply
+        goes on after the last tensor (its post-load steps and its verification, which
+        re-reads the landed bytes on the device): the wait for the sender's message and
+        that work overlap. Nothing is reported before both are done: `deliver` returns
+        (and the engine says `current`) only once the digests matched, and a mismatch
+        fails the update (torn) whatever the apply did meanwhile."""
         t0 = time.perf_counter()
         self.phases = {}
-        self._witness = target
+        self._witness, self._defer_final, self._final_job = target, True, None
+        failed: BaseException | None = None
         try:
             it = self.stream(manifest, target.destination)
             target.apply(it)
+            # The last ack is sent when the iterator is exhausted: make sure it was.
+            leftover = next(it, None)
+            if leftover is not None:
+                it.close()
+                raise TransportError(
+                    f"the target stopped before consuming the whole update (next: "
+                    f"{leftover[0]!r})")
+        except BaseException as e:
+            failed = e
         finally:
-            self._witness = None
-        # The last ack is sent when the iterator is exhausted: make sure it was.
-        leftover = next(it, None)
-        if leftover is not None:
-            it.close()
-            raise TransportError(
-                f"the target stopped before consuming the whole update (next: {leftover[0]!r})")
+            self._witness, self._defer_final = None, False
+            job, self._final_job = self._final_job, None
+        if job is not None:
+            try:
+                job.result()  # (bounded: `_ready` waits at most the transport's timeout)
+            except BaseException as e:
+                if failed is None:
+                    raise
+                raise e from failed  # the transport's check names the cause first
+        if failed is not None:
+            raise failed
         out: dict[str, Any] = {"bytes": _total_bytes(manifest),
                                "seconds": time.perf_counter() - t0}
         if self.phases:  # single copy: where the receiver's time went

@@ -88,7 +88,8 @@ def test_a_byte_the_engine_reads_wrong_ends_the_update_torn(
     would read it): its copy and digest disagree with the trainer's digest, compared
     after the ack; the push fails with ChecksumError, the engine is `torn`, never
     `current`, and the next push is exact. Protective line: the comparison of the final
-    `digests` message in `CudaIpcReceiver._stream_refs`."""
+    `digests` message in `CudaIpcReceiver._final` (awaited beside the apply's tail:
+    the apply verified what landed, and the update still ends torn)."""
     trainer, replica, sync, engine = pair()
     real = CudaIpcSender._locate_many
 

@@ -100,7 +100,10 @@ receiver.connect()
 for m in manifests:
     for p in model.parameters():
         p.data.zero_()
-    receiver.deliver(m, target)
+    if len(sys.argv) > 5 and sys.argv[5] == "stream":
+        target.apply(receiver.stream(m, target.destination))  # no `deliver` (verl's way)
+    else:
+        receiver.deliver(m, target)
     torch.cuda.synchronize()
     out = {n: zlib.crc32(p.detach().reshape(-1).view(torch.uint8).cpu().numpy())
            for n, p in model.named_parameters()}
@@ -172,6 +175,16 @@ def test_cuda_ipc_target_without_destination_bit_exact_several_pushes() -> None:
     """Single copy into a target that has no destination(): it copies from views of the
     trainer's memory itself; pushes 0-1 go by handle, push 2 (crc32) packed."""
     run_push("cuda_ipc", ["cuda:0"], mode="nodest")
+
+
+@gpus(1)
+def test_cuda_ipc_read_as_a_stream_ends_its_own_last_exchange() -> None:
+    """A receiver read through `stream()` alone (verl's checkpoint engine, the
+    multi-sender's parts), with no `deliver` to finish the update after the target's
+    apply: the stream itself compares the sender's digests and sends the final ack
+    (`CudaIpcReceiver._final`, inline). Without that the sender waits out its timeout
+    and the push fails."""
+    run_push("cuda_ipc", ["cuda:0"], mode="stream")
 
 
 def awkward(ws: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

@@ -263,3 +263,47 @@ def test_a_settled_verdict_stands_only_for_the_same_structure(
         assert last()["settled"] is False and "shadow" in last()["how"], last()
     finally:
         run.close()
+
+
+def test_the_last_exchange_waits_beside_the_apply_and_nothing_is_current_before_it(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """`deliver` awaits the sender's digests and sends the final ack on a thread while the
+    target's apply finishes (post-load steps, verification with its device re-read):
+    the two waits overlap. Here that exchange is held until the apply has verified: done
+    inline, before the apply's tail, it would wait for something that cannot happen
+    and the push would fail. Meanwhile the engine says `updating`, never `current`: it
+    is `current` only once the digests matched (a mismatch after a verified apply ends
+    torn: `test_cuda_ipc_doorbell.py`)."""
+    import threading
+
+    from enginehooks.engine.apply import ApplyTarget
+    from enginehooks.transports.cuda_ipc import CudaIpcReceiver
+
+    _fused_or_skip()
+    monkeypatch.setenv("ENGINEHOOKS_VERIFY", "always")
+    verified = threading.Event()
+    seen: list[tuple[bool, str]] = []
+    real_verify, real_final = ApplyTarget._record_and_verify, CudaIpcReceiver._final
+
+    def verify(self: Any, *a: Any, **k: Any) -> None:
+        real_verify(self, *a, **k)
+        verified.set()
+
+    run = _Pushes()
+
+    def final(self: Any, *a: Any, **k: Any) -> None:
+        seen.append((verified.wait(timeout=30), run.handle.side.state))
+        real_final(self, *a, **k)
+
+    monkeypatch.setattr(ApplyTarget, "_record_and_verify", verify)
+    monkeypatch.setattr(CudaIpcReceiver, "_final", final)
+    try:
+        for v in range(1, 5):  # the plan recorded, checked, then the settled steady state
+            verified.clear()
+            run.push(v)
+            run.equal()
+            assert seen[-1] == (True, "updating"), seen
+            assert run.handle.side.state == "current" and run.last()["ok"] is True
+        assert len(seen) == 4 and run.last()["settled"] is True, run.last()
+    finally:
+        run.close()
