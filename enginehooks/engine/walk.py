@@ -88,18 +88,23 @@ class Structure:
     contents can change without any dict changing) has no structure (`of` is None):
     nothing is kept for such a model.
 
-    `matches` runs on every settled update, after the load: it compares what the
-    modules hold as one flat sequence (a marker ends each module's part, so nothing
-    moves from one module to the next unseen) and the tensors' keys as columns
-    (`tensor_keys`), which is half the time of a comparison module by module and
-    tuple by tuple (~150 against ~300 us for 62 modules on a CPU core)."""
+    `matches` runs on every settled update, after the load, so it is written as a few
+    passes of C-level `map`s, not a Python call per module: the modules' own dicts by
+    identity (`__dict__`; then the parameters, buffers and children dicts it holds),
+    every dict's length (so that nothing moves from one dict to the next unseen), every
+    value of every dict by identity, then the tensors' keys as columns (`tensor_keys`).
+    For the 1 GB benchmark model (62 modules, 60 tensors) on a 2-core Intel host: ~210
+    us module by module through a tuple each, ~85 us so."""
 
-    __slots__ = ("held", "keys", "modules", "root", "tensors")
+    __slots__ = ("dicts", "keys", "lens", "modules", "root", "tensors", "values")
 
     def __init__(self, root: torch.nn.Module, modules: list[torch.nn.Module]) -> None:
         self.root, self.modules = root, modules
-        #: what every module holds (`_held`), in walk order, flat
-        self.held = tuple(chain.from_iterable(map(_held, modules)))
+        #: the modules' `__dict__`s, then their parameters, buffers and children dicts
+        self.dicts = _dicts(modules)
+        self.lens = list(map(len, self.dicts))
+        #: every value of every one of those dicts, in order (held: ids stay theirs)
+        self.values = list(chain.from_iterable(map(dict.values, self.dicts)))
         #: every parameter and buffer, in walk order (held alive: ids stay theirs)
         self.tensors = [t for m in modules for own in (m.__dict__["_parameters"],
                                                        m.__dict__["_buffers"])
@@ -108,8 +113,8 @@ class Structure:
 
     @staticmethod
     def of(model: torch.nn.Module) -> Structure | None:
-        """Per module, depth first: the module and what it holds (`_held`); then every
-        tensor's address, shape, strides and dtype."""
+        """Per module, depth first: the module and what it holds; then every tensor's
+        address, shape, strides and dtype."""
         modules = []
         stack: list[torch.nn.Module] = [model]
         while stack:
@@ -120,33 +125,44 @@ class Structure:
                 return None
             modules.append(m)
             stack.extend(c for c in reversed(m._modules.values()) if c is not None)
-        return Structure(model, modules)
+        try:
+            return Structure(model, modules)
+        except (KeyError, TypeError):  # a module without torch's own dicts: none kept
+            return None
 
     def matches(self, model: torch.nn.Module) -> bool:
         """Whether `model` is still this structure: from the root, module by module,
-        the same attribute values, parameters, buffers and children (by identity; the
-        children being the same, the modules walked are the model's own), then the
-        same tensor keys."""
+        the same `__dict__`, attribute values, parameters, buffers and children (by
+        identity; the children being the same, the modules walked are the model's
+        own), then the same tensor keys."""
         if model is not self.root:
             return False
-        now = tuple(chain.from_iterable(map(_held, self.modules)))
-        if len(now) != len(self.held) or not all(map(operator.is_, now, self.held)):
+        n = len(self.modules)
+        own = list(map(_VARS, self.modules))
+        if not all(map(operator.is_, own, self.dicts[:n])):
+            return False  # a module given another `__dict__`
+        try:
+            dicts = own + list(chain.from_iterable(map(_OWN_DICTS, own)))
+            if list(map(len, dicts)) != self.lens:
+                return False
+            now = list(chain.from_iterable(map(dict.values, dicts)))
+        except (KeyError, TypeError):
+            return False  # a module's parameters, buffers or children dict removed
+        if not all(map(operator.is_, now, self.values)):
             return False
         # the same objects: the same tensors, whose keys `.data = ...` may have changed
         return tensor_keys(self.tensors) == self.keys
 
 
-def _held(m: torch.nn.Module) -> tuple[object, ...]:
-    """What a module holds, in one tuple: its attribute values, then its parameters,
-    buffers and children (a marker before each group, so that nothing moves from one
-    group to another unseen, and one after them all, so that nothing moves to the next
-    module)."""
-    d = m.__dict__
-    return (*d.values(), _PARAMS, *d["_parameters"].values(), _BUFFERS,
-            *d["_buffers"].values(), _CHILDREN, *d["_modules"].values(), _END)
+def _dicts(modules: list[torch.nn.Module]) -> list[dict[str, object]]:
+    """The modules' `__dict__`s, then each one's parameters, buffers and children
+    dicts, in order."""
+    own = list(map(_VARS, modules))
+    return own + list(chain.from_iterable(map(_OWN_DICTS, own)))
 
 
-_PARAMS, _BUFFERS, _CHILDREN, _END = object(), object(), object(), object()
+_VARS = operator.attrgetter("__dict__")
+_OWN_DICTS = operator.itemgetter("_parameters", "_buffers", "_modules")
 _SHAPE, _DTYPE = operator.attrgetter("shape"), operator.attrgetter("dtype")
 
 

@@ -114,8 +114,8 @@ def test_a_structure_is_the_same_only_while_nothing_it_holds_changed() -> None:
 def test_a_child_moved_to_the_next_module_in_the_walk_is_a_change() -> None:
     """`Structure.matches` compares what the modules hold as one flat sequence: a child
     that one module lost at the end of its part, and the next module in the walk gained
-    at the start of its own, leaves the same sequence but for the marker that ends each
-    module's part."""
+    at the start of its own, leaves the same sequence but for the lengths of the dicts
+    it is read from."""
     root = torch.nn.Module()
     root.x = torch.nn.Linear(2, 2)
     root.y = torch.nn.Linear(2, 2)
@@ -127,3 +127,22 @@ def test_a_child_moved_to_the_next_module_in_the_walk_is_a_change() -> None:
     root.x.__dict__["moved"] = y
     root.x.__dict__.update(held)
     assert not before.matches(root)
+
+
+def test_a_module_given_another_dict_or_losing_torch_s_own_is_a_change() -> None:
+    """`Structure.matches` reads the modules' dicts as they are now: a module given
+    another `__dict__` (even holding the same values), or whose parameters dict was
+    removed or replaced by something that is no dict, is not the structure it was, and
+    the check says so rather than failing."""
+    for what in ("new_dict", "no_params", "not_a_dict"):
+        root = torch.nn.Module()
+        root.x = torch.nn.Linear(2, 2)
+        before = Structure.of(root)
+        assert before is not None and before.matches(root), what
+        if what == "new_dict":
+            root.x.__dict__ = dict(root.x.__dict__)
+        elif what == "no_params":
+            del root.x.__dict__["_parameters"]
+        else:
+            root.x.__dict__["_parameters"] = list(root.x.__dict__["_parameters"].values())
+        assert not before.matches(root), what
