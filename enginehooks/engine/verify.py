@@ -615,39 +615,12 @@ class DigestCheck:
         host walks the model for the rest of the verification."""
         if self._rereads is not None or not self.landings:
             return
-        import numpy as np
-
-        from enginehooks.core import fused_copy
-
         groups: dict[int, tuple[torch.Tensor, list[Any]]] = {}
         for ld in self.landings:
             groups.setdefault(ld.sums.data_ptr(), (ld.sums, []))[1].append(ld)
         self._rereads = []
         for sums, lds in groups.values():
-            # in a training loop the landings repeat push after push: the device table
-            # of the last one is launched again where its rows are the same. A receiver
-            # hands the same arrays again where nothing changed (`cuda_ipc._landing`):
-            # the same objects (held by `_RECHECKS`, so never another array at a reused
-            # id) are the same rows without comparing them
-            hit = _RECHECKS.get(sums.device)
-            own = tuple(getattr(ld, f) for ld in lds for f in _LANDING_COLUMNS)
-            if (hit is not None and hit[1].out.shape == sums.shape and len(own) == len(hit[2])
-                    and all(map(operator.is_, own, hit[2]))):
-                replay = hit[1]
-            else:
-                arrays = tuple(np.concatenate([getattr(ld, f) for ld in lds])
-                               for f in _LANDING_COLUMNS)
-                if (hit is not None and hit[1].out.shape == sums.shape
-                        and all(a.shape == b.shape and np.array_equal(a, b)
-                                for a, b in zip(hit[0], arrays, strict=True))):
-                    replay = hit[1]
-                else:  # a table of its own (not a ring slot: it is kept)
-                    dst, nb, word, bk = arrays
-                    with torch.cuda.device(sums.device):
-                        replay = fused_copy.Replay(
-                            fused_copy.build(dst, dst, nb, word, bk, sums.device),
-                            len(sums), sums.device)
-                _RECHECKS[sums.device] = (arrays, replay, own)
+            replay = _reread_table(sums, lds)
             # what differs, still on the device: one read of it in `_landed_changed`
             with torch.cuda.device(sums.device):
                 self._rereads.append((replay.differs(sums), lds))
@@ -666,6 +639,36 @@ class DigestCheck:
                     for ld in lds:
                         changed.update(ld.by_bucket.get(k, ()))
         return changed
+
+
+def _reread_table(sums: torch.Tensor, lds: list[Any]) -> Any:
+    """The replayable re-read (`fused_copy.Replay`) of landings `lds` (one landing
+    window's `sums`). In a training loop the landings repeat push after push: the device
+    table of the last one is launched again where its rows are the same. A receiver
+    hands the same arrays again where nothing changed (`cuda_ipc._landing`): the same
+    objects (held by `_RECHECKS`, so never another array at a reused id) are the same
+    rows without comparing them; other arrays are compared row by row."""
+    import numpy as np
+
+    from enginehooks.core import fused_copy
+
+    hit = _RECHECKS.get(sums.device)
+    if hit is not None and hit[1].out.shape != sums.shape:
+        hit = None  # another number of buckets: a table of its own
+    own = tuple(getattr(ld, f) for ld in lds for f in _LANDING_COLUMNS)
+    if hit is not None and len(own) == len(hit[2]) and all(map(operator.is_, own, hit[2])):
+        return hit[1]
+    arrays = tuple(np.concatenate([getattr(ld, f) for ld in lds]) for f in _LANDING_COLUMNS)
+    if hit is not None and all(a.shape == b.shape and np.array_equal(a, b)
+                               for a, b in zip(hit[0], arrays, strict=True)):
+        replay = hit[1]
+    else:  # a table of its own (not a ring slot: it is kept)
+        dst, nb, word, bk = arrays
+        with torch.cuda.device(sums.device):
+            replay = fused_copy.Replay(fused_copy.build(dst, dst, nb, word, bk, sums.device),
+                                       len(sums), sums.device)
+    _RECHECKS[sums.device] = (arrays, replay, own)
+    return replay
 
 
 #: `_step_runs`' memo: id(steps) -> (the steps, their runs); a plan's routes live as long
